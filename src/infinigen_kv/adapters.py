@@ -1,0 +1,99 @@
+"""Per-architecture facts: where the attention modules are, head layout, RoPE or not, query scaling.
+
+Everything else in the package talks to a model through `Arch`, so adding an architecture means
+teaching this file where its projections are and how its queries reach the attention kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# model_type -> path of the decoder layers inside the *ForCausalLM module; all use `layer.self_attn`.
+_LAYERS = {
+    "llama": "model.layers",
+    "mistral": "model.layers",
+    "qwen2": "model.layers",
+    "opt": "model.decoder.layers",
+}
+SUPPORTED = tuple(sorted(_LAYERS))
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture has no adapter here."""
+
+
+@dataclass
+class Arch:
+    model_type: str
+    attns: list[nn.Module]  # self_attn module of each layer
+    num_heads: int  # H query heads
+    num_kv_heads: int  # G key/value heads (G = H for multi-head attention)
+    head_dim: int  # d
+    hidden_size: int  # D
+    rope: bool  # queries/keys rotated by RoPE between projection and score (not OPT)
+    q_scale: float  # factor the model multiplies into q before attention (OPT pre-scales)
+    score_scale: float  # factor the attention kernel applies to q.k (1.0 for OPT)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attns)
+
+    @property
+    def group(self) -> int:
+        """r: query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def query(self, layer: int, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+        """Queries of `layer` for inputs x (B, T, D), exactly as the attention kernel gets them: (B, H, T, d)."""
+        attn = self.attns[layer]
+        B, T, _ = x.shape
+        q = attn.q_proj(x) * self.q_scale if self.q_scale != 1.0 else attn.q_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, rope) if self.rope else q
+
+    def key(self, layer: int, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+        """Keys of `layer` for inputs x (B, T, D), as the cache stores them (after RoPE): (B, G, T, d)."""
+        B, T, _ = x.shape
+        k = self.attns[layer].k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, rope) if self.rope else k
+
+
+def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
+    """Rotate x (B, heads, T, d) with the model's (cos, sin), each (B, T, d) (rotate-half layout)."""
+    cos, sin = (t.unsqueeze(1) for t in rope)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def model_type_of(config) -> str:
+    return getattr(config, "model_type", None) or type(config).__name__
+
+
+def check_supported(config) -> None:
+    mt = model_type_of(config)
+    if mt not in _LAYERS:
+        raise UnsupportedModelError(
+            f"unsupported architecture {mt!r}: infinigen-kv supports {', '.join(SUPPORTED)}"
+        )
+
+
+def get_arch(model: nn.Module) -> Arch:
+    """The adapter of a *ForCausalLM model (raises UnsupportedModelError for other architectures)."""
+    config = model.config
+    check_supported(config)
+    mt = model_type_of(config)
+    layers = model
+    for name in _LAYERS[mt].split("."):
+        layers = getattr(layers, name)
+    attns = [layer.self_attn for layer in layers]
+    H = config.num_attention_heads
+    G = getattr(config, "num_key_value_heads", None) or H
+    d = getattr(config, "head_dim", None) or config.hidden_size // H
+    if mt == "opt":
+        # OPT multiplies q by d^-0.5 itself and calls the kernel with scaling=1.0.
+        return Arch(mt, attns, H, G, d, config.hidden_size, rope=False, q_scale=d**-0.5, score_scale=1.0)
+    return Arch(mt, attns, H, G, d, config.hidden_size, rope=True, q_scale=1.0, score_scale=d**-0.5)

@@ -1,0 +1,36 @@
+"""Every KV-cache method as a transformers Cache, made by one factory by name."""
+
+from __future__ import annotations
+
+from transformers import DynamicCache
+
+from .full import FullCache
+
+
+def _infinigen(model, **options):
+    from ..cache import InfiniGenCache
+    from ..config import InfiniGenConfig
+
+    tokenizer = options.pop("tokenizer", None)
+    return InfiniGenCache(model, InfiniGenConfig(**options), tokenizer=tokenizer)
+
+
+def _hf_dynamic(model, **_):
+    return DynamicCache(config=model.config)
+
+
+# name -> (factory, options it takes)
+METHODS = {
+    "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
+                               "calibration_text", "channel_rule", "tokenizer"}),
+    "full": (FullCache, set()),
+    "hf-dynamic": (_hf_dynamic, set()),
+}
+
+
+def make_cache(name: str, model, **options):
+    """A fresh cache of method `name` for `model`; options a method does not take are ignored, None ones too."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
+    factory, accepted = METHODS[name]
+    return factory(model, **{k: v for k, v in options.items() if k in accepted and v is not None})

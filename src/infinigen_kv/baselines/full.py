@@ -1,0 +1,68 @@
+"""`full`: the whole cache on the compute device, preallocated and grown in chunks (no per-step copy of
+the cache, unlike transformers' DynamicCache which concatenates every step). Grouped-query attention
+runs on the KV heads without repeating them (transformers' sdpa packs the r query heads in decode).
+This is the reference every ratio is quoted against."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..pool import RowBuffer
+
+
+class FullLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.k = self.v = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, G, _, d = key_states.shape
+        self.k = RowBuffer(B, G, d, key_states.dtype, key_states.device)
+        self.v = RowBuffer(B, G, value_states.shape[-1], value_states.dtype, value_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.k.append(key_states)
+        self.v.append(value_states)
+        return self.k.valid(), self.v.valid()  # (B, G, n, d) views of the preallocated buffers
+
+    def get_seq_length(self) -> int:
+        return self.k.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.k.reset()
+            self.v.reset()
+
+    @property
+    def nbytes(self) -> int:
+        return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
+
+
+class FullCache(Cache):
+    """The efficient full cache. `FullCache(model)`; works with `model.generate(past_key_values=...)`."""
+
+    method = "full"
+
+    def __init__(self, model=None, **_):
+        n = model.config.num_hidden_layers if model is not None else 0
+        if model is not None:
+            super().__init__(layers=[FullLayer() for _ in range(n)])
+        else:
+            super().__init__(layer_class_to_replicate=FullLayer)
+
+    @property
+    def stats(self) -> dict:
+        return {"fetched_fraction": 1.0, "pool_bytes": sum(l.nbytes for l in self.layers)}

@@ -1,0 +1,1 @@
+"""Benchmarks: task generators, the speed harness and (later) the accuracy harness."""

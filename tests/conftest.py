@@ -1,0 +1,62 @@
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Calibrations and converted models of the tests go to a temporary cache, except the default
+    model's conversion, which is reused from the user cache when it is there (it takes ~20 s)."""
+    os.environ.setdefault("INFINIGEN_TEST_USER_CACHE", os.environ.get("INFINIGEN_CACHE_DIR", ""))
+    os.environ["INFINIGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("infinigen-cache"))
+    yield
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """Tiny random models of each supported architecture (built in-process, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "llama-mha":
+        cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=4, **common)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llama-gqa":
+        cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=2, **common)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(intermediate_size=128, num_key_value_heads=2, **common)
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random init leaves biases at zero: make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    elif kind == "opt":
+        cfg = OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
+        model = OPTForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+KINDS = ["llama-mha", "llama-gqa", "qwen2", "opt"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    return {k: tiny_model(k) for k in KINDS}
+
+
+def left_padded_batch(vocab: int = 256, lengths=(48, 40, 31), seed: int = 1):
+    """(input_ids, attention_mask) of len(lengths) random prompts, left-padded with pad id 0."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, L in enumerate(lengths):
+        ids[i, n - L:] = torch.randint(3, vocab, (L,), generator=g)
+        mask[i, n - L:] = 1
+    return ids, mask
