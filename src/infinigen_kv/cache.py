@@ -130,6 +130,7 @@ class InfiniGenCache(Cache):
         self._tokens = torch.zeros(L, device=device)  # sum over steps of mean fetched tokens per row
         self._steps = [0] * L
         self._rows_moved = 0  # padded rows gathered (what the transfer actually moves)
+        self._kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
         # Diagnostic (off by default, costs a full attention per layer): share of the true attention
         # mass that the fetched entries carry, per layer.
         self.track_recall = False
@@ -149,10 +150,23 @@ class InfiniGenCache(Cache):
         return torch.matmul(q, self.layers[layer].skew_p.unsqueeze(0))  # (B, G, r, p)
 
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
-        nxt = layer_idx + 1
-        if x.shape[1] != 1 or nxt >= len(self.layers) or not self.layers[nxt].is_initialized:
-            return  # prefill, last layer, or nothing cached yet
+        """Called with layer l's attention input x (B, 1, D): speculate and prefetch layer l+1.
+
+        Layer 0's input is the raw embedding, too unlike layer 1's to predict it (measured attention
+        recall 0.1-0.4 where later layers get 0.9+): layer 0 speculates nothing and layer 1 speculates
+        itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
+        """
+        if x.shape[1] != 1 or layer_idx == 0:
+            return  # prefill: everything is attended; layer 0: see above
+        if layer_idx == 1:
+            self._speculate(1, x, rope, attention_mask)
+        if layer_idx + 1 < len(self.layers):
+            self._speculate(layer_idx + 1, x, rope, attention_mask)
+
+    def _speculate(self, nxt: int, x: torch.Tensor, rope, attention_mask) -> None:
         target = self.layers[nxt]
+        if not target.is_initialized:
+            return
         n = target.partial.length
         q = self.partial_query(nxt, x, rope)
         scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, n)
@@ -167,12 +181,18 @@ class InfiniGenCache(Cache):
         self._tokens[nxt] += count.float().mean()
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
+        B, G, m = idx.shape
+        row = (target.k.width + target.v.width) * target.k.data.element_size()
+        self._kv_bytes += B * G * (n * target.partial.width * target.partial.data.element_size() + (m + 1) * row)
         self.transfer.prefetch(target, idx, count)
 
     def _count_dense(self, layer_idx: int) -> None:
+        layer = self.layers[layer_idx]
         self._frac[layer_idx] += 1.0
-        self._tokens[layer_idx] += self.layers[layer_idx].k.length
+        self._tokens[layer_idx] += layer.k.length
         self._steps[layer_idx] += 1
+        self._kv_bytes += layer.k.batch * layer.k.heads * layer.k.length * (
+            (layer.k.width + layer.v.width) * layer.k.data.element_size())
 
     def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
         """True attention of q (B, G, r, d) over the whole pool; add the mass on the fetched rows."""
@@ -209,6 +229,7 @@ class InfiniGenCache(Cache):
             "tokens_per_step": tokens,
             "bytes_moved": self._rows_moved * row_bytes,
             "decode_steps": max(self._steps) if self._steps else 0,
+            "kv_bytes_per_step": self._kv_bytes // max(max(self._steps), 1),
             "pool_bytes": sum(l.nbytes for l in self.layers),
             **({"recall_per_layer": [r / max(n, 1) for r, n in zip(self._recall.cpu().tolist(), self._recall_steps)]}
                if self.track_recall else {}),

@@ -120,8 +120,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infinigen_kv"
 
 
-def default_path(model, partial_ratio: float, channel_rule: str = "q", text_tag: str = "generated") -> Path:
-    name = f"{fingerprint(model)[:16]}-r{partial_ratio:g}-{channel_rule}-{text_tag}.safetensors"
+def resolve_skew(skew: str, arch: Arch) -> str:
+    """"auto": "svd" for models without RoPE (the paper's OPT setting), "none" for RoPE models, where the
+    SVD skew predicted attention worse than the raw channels on our measurements (docs/BENCHMARKS.md)."""
+    if skew == "auto":
+        return "none" if arch.rope else "svd"
+    return skew
+
+
+def default_path(model, config) -> Path:
+    """Where the calibration of (model, config) is cached: one file per model and calibration setting."""
+    skew = resolve_skew(config.skew, get_arch(model))
+    text = "generated"
+    if config.calibration_text:
+        text = "file-" + hashlib.sha256(Path(config.calibration_text).read_bytes()).hexdigest()[:8]
+    name = f"{fingerprint(model)[:16]}-r{config.partial_ratio:g}-{skew}-{config.channel_rule}-{text}.safetensors"
     return cache_dir() / "calibration" / name
 
 
@@ -187,21 +200,29 @@ def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 4):
     return [torch.cat(q, 1) for q in qs], [torch.cat(k, 1) for k in ks]
 
 
-def skew_layer(q: torch.Tensor, k: torch.Tensor, group: int, p: int, rule: str):
-    """A and P for one layer. q (H, N, d), k (G, N, d) -> A (G, d, d), P (G, p)."""
+def skew_layer(q: torch.Tensor, k: torch.Tensor, group: int, p: int, rule: str, skew: str = "svd"):
+    """A and P for one layer. q (H, N, d), k (G, N, d) -> A (G, d, d), P (G, p).
+
+    skew "svd": A = right singular vectors of the group's stacked queries, ordered by query x key
+    singular values (the paper). skew "none": A = identity (partial channels of the raw q/k).
+    rule "q": P = the columns with the largest summed |Q A| (the paper's code); "qk": largest
+    mean|Q A| x mean|K A| (the channels that carry the q.k products).
+    """
     G, N, d = k.shape
     A_all, P_all = [], []
     for g in range(G):
         qg = q[g * group : (g + 1) * group].reshape(-1, d)  # (r*N, d): the group's query rows
-        _, s, vh = torch.linalg.svd(qg, full_matrices=False)
-        A = vh.T  # (d, d) orthogonal
-        k_norm = (k[g] @ A).norm(dim=0)  # (d,)
-        A = A[:, torch.argsort(s * k_norm, descending=True)]  # order by query x key singular values
-        qmag = (qg @ A).abs().sum(0)
-        score = qmag if rule == "q" else qmag * (k[g] @ A).abs().sum(0)
-        P = torch.topk(score, p).indices.sort().values
+        if skew == "svd":
+            _, s, vh = torch.linalg.svd(qg, full_matrices=False)
+            A = vh.T  # (d, d) orthogonal
+            A = A[:, torch.argsort(s * (k[g] @ A).norm(dim=0), descending=True)]
+        else:
+            A = torch.eye(d)
+        score = (qg @ A).abs().mean(0)
+        if rule == "qk":
+            score = score * (k[g] @ A).abs().mean(0)
         A_all.append(A)
-        P_all.append(P)
+        P_all.append(torch.topk(score, p).indices.sort().values)
     return torch.stack(A_all), torch.stack(P_all)
 
 
@@ -228,7 +249,8 @@ def calibrate(
     tokenizer=None,
     text_file: str | None = None,
     partial_ratio: float = 0.2,
-    channel_rule: str = "q",
+    channel_rule: str = "qk",
+    skew: str = "auto",
     tokens: int = 4096,
     seed: int = 0,
 ) -> Calibration:
@@ -243,28 +265,30 @@ def calibrate(
     else:
         ids = generated_text_ids(model, tokens, seed)
         source = "generated"
+    skew = resolve_skew(skew, arch)
     qs, ks = collect_qk(model, arch, ids)
     p = math.ceil(partial_ratio * arch.head_dim)
-    skew, channels = [], []
+    mats, channels = [], []
     for l in tqdm(range(arch.num_layers), desc="skewing", leave=False):
-        A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule)
-        skew.append(A)
+        A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule, skew)
+        mats.append(A)
         channels.append(P)
-    skew, channels = torch.stack(skew), torch.stack(channels)
+    mats, channels = torch.stack(mats), torch.stack(channels)
     meta = {
         "fingerprint": fingerprint(model),
         "version": FORMAT_VERSION,
         "model_type": arch.model_type,
         "partial_ratio": partial_ratio,
         "channel_rule": channel_rule,
+        "skew": skew,
         "text": source,
         "tokens": int(ids.numel()),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     pq_w = pq_b = None
     if not arch.rope:
-        pq_w, pq_b = partial_query_weights(arch, skew, channels)
-    return Calibration(skew, channels, meta, pq_w, pq_b)
+        pq_w, pq_b = partial_query_weights(arch, mats, channels)
+    return Calibration(mats, channels, meta, pq_w, pq_b)
 
 
 def load_or_calibrate(model, config, tokenizer=None) -> Calibration:
@@ -273,8 +297,7 @@ def load_or_calibrate(model, config, tokenizer=None) -> Calibration:
         cal = Calibration.load(config.calibration)
         cal.check(model, config.partial_ratio)
         return cal
-    tag = "file-" + hashlib.sha256(Path(config.calibration_text).read_bytes()).hexdigest()[:8] if config.calibration_text else "generated"
-    path = default_path(model, config.partial_ratio, config.channel_rule, tag)
+    path = default_path(model, config)
     if path.is_file():
         try:
             cal = Calibration.load(path)
@@ -284,7 +307,8 @@ def load_or_calibrate(model, config, tokenizer=None) -> Calibration:
             pass  # stale or damaged cache entry: calibrate again and overwrite it
     if config.calibration_text and tokenizer is None:
         tokenizer = tokenizer_for(model)
-    cal = calibrate(model, tokenizer, config.calibration_text, config.partial_ratio, config.channel_rule)
+    cal = calibrate(model, tokenizer, config.calibration_text, config.partial_ratio, config.channel_rule,
+                    config.skew)
     cal.save(path)
     return cal
 

@@ -22,7 +22,7 @@ def _hf_dynamic(model, **_):
 # name -> (factory, options it takes)
 METHODS = {
     "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
-                               "calibration_text", "channel_rule", "tokenizer"}),
+                               "calibration_text", "channel_rule", "skew", "tokenizer"}),
     "full": (FullCache, set()),
     "hf-dynamic": (_hf_dynamic, set()),
 }

@@ -18,6 +18,8 @@ class FullLayer(CacheLayerMixin):
     def __init__(self):
         super().__init__()
         self.k = self.v = None
+        self.bytes_read = 0  # KV bytes read by decode steps
+        self.steps = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
@@ -30,6 +32,9 @@ class FullLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.k.append(key_states)
         self.v.append(value_states)
+        if key_states.shape[2] == 1:
+            self.steps += 1
+            self.bytes_read += self.k.valid().numel() * self.k.data.element_size() * 2
         return self.k.valid(), self.v.valid()  # (B, G, n, d) views of the preallocated buffers
 
     def get_seq_length(self) -> int:
@@ -65,4 +70,10 @@ class FullCache(Cache):
 
     @property
     def stats(self) -> dict:
-        return {"fetched_fraction": 1.0, "pool_bytes": sum(l.nbytes for l in self.layers)}
+        steps = max((l.steps for l in self.layers), default=0)
+        return {
+            "fetched_fraction": 1.0,
+            "decode_steps": steps,
+            "kv_bytes_per_step": sum(l.bytes_read for l in self.layers) // max(steps, 1),
+            "pool_bytes": sum(l.nbytes for l in self.layers),
+        }

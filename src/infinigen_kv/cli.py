@@ -1,0 +1,247 @@
+"""`infinigen` command line: generate, calibrate, bench speed.
+
+Progress goes to stderr; `--json` prints one JSON document on stdout. Bad input exits non-zero with one
+line on stderr (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+class CLIError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+def _fraction(name):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not 0.0 < v <= 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {text}")
+        return v
+    return parse
+
+
+def _positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return v
+
+
+def _int_list(text):
+    return [_positive_int(t) for t in text.split(",") if t]
+
+
+def _add_model_args(p):
+    p.add_argument("--model", default=None, help="hub id, checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU, bf16/fp16 on CUDA)")
+
+
+def _add_method_args(p, methods_flag="--method"):
+    from .baselines import METHODS
+
+    if methods_flag == "--method":
+        p.add_argument("--method", default="infinigen", choices=list(METHODS), help="KV-cache method (default: infinigen)")
+    p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score")
+    p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation")
+    p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
+    p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infinigen", description="InfiniGen KV-cache management for transformers models")
+    parser.add_argument("--version", action="version", version=f"infinigen-kv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a KV-cache method")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    _add_method_args(g)
+    g.add_argument("--batch", type=_positive_int, default=1, help="run the prompt as a batch of N copies")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=_fraction("top-p"), default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+    c = sub.add_parser("calibrate", help="calibrate a model (skewing matrices, partial channels) and cache it")
+    _add_model_args(c)
+    c.add_argument("--text-file", default=None, help="calibration text (default: text the model generates itself)")
+    c.add_argument("--out", default=None, help="directory to write the calibration file to (default: the user cache)")
+    c.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=0.2)
+    c.add_argument("--skew", choices=["auto", "svd", "none"], default="auto")
+    c.add_argument("--channel-rule", choices=["q", "qk"], default="qk")
+    c.add_argument("--tokens", type=_positive_int, default=4096, help="calibration tokens")
+    c.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
+    _add_model_args(s)
+    s.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
+    _add_method_args(s, methods_flag="--methods")
+    s.add_argument("--batch", type=_int_list, default=[4], help="batch sizes, e.g. 1,4,8")
+    s.add_argument("--prompt-len", type=_int_list, default=[4096], help="prompt lengths, e.g. 1024,4096")
+    s.add_argument("--new-tokens", type=_positive_int, default=32)
+    s.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median)")
+    s.add_argument("--data", default=None, help="text file or directory for the prompts (default: built-in filler)")
+    s.add_argument("--out", default=None, help="directory for JSON and markdown results")
+    s.add_argument("--json", action="store_true")
+    return parser
+
+
+def _method_options(args) -> dict:
+    return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
+            "calibration": args.calibration}
+
+
+def _load(args):
+    from .models import load_model
+
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    return load_model(args.model, args.device, args.dtype)
+
+
+def cmd_generate(args) -> dict:
+    from .baselines import make_cache
+    from .generation import generate
+    from .report import bytes_read_per_step
+
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise CLIError(f"prompt file not found: {args.prompt_file}")
+        prompt = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise CLIError("the prompt is empty")
+    model, tok = _load(args)
+    if args.chat:
+        if not tok.chat_template:
+            raise CLIError("--chat: this model's tokenizer has no chat template")
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    enc = tok([prompt] * args.batch, return_tensors="pt", padding=True)
+    n = enc["input_ids"].shape[1]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and n + args.max_new_tokens > limit:
+        raise CLIError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds the model's context of {limit}")
+    device = next(model.parameters()).device
+    cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
+    res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, progress="generate")
+    texts = [tok.decode(res.tokens[i, : res.lengths[i]], skip_special_tokens=True) for i in range(args.batch)]
+    stats = getattr(cache, "stats", {})
+    out = {
+        "method": args.method,
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "batch": args.batch,
+        "prompt_tokens": n,
+        "new_tokens": int(res.tokens.shape[1]),
+        "text": texts[0],
+        "texts": texts,
+        "prefill_s": round(res.prefill_s, 4),
+        "decode_s": round(res.decode_s, 4),
+        "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+        "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
+        "bytes_read_per_step": bytes_read_per_step(model, cache, args.batch, n, res.decode_steps),
+    }
+    if "bytes_moved" in stats:
+        out["bytes_moved"] = stats["bytes_moved"]
+    return out
+
+
+def cmd_calibrate(args) -> dict:
+    from .calibrate import calibrate, default_path
+    from .config import InfiniGenConfig
+
+    if args.text_file is not None and not Path(args.text_file).is_file():
+        raise CLIError(f"calibration text file not found: {args.text_file}")
+    model, tok = _load(args)
+    cal = calibrate(model, tok, args.text_file, args.partial_ratio, args.channel_rule, args.skew, args.tokens)
+    config = InfiniGenConfig(partial_ratio=args.partial_ratio, channel_rule=args.channel_rule, skew=args.skew,
+                             calibration_text=args.text_file)
+    path = default_path(model, config)
+    if args.out:
+        path = Path(args.out) / path.name
+    cal.save(path)
+    return {"model": args.model or "SmolLM2-135M-Instruct", "path": str(path), **cal.meta,
+            "partial_channels": int(cal.channels.shape[-1])}
+
+
+def cmd_bench_speed(args) -> dict:
+    from .baselines import METHODS
+    from .bench.speed import run_speed
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    if args.data is not None and not Path(args.data).exists():
+        raise CLIError(f"--data path not found: {args.data}")
+    model, tok = _load(args)
+    return run_speed(model, tok, methods, args.batch, args.prompt_len, args.new_tokens, args.repeats,
+                     _method_options(args), data=args.data, out=args.out, model_name=args.model)
+
+
+def _summary(result: dict) -> str:
+    if "rows" in result:
+        from .bench.speed import markdown_table
+
+        return markdown_table(result)
+    if "text" in result:
+        return (f"{result['text']}\n\n[{result['method']}] {result['prompt_tokens']} prompt tokens, "
+                f"{result['new_tokens']} new; prefill {result['prefill_s']:.2f}s, decode "
+                f"{result['decode_tokens_per_s']:.1f} tok/s, fetched fraction {result['fetched_fraction']:.3f}")
+    return "\n".join(f"{k}: {v}" for k, v in result.items())
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate}
+    handler = cmd_bench_speed if args.command == "bench" else handlers[args.command]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        result = handler(args)
+    except CLIError as e:
+        print(f"infinigen: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # ModelLoadError, UnsupportedModelError, ConfigError, CalibrationError
+        print(f"infinigen: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("infinigen: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(_summary(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Calibration: orthogonal skew (outputs unchanged), partial query weights, fingerprint, save/load, cache."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.adapters import get_arch
+from infinigen_kv.calibrate import Calibration, CalibrationError, calibrate, collect_qk, fingerprint, load_or_calibrate
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def svd_calibration(tiny_models):
+    return calibrate(tiny_models["llama-gqa"], skew="svd", tokens=512)
+
+
+def test_skew_is_orthogonal_and_preserves_scores(tiny_models, svd_calibration):
+    cal = svd_calibration
+    L, G, d, _ = cal.skew.shape
+    eye = torch.eye(d).expand(L, G, d, d)
+    torch.testing.assert_close(cal.skew.transpose(-1, -2) @ cal.skew, eye, atol=1e-4, rtol=0)
+    model = tiny_models["llama-gqa"]
+    arch = get_arch(model)
+    ids = torch.randint(3, 256, (1, 32))
+    qs, ks = collect_qk(model, arch, ids)
+    q, k, A = qs[1][: arch.group], ks[1][:1], cal.skew[1, 0]  # query heads of KV head 0
+    torch.testing.assert_close((q @ A) @ (k @ A).transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-4, rtol=1e-4)
+    assert cal.channels.shape == (L, G, 4)  # ceil(0.2 x 16)
+
+
+def test_outputs_unchanged_with_skew(tiny_models, svd_calibration):
+    """The skew only steers selection: with everything fetched, logits are the full cache's."""
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 256, (2, 40))
+    cache = ig.InfiniGenCache(model, ig.InfiniGenConfig(alpha=1e9, budget=1.0), calibration=svd_calibration)
+    got = ig.generate(model, ids, cache=cache, max_new_tokens=8, stop_at_eos=False).tokens
+    ref = ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=8, stop_at_eos=False).tokens
+    assert torch.equal(got, ref)
+
+
+def test_opt_partial_query_weights_fold_the_skew(tiny_models):
+    model = tiny_models["opt"]
+    cal = calibrate(model, tokens=512)
+    assert cal.meta["skew"] == "svd" and cal.pq_weight is not None
+    arch = get_arch(model)
+    x = torch.randn(2, 1, arch.hidden_size)
+    l = 2
+    q = arch.query(l, x, None).view(2, arch.num_kv_heads, arch.group, arch.head_dim)  # pre-scaled as OPT does
+    expect = q @ cal.skew_partial[l].unsqueeze(0)
+    got = torch.nn.functional.linear(x, cal.pq_weight[l], cal.pq_bias[l]).view_as(expect)
+    torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-4)
+
+
+def test_save_load_round_trip(tmp_path, svd_calibration):
+    path = svd_calibration.save(tmp_path / "cal.safetensors")
+    back = Calibration.load(path)
+    assert torch.equal(back.skew, svd_calibration.skew) and torch.equal(back.channels, svd_calibration.channels)
+    assert back.meta == svd_calibration.meta
+
+
+def test_fingerprint_mismatch_refused(tmp_path, tiny_models, svd_calibration):
+    other = tiny_model("llama-gqa", seed=123)  # same shapes, other weights
+    assert fingerprint(other) != fingerprint(tiny_models["llama-gqa"])
+    with pytest.raises(CalibrationError, match="another model"):
+        svd_calibration.check(other)
+    path = svd_calibration.save(tmp_path / "cal.safetensors")
+    with pytest.raises(CalibrationError, match="another model"):
+        ig.InfiniGenCache(other, ig.InfiniGenConfig(calibration=str(path)))
+
+
+def test_bad_calibration_files(tmp_path):
+    with pytest.raises(CalibrationError, match="not found"):
+        Calibration.load(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(CalibrationError, match="cannot read"):
+        Calibration.load(junk)
+
+
+def test_first_use_calibrates_then_loads_from_cache(tiny_models):
+    model = tiny_models["qwen2"]
+    config = ig.InfiniGenConfig(partial_ratio=0.25)
+    first = load_or_calibrate(model, config)
+    second = load_or_calibrate(model, config)  # from the cache file: same tensors
+    assert torch.equal(first.skew, second.skew) and torch.equal(first.channels, second.channels)
+    assert first.meta["fingerprint"] == fingerprint(model) and first.meta["partial_ratio"] == 0.25
