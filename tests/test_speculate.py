@@ -41,12 +41,10 @@ def test_counts_are_per_sequence_and_head_and_padded():
     assert count.tolist() == [[1, 3], [2, 5]]
     assert idx.shape == (2, 2, 5)  # padded to the largest count of the step
     assert chosen(idx, count) == [[{0}, {0, 1, 2}], [{0, 1}, {0, 1, 2, 3, 4}]]
-    # the valid prefix is ascending (sequential pool reads), padding slots point at row 0
+    # padding slots point at row 0 (always written, so finite values under the mask)
     for b in range(2):
         for g in range(2):
-            c = count[b, g]
-            assert idx[b, g, :c].tolist() == sorted(idx[b, g, :c].tolist())
-            assert (idx[b, g, c:] == 0).all()
+            assert (idx[b, g, count[b, g]:] == 0).all()
 
 
 def test_padding_positions_never_selected():

@@ -63,6 +63,7 @@ class InfiniGenLayer(CacheLayerMixin):
         self.partial.append(torch.matmul(k, self.skew_p))  # (B, G, T, p)
         self.cache.transfer.after_append(self)
 
+    @torch.no_grad()  # an inference cache: stored K/V never carry gradients
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -149,6 +150,7 @@ class InfiniGenCache(Cache):
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return torch.matmul(q, self.layers[layer].skew_p.unsqueeze(0))  # (B, G, r, p)
 
+    @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
         """Called with layer l's attention input x (B, 1, D): speculate and prefetch layer l+1.
 

@@ -19,6 +19,13 @@ class CLIError(Exception):
     """Bad input: reported as one line, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (no usage dump), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _fraction(name):
     def parse(text):
         try:
@@ -63,9 +70,9 @@ def _add_method_args(p, methods_flag="--method"):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infinigen", description="InfiniGen KV-cache management for transformers models")
+    parser = Parser(prog="infinigen", description="InfiniGen KV-cache management for transformers models")
     parser.add_argument("--version", action="version", version=f"infinigen-kv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="generate text with a KV-cache method")
     _add_model_args(g)
@@ -92,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
     s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
     _add_model_args(s)
     s.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
@@ -115,7 +122,6 @@ def _method_options(args) -> dict:
 def _load(args):
     from .models import load_model
 
-    print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     return load_model(args.model, args.device, args.dtype)
 
 
@@ -225,6 +231,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # weight-loading bars; ours (calibration, decode) stay
     try:
         result = handler(args)
     except CLIError as e:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -70,7 +70,7 @@ def convert_gguf(path: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logging.getLogger(__name__).info("converting %s to safetensors (once) ...", path.name)
+    print(f"converting {path.name} to a safetensors checkpoint in {out.parent} (once) ...", file=sys.stderr)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

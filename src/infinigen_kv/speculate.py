@@ -36,9 +36,9 @@ def select(
     "max" keeps a token any head wants, "mean" averages the heads' relative logits. A token is selected
     when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length)
     (and `max_num_kv`), keeping the highest.
-    Returns idx (B, G, k) int64, ascending within the valid prefix of each row (sequential reads in
-    the pool), and count (B, G): how many of the k slots are real. k = the largest count of the step;
-    slots past a row's count are padding (index 0, to be masked by the caller).
+    Returns idx (B, G, k) int64, best first, and count (B, G): how many of the k slots are real (the
+    first count of each row). k = the largest count of the step; slots past a row's count are
+    padding (index 0, to be masked by the caller).
     """
     B, G, r, n = scores.shape
     if keep is not None:
@@ -55,7 +55,7 @@ def select(
     count = torch.minimum(count, cap).clamp_(min=1)
     k = int(count.max())  # the one host sync of the step: it sizes the transfer
     idx = rel.topk(k, dim=-1, sorted=True).indices  # (B, G, k), best first
-    slot = torch.arange(k, device=scores.device)
-    pad = slot >= count.unsqueeze(-1)  # (B, G, k)
-    idx = idx.masked_fill(pad, n).sort(dim=-1).values.masked_fill_(pad, 0)  # valid prefix, ascending
+    if k > 1:
+        pad = torch.arange(k, device=scores.device) >= count.unsqueeze(-1)  # (B, G, k)
+        idx.masked_fill_(pad, 0)
     return idx, count

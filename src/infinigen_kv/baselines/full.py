@@ -27,6 +27,7 @@ class FullLayer(CacheLayerMixin):
         self.v = RowBuffer(B, G, value_states.shape[-1], value_states.dtype, value_states.device)
         self.is_initialized = True
 
+    @torch.no_grad()  # an inference cache: stored K/V never carry gradients
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

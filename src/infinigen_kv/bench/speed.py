@@ -1,0 +1,140 @@
+"""`infinigen bench speed`: decode throughput of every method in one process, interleaved, after a warm-up,
+as medians over repeats (see ../shared/docs/benchmarks.md: only ratios measured this way are quoted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from ..baselines import make_cache
+from ..generation import generate
+from ..report import bytes_read_per_step
+from .tasks import passkey
+
+
+def memory_bandwidth(device: torch.device, mbytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of `repeats` reductions over a buffer far larger than caches."""
+    x = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def machine_info(device: torch.device) -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "read_bandwidth_gb_s": round(memory_bandwidth(device) / 1e9, 2),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def prompts(tokenizer, batch: int, length: int, data: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of `batch` prompts of exactly `length` tokens: slices of the data text
+    when given, else passkey filler prompts (different seeds per row)."""
+    rows = []
+    if data is not None:
+        path = Path(data)
+        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        ids = torch.cat([tokenizer(f.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"][0]
+                         for f in files])
+        if ids.numel() < batch * length:
+            ids = ids.repeat(-(-batch * length // ids.numel()))
+        rows = [ids[i * length : (i + 1) * length] for i in range(batch)]
+    else:
+        for i in range(batch):
+            ids = tokenizer(passkey(tokenizer, length + 64, seed=i).prompt, return_tensors="pt")["input_ids"][0]
+            rows.append(ids[-length:])
+    ids = torch.stack(rows)
+    return ids, torch.ones_like(ids)
+
+
+def run_once(model, method, ids, mask, new_tokens, options):
+    cache = make_cache(method, model, **options)
+    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False)
+    stats = getattr(cache, "stats", {})
+    return res, stats, bytes_read_per_step(model, cache, ids.shape[0], ids.shape[1], res.decode_steps)
+
+
+def run_speed(model, tokenizer, methods, batches, prompt_lens, new_tokens, repeats, options,
+              data=None, out=None, model_name=None) -> dict:
+    device = next(model.parameters()).device
+    options = {k: v for k, v in options.items() if v is not None}
+    options.setdefault("tokenizer", tokenizer)
+    machine = machine_info(device)
+    # Warm-up (also calibrates on first use, outside the timings).
+    wids, wmask = prompts(tokenizer, 1, 128, data)
+    for method in methods:
+        run_once(model, method, wids.to(device), wmask.to(device), 4, options)
+    rows = []
+    for B in batches:
+        for n in prompt_lens:
+            ids, mask = prompts(tokenizer, B, n, data)
+            ids, mask = ids.to(device), mask.to(device)
+            runs = {m: [] for m in methods}
+            for rep in range(repeats):
+                for method in methods:  # interleaved: drift of a noisy machine hits every method alike
+                    runs[method].append(run_once(model, method, ids, mask, new_tokens, options))
+                    r = runs[method][-1][0]
+                    print(f"  B={B} n={n} {method} rep {rep}: {r.decode_tokens_per_s:.2f} tok/s", flush=True,
+                          file=sys.stderr)
+            for method in methods:
+                res = [r for r, _, _ in runs[method]]
+                stats = runs[method][-1][1]
+                rows.append({
+                    "method": method, "batch": B, "prompt_len": n, "new_tokens": new_tokens,
+                    "decode_tokens_per_s": round(statistics.median(r.decode_tokens_per_s for r in res), 3),
+                    "prefill_s": round(statistics.median(r.prefill_s for r in res), 4),
+                    "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
+                    "bytes_read_per_step": runs[method][-1][2],
+                    "repeats": repeats,
+                })
+    result = {"model": model_name or "SmolLM2-135M-Instruct", "machine": machine, "options": {
+        k: v for k, v in options.items() if k != "tokenizer"}, "rows": rows}
+    if out:
+        d = Path(out)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "speed.json").write_text(json.dumps(result, indent=2))
+        (d / "speed.md").write_text(markdown_table(result) + "\n")
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    """Rows with each method's speed-up over `full` at the same (batch, prompt length)."""
+    base = {(r["batch"], r["prompt_len"]): r["decode_tokens_per_s"] for r in result["rows"] if r["method"] == "full"}
+    lines = ["| method | batch | prompt | decode tok/s | vs full | prefill s | fetched | MB read/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ref = base.get((r["batch"], r["prompt_len"]))
+        ratio = f"{r['decode_tokens_per_s'] / ref:.2f}x" if ref else "-"
+        lines.append(f"| {r['method']} | {r['batch']} | {r['prompt_len']} | {r['decode_tokens_per_s']:.2f} | {ratio} | "
+                     f"{r['prefill_s']:.2f} | {r['fetched_fraction']:.3f} | {r['bytes_read_per_step'] / 1e6:.0f} |")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""The command line: JSON contract, calibrate, and bad input (one line on stderr, non-zero exit)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_model
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+        "All that glitters is not gold. The pass key is 12345. Remember it. ") * 4
+
+
+def save_tiny(path, kind="llama-gqa"):
+    """A tiny random model + a small byte-level BPE tokenizer, saved as a local checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=250, special_tokens=["<pad>", "<s>", "</s>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    model = tiny_model(kind)
+    model.config.vocab_size = 256
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def cli(*args, ok=True):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "infinigen_kv.cli", *args], capture_output=True, text=True, env=env,
+                       timeout=300)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_generate_json_contract(tiny_dir, capsys):
+    from infinigen_kv.cli import main
+
+    for method in ("infinigen", "full", "hf-dynamic"):
+        assert main(["generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "5", "--method", method,
+                     "--batch", "2", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        for key in ("method", "model", "device", "prompt_tokens", "new_tokens", "text", "prefill_s", "decode_s",
+                    "decode_tokens_per_s", "fetched_fraction", "bytes_read_per_step"):
+            assert key in out, key
+        assert out["method"] == method and out["device"] == "cpu" and out["new_tokens"] == 5
+        assert out["prompt_tokens"] > 20 and isinstance(out["text"], str) and len(out["texts"]) == 2
+        assert out["decode_tokens_per_s"] > 0 and out["bytes_read_per_step"] > 0
+        assert 0 < out["fetched_fraction"] <= 1.0
+        if method != "infinigen":
+            assert out["fetched_fraction"] == 1.0
+
+
+def test_calibrate_writes_file_and_generate_uses_it(tiny_dir, tmp_path, capsys):
+    from infinigen_kv.cli import main
+
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT * 20)
+    assert main(["calibrate", "--model", tiny_dir, "--text-file", str(text), "--out", str(tmp_path), "--tokens",
+                 "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert os.path.isfile(out["path"]) and out["text"] == "file:calib.txt" and out["partial_channels"] == 4
+    assert main(["generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "3", "--calibration",
+                 out["path"], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "infinigen"
+
+
+def test_help_of_each_command():
+    for args in (["--help"], ["generate", "--help"], ["calibrate", "--help"], ["bench", "speed", "--help"]):
+        r = cli(*args)
+        assert "usage:" in r.stdout
+
+
+def one_line_error(r, text):
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and text in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,text", [
+    (["generate", "--prompt", "hi", "--budget", "0"], "budget must be in (0, 1]"),
+    (["generate", "--prompt", "hi", "--budget", "1.5"], "budget must be in (0, 1]"),
+    (["generate", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
+    (["generate", "--prompt", "hi", "--method", "nope"], "invalid choice"),
+    (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model path not found"),
+    (["generate"], "required"),
+    (["bench", "speed", "--methods", "full,nope"], "unknown method"),
+])
+def test_bad_input_exits_with_one_line(args, text):
+    one_line_error(cli(*args, ok=False), text)
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    one_line_error(cli("generate", "--model", str(tmp_path), "--prompt", "hi", ok=False), "unsupported architecture 'gpt2'")
+
+
+def test_prompt_longer_than_context_and_foreign_calibration(tiny_dir, tmp_path):
+    long_prompt = tmp_path / "long.txt"
+    long_prompt.write_text(TEXT * 60)  # far beyond the tiny model's 1024 positions
+    one_line_error(cli("generate", "--model", tiny_dir, "--prompt-file", str(long_prompt), ok=False),
+                   "exceeds the model's context")
+    from infinigen_kv.calibrate import calibrate
+
+    other = calibrate(tiny_model("llama-gqa", seed=7), tokens=256)
+    path = other.save(tmp_path / "other.safetensors")
+    one_line_error(cli("generate", "--model", tiny_dir, "--prompt", "hi", "--calibration", str(path), ok=False),
+                   "another model")

@@ -1,0 +1,57 @@
+"""CUDA path: pinned host pool, side-stream prefetch with events, exactness on the GPU. Skipped without a GPU."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from conftest import left_padded_batch, tiny_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    return tiny_model("llama-gqa").to("cuda")
+
+
+def test_pool_is_pinned_and_stream_path_used(gpu_model):
+    from infinigen_kv.transfer import CudaTransfer
+
+    ids, mask = left_padded_batch(lengths=(64, 50))
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
+    ig.generate(gpu_model, ids.cuda(), mask.cuda(), cache=cache, max_new_tokens=4, stop_at_eos=False)
+    assert isinstance(cache.transfer, CudaTransfer)
+    dense, selective = cache.layers[0], cache.layers[2]
+    assert dense.k.data.is_cuda  # layer 0 attends fully and stays on the device
+    assert not selective.k.data.is_cuda and selective.k.data.is_pinned() and selective.v.data.is_pinned()
+    assert selective.partial.data.is_cuda  # the partial key cache lives on the device
+    assert cache.stats["bytes_moved"] > 0
+
+
+@pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa", "qwen2", "opt"])
+def test_exact_on_gpu(kind):
+    model = tiny_model(kind).to("cuda")
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ref = model.generate(ids, past_key_values=ig.make_cache("full", model), **kw)
+    got = model.generate(ids, past_key_values=ig.make_cache("infinigen", model, alpha=1e9, budget=1.0), **kw)
+    assert torch.equal(got, ref)
+
+
+def test_no_device_wide_synchronize_in_decode(gpu_model, monkeypatch):
+    ids, mask = left_padded_batch(lengths=(64, 50))
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.2)
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.inference_mode():
+        gpu_model(input_ids=ids, attention_mask=mask, past_key_values=cache)  # prefill
+
+        def forbidden(*a, **k):
+            raise AssertionError("torch.cuda.synchronize() called in the decode loop")
+
+        monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device="cuda")], 1)
+        pos = mask.sum(-1, keepdim=True)
+        out = gpu_model(input_ids=torch.tensor([[5], [6]], device="cuda"), attention_mask=step_mask,
+                        position_ids=pos, past_key_values=cache)
+    assert torch.isfinite(out.logits).all()

