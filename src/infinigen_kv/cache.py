@@ -127,8 +127,11 @@ class InfiniGenCache(Cache):
         self.transfer = make_transfer(device)
         L = self.arch.num_layers
         super().__init__(layers=[InfiniGenLayer(self, i) for i in range(L)])
-        self._frac = torch.zeros(L, device=device)  # sum over steps of the fetched fraction
-        self._tokens = torch.zeros(L, device=device)  # sum over steps of mean fetched tokens per row
+        # Per layer, over decode steps: past entries fetched and fetchable (padding excluded), rows
+        # (sequence x KV head) served, steps. Tensors accumulate without a host sync in the loop.
+        self._fetched = torch.zeros(L, device=device)
+        self._possible = torch.zeros(L, device=device)
+        self._rows = [0] * L
         self._steps = [0] * L
         self._rows_moved = 0  # padded rows gathered (what the transfer actually moves)
         self._kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
@@ -178,20 +181,22 @@ class InfiniGenCache(Cache):
             keep = m if m.dtype == torch.bool else m == 0
         c = self.config
         idx, count = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
-        n_valid = keep.sum(-1) if keep is not None else torch.full_like(count[:, :1], n)  # (B, 1)
-        self._frac[nxt] += count.sum() / (n_valid.sum() * count.shape[1])
-        self._tokens[nxt] += count.float().mean()
+        B, G, m = idx.shape
+        self._fetched[nxt] += count.sum()
+        self._possible[nxt] += keep.sum() * G if keep is not None else B * G * n
+        self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
-        B, G, m = idx.shape
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * target.partial.width * target.partial.data.element_size() + (m + 1) * row)
         self.transfer.prefetch(target, idx, count)
 
     def _count_dense(self, layer_idx: int) -> None:
         layer = self.layers[layer_idx]
-        self._frac[layer_idx] += 1.0
-        self._tokens[layer_idx] += layer.k.length
+        rows = layer.k.batch * layer.k.heads
+        self._fetched[layer_idx] += rows * (layer.k.length - 1)
+        self._possible[layer_idx] += rows * (layer.k.length - 1)
+        self._rows[layer_idx] += rows
         self._steps[layer_idx] += 1
         self._kv_bytes += layer.k.batch * layer.k.heads * layer.k.length * (
             (layer.k.width + layer.v.width) * layer.k.data.element_size())
@@ -205,7 +210,7 @@ class InfiniGenCache(Cache):
             m = attention_mask[:, :, -1:, :]  # (B, 1, 1, n + 1)
             s = s.masked_fill(~m if m.dtype == torch.bool else m != 0, float("-inf"))
         p = torch.softmax(s, dim=-1)
-        sel = layer.work_mask.squeeze(2)[..., :-1]  # (B, G, m) valid slots
+        sel = layer.work_mask.squeeze(2)[..., 1:]  # (B, G, m) valid fetched slots (slot 0: the new token)
         got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
         mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
         self._recall[layer_idx] += mass.mean()
@@ -215,11 +220,12 @@ class InfiniGenCache(Cache):
 
     @property
     def stats(self) -> dict:
-        """fetched fraction per layer and overall (mean over decode steps of the share of past entries
-        fetched), fetched tokens per (sequence, KV head) and step, bytes moved from the pool."""
-        steps = torch.tensor([max(s, 1) for s in self._steps], dtype=torch.float32)
-        frac = (self._frac.cpu() / steps).tolist()
-        tokens = (self._tokens.cpu() / steps).tolist()
+        """fetched fraction per layer and overall (share of the past entries fetched over the decode
+        steps; the overall figure is the mean over layers), fetched tokens per (sequence, KV head) and
+        step, bytes moved from the pool."""
+        fetched, possible = self._fetched.cpu().tolist(), self._possible.cpu().tolist()
+        frac = [f / p if p else 0.0 for f, p in zip(fetched, possible)]
+        tokens = [f / r if r else 0.0 for f, r in zip(fetched, self._rows)]
         active = [i for i, s in enumerate(self._steps) if s > 0]
         layer = self.layers[0]
         row_bytes = 0
@@ -239,7 +245,8 @@ class InfiniGenCache(Cache):
 
     def reset(self):
         super().reset()
-        self._frac.zero_()
-        self._tokens.zero_()
+        self._fetched.zero_()
+        self._possible.zero_()
+        self._rows = [0] * len(self.layers)
         self._steps = [0] * len(self.layers)
         self._rows_moved = 0

@@ -58,14 +58,23 @@ def _add_model_args(p):
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU, bf16/fp16 on CUDA)")
 
 
-def _add_method_args(p, methods_flag="--method"):
+def _fraction_list(text):
+    return [_fraction("budget")(t) for t in text.split(",") if t]
+
+
+def _add_method_args(p, single_method=True, budget_list=False):
     from .baselines import METHODS
 
-    if methods_flag == "--method":
+    if single_method:
         p.add_argument("--method", default="infinigen", choices=list(METHODS), help="KV-cache method (default: infinigen)")
+    else:
+        p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score")
     p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation")
-    p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
+    if budget_list:
+        p.add_argument("--budget", type=_fraction_list, default=[0.2], help="budgets in (0, 1], e.g. 0.05,0.1,0.2")
+    else:
+        p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
 
 
@@ -102,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
     s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
     _add_model_args(s)
-    s.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
-    _add_method_args(s, methods_flag="--methods")
+    _add_method_args(s, single_method=False)
     s.add_argument("--batch", type=_int_list, default=[4], help="batch sizes, e.g. 1,4,8")
     s.add_argument("--prompt-len", type=_int_list, default=[4096], help="prompt lengths, e.g. 1024,4096")
     s.add_argument("--new-tokens", type=_positive_int, default=32)
@@ -111,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", default=None, help="text file or directory for the prompts (default: built-in filler)")
     s.add_argument("--out", default=None, help="directory for JSON and markdown results")
     s.add_argument("--json", action="store_true")
+
+    a = bsub.add_parser("accuracy", help="accuracy of every method through the real decode path")
+    _add_model_args(a)
+    _add_method_args(a, single_method=False, budget_list=True)
+    a.add_argument("--tasks", default="passkey", help="comma-separated tasks (passkey)")
+    a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
+    a.add_argument("--samples", type=_positive_int, default=10, help="prompts per task, length and method")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", default=None, help="directory for JSON and markdown results")
+    a.add_argument("--json", action="store_true")
     return parser
 
 
@@ -195,14 +213,34 @@ def cmd_calibrate(args) -> dict:
             "partial_channels": int(cal.channels.shape[-1])}
 
 
-def cmd_bench_speed(args) -> dict:
+def _methods(args) -> list[str]:
     from .baselines import METHODS
-    from .bench.speed import run_speed
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
-    if unknown:
+    if unknown or not methods:
         raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    return methods
+
+
+def cmd_bench_accuracy(args) -> dict:
+    from .bench.accuracy import TASKS, run_accuracy
+
+    methods = _methods(args)
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
+    model, tok = _load(args)
+    options = {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "calibration": args.calibration}
+    return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
+                        lengths=args.lengths, out=args.out, model_name=args.model)
+
+
+def cmd_bench_speed(args) -> dict:
+    from .bench.speed import run_speed
+
+    methods = _methods(args)
     if args.data is not None and not Path(args.data).exists():
         raise CLIError(f"--data path not found: {args.data}")
     model, tok = _load(args)
@@ -211,8 +249,12 @@ def cmd_bench_speed(args) -> dict:
 
 
 def _summary(result: dict) -> str:
-    if "rows" in result:
+    if "rows" in result and "machine" in result:
         from .bench.speed import markdown_table
+
+        return markdown_table(result)
+    if "rows" in result:
+        from .bench.accuracy import markdown_table
 
         return markdown_table(result)
     if "text" in result:
@@ -226,7 +268,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate}
-    handler = cmd_bench_speed if args.command == "bench" else handlers[args.command]
+    if args.command == "bench":
+        handler = cmd_bench_speed if args.bench == "speed" else cmd_bench_accuracy
+    else:
+        handler = handlers[args.command]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 

@@ -54,21 +54,32 @@ class RowBuffer:
         """View of the valid rows: (B, G, length, width)."""
         return self.data[:, :, : self.length]
 
-    def gather(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows at positions idx (B, G, m) of each (sequence, head): (B, G, m, width).
+    def row_base(self, device=None) -> torch.Tensor:
+        """(B, G, 1) int64: where each (sequence, head)'s rows start in the flattened buffer."""
+        device = torch.device(device) if device is not None else self.device
+        key = (self.capacity, device)
+        if getattr(self, "_base_key", None) != key:
+            self._base = torch.arange(self.batch * self.heads, device=device).view(self.batch, self.heads, 1)
+            self._base = self._base * self.capacity
+            self._base_key = key
+        return self._base
 
-        One index_select over the flattened buffer: reads exactly the selected rows (no full-width gather
-        index, no copy of anything else) and can write straight into a staging buffer `out`.
+    def gather_flat(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at flat indices rows (B, G, m) (position + row_base()): (B, G, m, width).
+
+        One index_select over the flattened buffer: reads exactly the selected rows and can write straight
+        into a staging buffer `out`.
         """
-        B, G, m = idx.shape
-        cap = self.capacity
-        base = torch.arange(B * G, device=idx.device, dtype=idx.dtype).view(B, G, 1) * cap
-        flat = self.data.view(B * G * cap, self.width)
-        rows = (idx + base).view(-1)
+        B, G, m = rows.shape
+        flat = self.data.view(-1, self.width)
         if out is None:
-            return flat.index_select(0, rows).view(B, G, m, self.width)
-        torch.index_select(flat, 0, rows, out=out.view(B * G * m, self.width))
+            return flat.index_select(0, rows.view(-1)).view(B, G, m, self.width)
+        torch.index_select(flat, 0, rows.view(-1), out=out.view(B * G * m, self.width))
         return out
+
+    def gather(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at positions idx (B, G, m) of each (sequence, head): (B, G, m, width)."""
+        return self.gather_flat(idx + self.row_base(idx.device), out)
 
     def reset(self) -> None:
         self.length = 0

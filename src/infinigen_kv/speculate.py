@@ -6,6 +6,8 @@ p partial channels, d head size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -36,26 +38,25 @@ def select(
     "max" keeps a token any head wants, "mean" averages the heads' relative logits. A token is selected
     when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length)
     (and `max_num_kv`), keeping the highest.
-    Returns idx (B, G, k) int64, best first, and count (B, G): how many of the k slots are real (the
-    first count of each row). k = the largest count of the step; slots past a row's count are
-    padding (index 0, to be masked by the caller).
+    Returns idx (B, G, k) int64, best first, and count (B, G) >= 1: the first `count` slots of a row are
+    its selection. k = the largest count of the step; the slots after a row's count hold its next-best
+    positions (real rows of the pool) and must be masked by the caller.
     """
-    B, G, r, n = scores.shape
+    n = scores.shape[-1]
     if keep is not None:
         scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))
-        n_valid = keep.sum(-1, dtype=torch.float32)  # (B, 1)
-    else:
-        n_valid = torch.full((B, 1), float(n), device=scores.device)
     rel = scores - scores.amax(dim=-1, keepdim=True)  # (B, G, r, n), each head's max at 0
     rel = rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)  # (B, G, n)
-    count = (rel > -alpha).sum(-1)  # (B, G); >= 1 for "max" since each head's maximum counts
-    cap = torch.ceil(n_valid * budget).clamp_(min=1).long()  # (B, 1)
-    if max_num_kv is not None:
-        cap = cap.clamp_(max=max_num_kv)
-    count = torch.minimum(count, cap).clamp_(min=1)
+    count = (rel > -alpha).sum(-1)  # (B, G)
+    if keep is None:  # one cap for all rows: plain integers, no tensor ops
+        cap = max(1, math.ceil(n * budget))
+        count.clamp_(max=min(cap, max_num_kv) if max_num_kv else cap)
+    else:  # per sequence: budget x its valid (unpadded) length
+        cap = torch.ceil(keep.sum(-1) * budget).clamp_(min=1).long()  # (B, 1)
+        if max_num_kv:
+            cap.clamp_(max=max_num_kv)
+        count = torch.minimum(count, cap)
+    count.clamp_(min=1)  # "mean" can leave a row empty; attention needs something to attend to
     k = int(count.max())  # the one host sync of the step: it sizes the transfer
     idx = rel.topk(k, dim=-1, sorted=True).indices  # (B, G, k), best first
-    if k > 1:
-        pad = torch.arange(k, device=scores.device) >= count.unsqueeze(-1)  # (B, G, k)
-        idx.masked_fill_(pad, 0)
     return idx, count

@@ -16,10 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
+_SLOTS = {}
+
+
 def work_mask(count: torch.Tensor, m: int) -> torch.Tensor:
-    """Attention mask over a working set of m fetched slots + the new token: (B, G, 1, m + 1) bool."""
-    slot = torch.arange(m + 1, device=count.device)
-    return ((slot < count.unsqueeze(-1)) | (slot == m)).unsqueeze(2)
+    """Mask of a working set [new token, m fetched slots] whose first count slots are real: (B, G, 1, m + 1)."""
+    slots = _SLOTS.get(count.device)
+    if slots is None or slots.numel() < m + 1:
+        slots = _SLOTS[count.device] = torch.arange(max(2 * (m + 1), 4096), device=count.device)
+    return (slots[: m + 1] <= count.unsqueeze(-1)).unsqueeze(2)
 
 
 class Scratch:
@@ -47,15 +52,16 @@ class DirectTransfer:
         layer.pending = (idx, count)
 
     def fetch(self, layer, pending, k_new: torch.Tensor, v_new: torch.Tensor):
-        """-> K, V (B, G, m + 1, d) and mask (B, G, 1, m + 1); the pool already holds the new token."""
+        """-> K, V (B, G, m + 1, d): [new token, fetched rows], and their mask (B, G, 1, m + 1).
+        The pool already holds the new token; one index_select per tensor takes all of it."""
         idx, count = pending
         B, G, m = idx.shape
+        base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
-        rows[:, :, :m] = idx
-        rows[:, :, m] = layer.k.length - 1  # the new token's row
-        d_k, d_v = layer.k.width, layer.v.width
-        K = layer.k.gather(rows, out=layer.scratch.get("k", (B, G, m + 1, d_k), layer.k.dtype))
-        V = layer.v.gather(rows, out=layer.scratch.get("v", (B, G, m + 1, d_v), layer.v.dtype))
+        torch.add(base, layer.k.length - 1, out=rows[:, :, :1])  # the new token's row
+        torch.add(idx, base, out=rows[:, :, 1:])
+        K = layer.k.gather_flat(rows, out=layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype))
+        V = layer.v.gather_flat(rows, out=layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype))
         return K, V, work_mask(count, m)
 
     def dense(self, layer):
@@ -106,8 +112,8 @@ class CudaTransfer:
         future, count, m = pending
         dk, dv, done = future.result()  # CPU-side wait for the worker (normally already finished)
         torch.cuda.current_stream(self.device).wait_event(done)  # the GPU waits on this copy only
-        K = torch.cat([dk, k_new], dim=2)
-        V = torch.cat([dv, v_new], dim=2)
+        K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows], as on the direct path
+        V = torch.cat([v_new, dv], dim=2)
         consumed = torch.cuda.Event()
         consumed.record()
         layer.consumed = consumed

@@ -1,0 +1,70 @@
+"""Where a decode step's time goes: wall time per step for `full` and `infinigen`, and InfiniGen's parts
+(speculation, update/gather, attention) summed over the layers of a step.
+
+    python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8]
+"""
+
+import argparse
+import collections
+import time
+
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv import attention as attention_mod
+from infinigen_kv import cache as cache_mod
+from infinigen_kv.bench.speed import prompts
+
+TIMES = collections.defaultdict(float)
+
+
+def timed(owner, name, label):
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        TIMES[label] += time.perf_counter() - t
+        return out
+
+    setattr(owner, name, wrapper)
+
+
+@torch.inference_mode()
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    model, tok = ig.load_model(args.model)
+    B, n = args.batch, args.prompt_len
+    ids, mask = prompts(tok, B, n)
+    caches = {}
+    for method in ("full", "infinigen"):
+        caches[method] = ig.make_cache(method, model)
+        ig.generate(model, ids, mask, cache=caches[method], max_new_tokens=2, stop_at_eos=False)
+    timed(cache_mod.InfiniGenCache, "before_attention", "speculation (pre-hooks)")
+    timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
+    timed(cache_mod, "approx_scores", "  approximate scores")
+    timed(cache_mod, "select", "  selection (threshold, cap, topk)")
+    timed(cache_mod.InfiniGenLayer, "update", "update (pool append + gather)")
+    timed(attention_mod, "infinigen_attention", "attention")
+    attention_mod.register()  # re-register the wrapped attention function
+    x = torch.full((B, 1), 100)
+    for method, cache in caches.items():
+        TIMES.clear()
+        walls = []
+        for i in range(args.steps):
+            t = time.perf_counter()
+            model(input_ids=x, past_key_values=cache, position_ids=torch.full((B, 1), n + 2 + i))
+            walls.append(time.perf_counter() - t)
+        walls.sort()
+        print(f"{method}: median step {walls[len(walls) // 2] * 1e3:.1f} ms (B={B}, n={n})")
+        for label, s in TIMES.items():
+            print(f"  {label}: {s / args.steps * 1e3:.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
