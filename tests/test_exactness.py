@@ -67,6 +67,18 @@ def test_generate_sampling_reproducible(tiny_models):
     assert torch.equal(runs[0], runs[1])
 
 
+def test_hf_generate_sampling_identical(tiny_models):
+    """transformers' own sampling loop, same seed: identical samples with the exact settings."""
+    model = tiny_models["qwen2"]
+    ids, mask = left_padded_batch(lengths=(40, 33, 20))
+    outs = []
+    for method in ("full", "infinigen"):
+        torch.manual_seed(11)
+        outs.append(model.generate(ids, attention_mask=mask, past_key_values=ig.make_cache(method, model, **EXACT),
+                                   max_new_tokens=10, do_sample=True, top_p=0.9, pad_token_id=0, eos_token_id=None))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_selective_decode_runs_and_caps(tiny_models):
     """With the default alpha and a small budget, decode runs, fetches at most the budget, and reports it."""
     model = tiny_models["llama-gqa"]

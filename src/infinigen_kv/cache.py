@@ -37,7 +37,7 @@ class InfiniGenLayer(CacheLayerMixin):
         self.pending = None  # selection for this step, set by the previous layer's speculation
         self.work_mask = None  # (B, G, 1, m + 1) mask of the working set returned by the last update
         self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
-        self.written = self.copied = self.consumed = None  # CUDA events (see transfer.py)
+        self.unflushed = self.copied = self.consumed = None  # CUDA-path state (see transfer.py)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
@@ -53,32 +53,26 @@ class InfiniGenLayer(CacheLayerMixin):
         self.host_scratch = Scratch("cpu", pin=on_gpu)
         self.is_initialized = True
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        T = k.shape[2]
-        if self.written is not None and self.k.length + T > self.k.capacity:
-            self.written.synchronize()  # pending async writes land before the pool is reallocated
-        async_copy = self.k.pin
-        self.k.append(k, non_blocking=async_copy)
-        self.v.append(v, non_blocking=async_copy)
-        self.partial.append(torch.matmul(k, self.skew_p))  # (B, G, T, p)
-        self.cache.transfer.after_append(self)
-
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        transfer = self.cache.transfer
         past = self.k.length
         pending, self.pending = self.pending, None
-        self._append(key_states, value_states)
+        if pending is not None:
+            pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
+        transfer.write(self, key_states, value_states)  # the new rows into the pool
+        self.partial.append(torch.matmul(key_states, self.skew_p))  # (B, G, T, p)
         if pending is None or key_states.shape[2] > 1:
             self.work_mask = None
             if past == 0:
                 return key_states, value_states  # prefill: attend over the prompt itself
             if key_states.shape[2] == 1:
                 self.cache._count_dense(self.layer_idx)
-            return self.cache.transfer.dense(self)
-        K, V, self.work_mask = self.cache.transfer.fetch(self, pending, key_states, value_states)
-        self.selection = pending[0] if isinstance(pending[0], torch.Tensor) else None
+            return transfer.dense(self)
+        K, V, self.work_mask = transfer.fetch(self, pending, key_states, value_states)
+        self.selection = pending[0]
         return K, V
 
     def get_seq_length(self) -> int:
@@ -94,7 +88,8 @@ class InfiniGenLayer(CacheLayerMixin):
         if self.is_initialized:
             for buf in (self.k, self.v, self.partial):
                 buf.reset()
-        self.pending = self.work_mask = None
+        self.pending = self.work_mask = self.selection = None
+        self.unflushed = self.copied = self.consumed = None
 
     @property
     def nbytes(self) -> int:

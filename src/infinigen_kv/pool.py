@@ -43,11 +43,11 @@ class RowBuffer:
         data[:, :, : self.length].copy_(self.data[:, :, : self.length])
         self.data = data
 
-    def append(self, x: torch.Tensor, non_blocking: bool = False) -> None:
+    def append(self, x: torch.Tensor) -> None:
         """Append rows x (B, G, T, width) after the valid ones."""
         T = x.shape[2]
         self.reserve(self.length + T)
-        self.data[:, :, self.length : self.length + T].copy_(x, non_blocking=non_blocking)
+        self.data[:, :, self.length : self.length + T].copy_(x)
         self.length += T
 
     def valid(self) -> torch.Tensor:

@@ -51,10 +51,18 @@ class DirectTransfer:
     def prefetch(self, layer, idx: torch.Tensor, count: torch.Tensor) -> None:
         layer.pending = (idx, count)
 
-    def fetch(self, layer, pending, k_new: torch.Tensor, v_new: torch.Tensor):
+    def ready(self, layer, pending):
+        """-> (idx, count, fetched rows or None) once the prefetch of `layer` is complete."""
+        return pending[0], pending[1], None
+
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        layer.k.append(k)
+        layer.v.append(v)
+
+    def fetch(self, layer, ready, k_new: torch.Tensor, v_new: torch.Tensor):
         """-> K, V (B, G, m + 1, d): [new token, fetched rows], and their mask (B, G, 1, m + 1).
         The pool already holds the new token; one index_select per tensor takes all of it."""
-        idx, count = pending
+        idx, count, _ = ready
         B, G, m = idx.shape
         base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
@@ -67,12 +75,14 @@ class DirectTransfer:
     def dense(self, layer):
         return layer.k.valid(), layer.v.valid()
 
-    def after_append(self, layer) -> None:
-        pass
-
 
 class CudaTransfer:
-    """GPU compute, pinned host pool: async index copy, worker-thread gather, side-stream H2D copy."""
+    """GPU compute, pinned host pool: async index copy, worker-thread gather, side-stream H2D copy.
+
+    Who touches a layer's pool when: the worker only between `prefetch` (in the previous layer's
+    pre-hook) and `ready` (in this layer's update); the main thread only after `ready`. So the pool and
+    its staging buffers need no lock, only the events below.
+    """
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -83,14 +93,13 @@ class CudaTransfer:
         B, G, m = idx.shape
         idx_host = layer.host_scratch.get("idx", (B, G, m), idx.dtype)
         idx_host.copy_(idx, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()  # on the compute stream, after the selection
-        layer.pending = (self.worker.submit(self._gather_copy, layer, idx_host, ready), count, m)
+        selected = torch.cuda.Event()
+        selected.record()  # on the compute stream, after the selection and the index copy
+        layer.pending = (self.worker.submit(self._gather_copy, layer, idx_host, selected), idx, count)
 
-    def _gather_copy(self, layer, idx_host, ready):
-        ready.synchronize()  # the indices are on the host
-        if layer.written is not None:
-            layer.written.synchronize()  # the pool's async writes of this layer have landed
+    def _gather_copy(self, layer, idx_host, selected):
+        selected.synchronize()  # the indices are on the host
+        self.flush(layer)  # the last step's new row is in the pool
         if layer.copied is not None:
             layer.copied.synchronize()  # the staging buffer's previous copy is done before we overwrite it
         B, G, m = idx_host.shape
@@ -108,32 +117,61 @@ class CudaTransfer:
         layer.copied = done
         return dk, dv, done
 
-    def fetch(self, layer, pending, k_new, v_new):
-        future, count, m = pending
-        dk, dv, done = future.result()  # CPU-side wait for the worker (normally already finished)
+    def ready(self, layer, pending):
+        future, idx, count = pending
+        dk, dv, done = future.result()  # CPU-side wait for the worker (normally finished already)
         torch.cuda.current_stream(self.device).wait_event(done)  # the GPU waits on this copy only
+        return idx, count, (dk, dv)
+
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New rows into the pool. A decode row goes device -> contiguous pinned staging asynchronously
+        (a strided pinned destination would make the copy blocking); the worker moves it into the pool
+        (`flush`) before its next gather of this layer."""
+        if layer.k.device.type != "cpu" or k.shape[2] > 1:  # device-resident layer, or prefill
+            self.flush(layer)
+            layer.k.append(k)
+            layer.v.append(v)
+            return
+        self.flush(layer)  # at most one row in flight per layer
+        sk = layer.host_scratch.get("new_k", k.shape, k.dtype)
+        sv = layer.host_scratch.get("new_v", v.shape, v.dtype)
+        sk.copy_(k, non_blocking=True)
+        sv.copy_(v, non_blocking=True)
+        written = torch.cuda.Event()
+        written.record()
+        pos = layer.k.length
+        layer.k.reserve(pos + 1)
+        layer.v.reserve(pos + 1)
+        layer.k.length += 1
+        layer.v.length += 1
+        layer.unflushed = (written, sk, sv, pos)
+
+    @staticmethod
+    def flush(layer) -> None:
+        if layer.unflushed is None:
+            return
+        written, sk, sv, pos = layer.unflushed
+        written.synchronize()  # this event only: the row has landed in pinned memory
+        layer.k.data[:, :, pos : pos + 1].copy_(sk)
+        layer.v.data[:, :, pos : pos + 1].copy_(sv)
+        layer.unflushed = None
+
+    def fetch(self, layer, ready, k_new, v_new):
+        idx, count, (dk, dv) = ready
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows], as on the direct path
         V = torch.cat([v_new, dv], dim=2)
         consumed = torch.cuda.Event()
         consumed.record()
         layer.consumed = consumed
-        return K, V, work_mask(count, m)
+        return K, V, work_mask(count, idx.shape[-1])
 
     def dense(self, layer):
-        """A whole layer to the device (dense layers live there already; others only on the rare
+        """A whole layer on the device (dense layers live there already; others only on the rare
         chunked-prefill path)."""
         if layer.k.device == self.device:
             return layer.k.valid(), layer.v.valid()
-        if layer.written is not None:
-            layer.written.synchronize()
+        self.flush(layer)
         return layer.k.valid().to(self.device), layer.v.valid().to(self.device)
-
-    def after_append(self, layer) -> None:
-        """Record when the (async, device-to-pinned) pool write of this layer is complete."""
-        if layer.k.device.type == "cpu":
-            written = torch.cuda.Event()
-            written.record()
-            layer.written = written
 
 
 def make_transfer(device: torch.device):
