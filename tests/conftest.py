@@ -15,7 +15,8 @@ def _cache_dir(tmp_path_factory):
 
 def tiny_model(kind: str, seed: int = 0):
     """Tiny random models of each supported architecture (built in-process, no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig,
+                              OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -26,6 +27,9 @@ def tiny_model(kind: str, seed: int = 0):
     elif kind == "llama-gqa":
         cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=2, **common)
         model = LlamaForCausalLM(cfg)
+    elif kind == "mistral":  # a sliding window wider than any test sequence: same as full attention
+        cfg = MistralConfig(intermediate_size=128, num_key_value_heads=2, sliding_window=4096, **common)
+        model = MistralForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = Qwen2Config(intermediate_size=128, num_key_value_heads=2, **common)
         model = Qwen2ForCausalLM(cfg)
@@ -42,7 +46,7 @@ def tiny_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-KINDS = ["llama-mha", "llama-gqa", "qwen2", "opt"]
+KINDS = ["llama-mha", "llama-gqa", "mistral", "qwen2", "opt"]
 
 
 @pytest.fixture(scope="session")

@@ -91,3 +91,21 @@ def test_selective_decode_runs_and_caps(tiny_models):
     assert per_layer[0] == pytest.approx(1.0)  # layer 0 attends fully
     assert all(0 < f <= 0.1 + 0.02 for f in per_layer[1:])  # ceil() rounding of the cap
     assert s["bytes_moved"] > 0 and s["decode_steps"] == 5
+
+
+def test_sliding_window_respected():
+    """Mistral with a window shorter than the sequence: the window arrives through the mask, so selection
+    never leaves it and InfiniGen (exact settings) matches the full cache and transformers' sliding cache."""
+    from conftest import tiny_model
+
+    model = tiny_model("mistral")
+    model.config.sliding_window = 16
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("hf-dynamic", model), ids, mask)
+    full = step_logits(model, ig.make_cache("full", model), ids, mask)
+    got = step_logits(model, ig.make_cache("infinigen", model, **EXACT), ids, mask)
+    torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    model.config.sliding_window = 4096
+    unwindowed = step_logits(model, ig.make_cache("full", model), ids, mask)
+    assert not torch.allclose(unwindowed, ref, atol=1e-3)  # the window did change the outputs
