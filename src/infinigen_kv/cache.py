@@ -199,6 +199,7 @@ class InfiniGenCache(Cache):
     def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
         """True attention of q (B, G, r, d) over the whole pool; add the mass on the fetched rows."""
         layer = self.layers[layer_idx]
+        self.transfer.flush(layer)
         K = layer.k.valid().to(q.device)  # (B, G, n + 1, d)
         s = torch.matmul(q.float(), K.float().transpose(-1, -2)) * scaling  # (B, G, r, n + 1)
         if attention_mask is not None:

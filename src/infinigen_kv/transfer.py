@@ -75,6 +75,9 @@ class DirectTransfer:
     def dense(self, layer):
         return layer.k.valid(), layer.v.valid()
 
+    def flush(self, layer) -> None:
+        """Nothing in flight on the direct path."""
+
 
 class CudaTransfer:
     """GPU compute, pinned host pool: async index copy, worker-thread gather, side-stream H2D copy.
