@@ -76,6 +76,7 @@ def _add_method_args(p, single_method=True, budget_list=False):
     else:
         p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
+    p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _method_options(args) -> dict:
     return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
-            "calibration": args.calibration}
+            "calibration": args.calibration, "bits": args.quant_bits}
 
 
 def _load(args):
@@ -232,7 +233,8 @@ def cmd_bench_accuracy(args) -> dict:
     if unknown or not tasks:
         raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
     model, tok = _load(args)
-    options = {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "calibration": args.calibration}
+    options = {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "calibration": args.calibration,
+               "bits": args.quant_bits}
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, out=args.out, model_name=args.model)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from .full import FullCache
+from .quant import QuantCache
 
 
 def _infinigen(model, **options):
@@ -24,6 +25,7 @@ METHODS = {
     "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
                                "calibration_text", "channel_rule", "skew", "tokenizer"}),
     "full": (FullCache, set()),
+    "quant": (QuantCache, {"bits"}),
     "hf-dynamic": (_hf_dynamic, set()),
 }
 
