@@ -34,7 +34,7 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     G = key.shape[1]
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # (B, G, r, d)
-    if cache.track_recall:
+    if getattr(cache, "track_recall", False):
         cache.record_recall(module.layer_idx, q, attention_mask, scaling)
     return out.reshape(B, 1, H, d), None
 

@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from .full import FullCache
 from .quant import QuantCache
+from .streaming import StreamingCache
 
 
 def _infinigen(model, **options):
@@ -26,6 +27,7 @@ METHODS = {
                                "calibration_text", "channel_rule", "skew", "tokenizer"}),
     "full": (FullCache, set()),
     "quant": (QuantCache, {"bits"}),
+    "streaming": (StreamingCache, {"budget", "sink_tokens"}),
     "hf-dynamic": (_hf_dynamic, set()),
 }
 

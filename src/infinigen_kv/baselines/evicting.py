@@ -1,0 +1,167 @@
+"""Fixed-budget caches that evict for good (StreamingLLM, H2O): the shared layer.
+
+Each layer keeps at most cap_b = ceil(budget x valid tokens seen) entries per (sequence, KV head), in slots
+[0, kept_b) of compact buffers, with each entry's original position (and, for H2O, its accumulated
+attention). After the prefill, which attends over everything, the layer keeps the cap_b entries the
+policy ranks highest; each decode step the new token takes a free slot while kept_b < cap_b, else the
+slot of the entry the policy evicts. Attention runs over the slots with a slot mask, through the
+registered attention function, like InfiniGen's working set.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention import install
+from ..config import check_fraction
+from ..pool import RowBuffer
+
+
+class EvictingLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    needs_probs = False  # H2O: the attention function reports the attention weights of each step
+
+    def __init__(self, cache: "EvictingCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.work_mask = None
+        self.compact_due = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        B, G, _, d = key_states.shape
+        dev = key_states.device
+        self.k = RowBuffer(B, G, d, key_states.dtype, dev)
+        self.v = RowBuffer(B, G, value_states.shape[-1], value_states.dtype, dev)
+        self.pos = RowBuffer(B, G, 1, torch.long, dev)  # original position of each slot
+        self.score = RowBuffer(B, G, 1, torch.float32, dev)  # accumulated attention (H2O)
+        self.seen = 0  # logical length
+        self.kept = torch.zeros(B, dtype=torch.long, device=dev)  # slots in use per sequence
+        self.n_valid = torch.zeros(B, dtype=torch.long, device=dev)  # unpadded tokens seen per sequence
+        self.first = torch.zeros(B, dtype=torch.long, device=dev)  # position of each sequence's first token
+        self.is_initialized = True
+
+    # --- policy hooks (overridden by the methods) ---
+    def priority(self, positions: torch.Tensor, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        """Higher = kept. positions (B, G, m), scores (B, G, m), cap (B,): -> (B, G, m) float."""
+        raise NotImplementedError
+
+    def _caps(self) -> torch.Tensor:
+        return torch.ceil(self.n_valid.float() * self.cache.budget).long().clamp_(min=1)  # (B,)
+
+    @torch.no_grad()
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[2]
+        if self.seen == 0 or T > 1:  # prefill: keep everything for now, attend over everything
+            keep = self.cache.keep_mask  # (B, T) valid positions of this forward, or None
+            B, G = key_states.shape[:2]
+            for buf, x in ((self.k, key_states), (self.v, value_states)):
+                buf.append(x)
+            pos = torch.arange(self.seen, self.seen + T, device=key_states.device)
+            self.pos.append(pos.view(1, 1, T, 1).expand(B, G, T, 1))
+            self.score.append(torch.zeros(B, G, T, 1, device=key_states.device))
+            valid = keep.sum(-1) if keep is not None else torch.full_like(self.n_valid, T)
+            if self.seen == 0:
+                self.first = T - valid  # left padding
+            self.n_valid += valid
+            self.seen += T
+            self.kept.fill_(self.k.length)
+            self.compact_due = True
+            self.work_mask = None
+            if self.seen == T:
+                return key_states, value_states
+            return self.k.valid(), self.v.valid()
+        if self.compact_due:
+            self._compact()
+        self.n_valid += 1
+        cap = self._caps()
+        full = self.kept >= cap  # (B,)
+        slot = self._victims(cap).masked_fill(~full.view(-1, 1), 0) + torch.where(full, 0, self.kept).view(-1, 1)
+        B, G = slot.shape
+        need = int(slot.max()) + 1
+        for buf in (self.k, self.v, self.pos, self.score):
+            if need > buf.length:
+                buf.reserve(need)
+                buf.data[:, :, buf.length : need].zero_()
+                buf.length = need
+        rows = (slot.view(B, G, 1) + self.k.row_base()).view(-1)
+        self.k.data.view(-1, self.k.width).index_copy_(0, rows, key_states.reshape(-1, self.k.width))
+        self.v.data.view(-1, self.v.width).index_copy_(0, rows, value_states.reshape(-1, self.v.width))
+        self.pos.data.view(-1).index_fill_(0, rows, self.seen)
+        self.score.data.view(-1).index_fill_(0, rows, 0.0)
+        self.kept += (~full).long()
+        self.seen += 1
+        m = self.k.length
+        slots = torch.arange(m, device=slot.device)
+        self.work_mask = (slots < self.kept.view(-1, 1)).view(B, 1, 1, m)  # (B, 1, 1, m): same for all heads
+        return self.k.valid(), self.v.valid()
+
+    def _victims(self, cap: torch.Tensor) -> torch.Tensor:
+        """(B, G) slot each (sequence, head) gives up: the lowest priority among its kept slots."""
+        m = self.k.length
+        pr = self.priority(self.pos.valid()[..., 0], self.score.valid()[..., 0], cap)
+        slots = torch.arange(m, device=pr.device)
+        pr = pr.masked_fill(slots >= self.kept.view(-1, 1, 1), float("inf"))
+        return pr.argmin(-1)
+
+    def _compact(self) -> None:
+        """After the prefill: keep the cap_b highest-priority valid entries of each (sequence, head)."""
+        self.compact_due = False
+        cap = self._caps()
+        pos = self.pos.valid()[..., 0]  # (B, G, n)
+        pr = self.priority(pos, self.score.valid()[..., 0], cap)
+        pr = pr.masked_fill(pos < self.first.view(-1, 1, 1), float("-inf"))  # padding is never kept
+        k = int(cap.max())
+        idx = pr.topk(k, dim=-1, sorted=True).indices  # (B, G, k): rows past cap_b are masked
+        for buf in (self.k, self.v, self.pos, self.score):
+            kept = buf.gather(idx)
+            buf.reset()
+            buf.append(kept)
+        self.kept = cap.clone()
+
+    def add_scores(self, probs: torch.Tensor) -> None:
+        """Accumulate attention weights (B, G, m) of the kept slots (H2O)."""
+        self.score.data[:, :, : probs.shape[-1], 0] += probs
+
+    def get_seq_length(self) -> int:
+        return self.seen if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def nbytes(self) -> int:
+        return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
+
+
+class EvictingCache(Cache):
+    layer_class = EvictingLayer
+
+    def __init__(self, model, budget: float = 0.2, **_):
+        check_fraction("budget", budget)
+        self.budget = budget
+        self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
+        install(model)
+        super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
+
+    def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
+        """The pre-hook: remember which positions of this forward are valid (padding excluded)."""
+        if layer_idx == 0:
+            m = attention_mask
+            self.keep_mask = None if m is None else (m[:, 0, -1, :] if m.dtype == torch.bool else m[:, 0, -1, :] == 0)
+            if self.keep_mask is not None and x.shape[1] > 1:
+                self.keep_mask = self.keep_mask[:, -x.shape[1]:]
+
+    @property
+    def stats(self) -> dict:
+        layers = [l for l in self.layers if l.is_initialized]
+        kept = sum(int(l.kept.sum()) for l in layers)
+        seen = sum(int(l.n_valid.sum()) for l in layers)
+        return {"fetched_fraction": kept / seen if seen else 1.0, "pool_bytes": sum(l.nbytes for l in layers)}
+

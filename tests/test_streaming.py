@@ -1,0 +1,49 @@
+"""StreamingLLM: sinks + recent window within the budget, evicted for good, exact when the budget covers all."""
+
+import math
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from conftest import left_padded_batch
+from test_exactness import EXACT, step_logits
+
+
+def kept_positions(layer, b, g=0):
+    return sorted(layer.pos.valid()[b, g, : int(layer.kept[b]), 0].tolist())
+
+
+def test_keeps_sinks_and_recent_exactly_budget(tiny_models):
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(60, 45))
+    cache = ig.make_cache("streaming", model, budget=0.25)
+    r = ig.generate(model, ids, mask, cache=cache, max_new_tokens=9, stop_at_eos=False)
+    layer = cache.layers[2]
+    seen = 60 + 8  # the last sampled token is not fed back
+    for b, (n, first) in enumerate([(60, 0), (45, 15)]):
+        n_valid = n + 8
+        cap = math.ceil(0.25 * n_valid)
+        kept = kept_positions(layer, b)
+        assert len(kept) == cap  # exactly budget x n entries
+        sinks = list(range(first, first + 4))
+        recent = list(range(seen - (cap - 4), seen))
+        assert kept == sinks + recent
+    assert r.tokens.shape == (2, 9)
+    assert cache.stats["fetched_fraction"] == pytest.approx((17 + 14) / (68 + 53), abs=0.01)
+
+
+def test_matches_full_when_budget_covers_everything(tiny_models):
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    got = step_logits(model, ig.make_cache("streaming", model, budget=1.0), ids, mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_small_budget_changes_outputs_but_runs(tiny_models):
+    model = tiny_models["qwen2"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    got = step_logits(model, ig.make_cache("streaming", model, budget=0.2), ids, mask)
+    assert torch.isfinite(got).all() and not torch.allclose(got, ref, atol=1e-3)
