@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from .full import FullCache
+from .h2o import H2OCache
 from .quant import QuantCache
 from .streaming import StreamingCache
 
@@ -28,6 +29,7 @@ METHODS = {
     "full": (FullCache, set()),
     "quant": (QuantCache, {"bits"}),
     "streaming": (StreamingCache, {"budget", "sink_tokens"}),
+    "h2o": (H2OCache, {"budget", "recent_ratio"}),
     "hf-dynamic": (_hf_dynamic, set()),
 }
 

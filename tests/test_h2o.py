@@ -1,0 +1,63 @@
+"""H2O: heavy hitters + recent window within the budget, evicted for good, exact when the budget covers all."""
+
+import math
+
+import torch
+
+import infinigen_kv as ig
+from conftest import left_padded_batch
+from test_exactness import step_logits
+
+
+def test_prefill_scores_are_attention_column_sums(tiny_models):
+    from infinigen_kv.adapters import get_arch
+    from infinigen_kv.calibrate import collect_qk
+
+    model = tiny_models["llama-mha"]
+    ids = torch.randint(3, 256, (1, 30))
+    cache = ig.make_cache("h2o", model, budget=0.5)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache)
+    arch = get_arch(model)
+    qs, ks = collect_qk(model, arch, ids)  # (H, n, d) and (G, n, d) of every layer, post-RoPE
+    s = qs[1] @ ks[1].transpose(-1, -2) * arch.score_scale  # one KV head per query head here
+    s = s.masked_fill(torch.ones(30, 30, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.softmax(s, -1).sum(dim=1)  # (H, n): attention each key received, over all queries
+    torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_keeps_heavy_hitters_and_recent(tiny_models):
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(40,))
+    cache = ig.make_cache("h2o", model, budget=0.5)
+    with torch.inference_mode():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        layer = cache.layers[2]
+        # hand-made pattern: positions 3, 7, 11 are the heavy hitters of KV head 0
+        layer.score.data[:, :, :40, 0] = 0.0
+        layer.score.data[0, 0, [3, 7, 11], 0] = torch.tensor([5.0, 4.0, 3.0])
+        model(torch.tensor([[9]]), attention_mask=torch.ones(1, 41, dtype=torch.long), past_key_values=cache,
+              position_ids=torch.tensor([[40]]))
+    cap = math.ceil(0.5 * 41)  # 21 entries after the first decode token
+    kept = sorted(layer.pos.valid()[0, 0, : int(layer.kept[0]), 0].tolist())
+    assert len(kept) == cap
+    assert {3, 7, 11} <= set(kept)  # heavy hitters survive
+    recent = int(cap * 0.5)
+    assert set(range(41 - recent, 41)) <= set(kept)  # the recent window survives
+
+
+def test_matches_full_when_budget_covers_everything(tiny_models):
+    model = tiny_models["qwen2"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    got = step_logits(model, ig.make_cache("h2o", model, budget=1.0), ids, mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_budget_held_during_decode(tiny_models):
+    model = tiny_models["opt"]
+    ids, mask = left_padded_batch(lengths=(50, 33))
+    cache = ig.make_cache("h2o", model, budget=0.2)
+    ig.generate(model, ids, mask, cache=cache, max_new_tokens=12, stop_at_eos=False)
+    for layer in cache.layers:
+        assert layer.kept.tolist() == [math.ceil(0.2 * (50 + 11)), math.ceil(0.2 * (33 + 11))]
