@@ -124,10 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     a = bsub.add_parser("accuracy", help="accuracy of every method through the real decode path")
     _add_model_args(a)
     _add_method_args(a, single_method=False, budget_list=True)
-    a.add_argument("--tasks", default="passkey", help="comma-separated tasks (passkey)")
+    a.add_argument("--tasks", default="ppl,passkey,niah,vt,agreement",
+                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement")
     a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
-    a.add_argument("--samples", type=_positive_int, default=10, help="prompts per task, length and method")
+    a.add_argument("--samples", type=_positive_int, default=10, help="prompts (ppl: windows) per task, length and method")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--data", default=None, help="text for ppl and agreement: a directory such as ../shared/data, or a file")
+    a.add_argument("--window", type=_positive_int, default=4096, help="ppl window W (tokens)")
+    a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
+    a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated")
     a.add_argument("--out", default=None, help="directory for JSON and markdown results")
     a.add_argument("--json", action="store_true")
     return parser
@@ -225,18 +230,27 @@ def _methods(args) -> list[str]:
 
 
 def cmd_bench_accuracy(args) -> dict:
-    from .bench.accuracy import TASKS, run_accuracy
+    from .bench.accuracy import NEEDS_TEXT, TASKS, run_accuracy
 
     methods = _methods(args)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
+    if NEEDS_TEXT & set(tasks):
+        if args.data is None:
+            raise CLIError(f"tasks {', '.join(sorted(NEEDS_TEXT & set(tasks)))} need text: pass --data ../shared/data "
+                           "(WikiText-2 test, PG-19 excerpt) or any text file")
+        if not Path(args.data).exists():
+            raise CLIError(f"--data path not found: {args.data}")
+    if args.prefix >= args.window:
+        raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
     model, tok = _load(args)
     options = {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "calibration": args.calibration,
                "bits": args.quant_bits}
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
-                        lengths=args.lengths, out=args.out, model_name=args.model)
+                        lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
+                        new_tokens=args.new_tokens, out=args.out, model_name=args.model)
 
 
 def cmd_bench_speed(args) -> dict:

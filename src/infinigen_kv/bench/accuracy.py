@@ -1,11 +1,18 @@
-"""`infinigen bench accuracy`: tasks through the real decode path, every method at the same budget.
+"""`infinigen bench accuracy`: every method on the same tasks, through the real decode path.
 
-Tasks so far: `passkey` (a 5-digit key at a random depth of filler text, exact match).
+Tasks (deterministic for a seed):
+- `ppl`: decode-mode perplexity: windows of W tokens of a text, the first P prefilled with full attention,
+  the rest teacher-forced one token per step through the cache under test.
+- `passkey`, `niah`, `vt`: generated retrieval tasks (tasks.py), greedy, scored by `tasks.score`.
+- `agreement`: greedy continuation of a long text prompt; share of tokens equal to the full cache's output
+  up to the first divergence (`agreement_prefix`) and overall (`agreement_overall`).
+Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -13,53 +20,186 @@ import torch
 
 from ..baselines import make_cache
 from ..generation import generate
-from .tasks import passkey
+from . import tasks as task_lib
 
-TASKS = ("passkey",)
+TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
+BUDGETED = {"infinigen", "h2o", "streaming"}
+NEEDS_TEXT = {"ppl", "agreement"}
 
 
-def run_passkey(model, tokenizer, method, options, length, samples, seed):
-    """Share of `samples` passkey prompts of ~`length` tokens answered exactly, and the mean fetched fraction."""
+class DataError(ValueError):
+    """A task needs text that --data does not provide."""
+
+
+def load_text(data: str | None) -> str:
+    """The evaluation text: a file, or a directory (its wikitext-2/test.txt if present, else all *.txt)."""
+    if data is None:
+        raise DataError("tasks ppl and agreement need text: pass --data ../shared/data (or any text file)")
+    path = Path(data)
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    if not path.is_dir():
+        raise DataError(f"--data path not found: {data}")
+    wiki = path / "wikitext-2" / "test.txt"
+    files = [wiki] if wiki.is_file() else sorted(path.rglob("*.txt"))
+    if not files:
+        raise DataError(f"no .txt file under {data}")
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def _cache(model, method, budget, options):
+    return make_cache(method, model, **{k: v for k, v in {**options, "budget": budget}.items() if v is not None})
+
+
+def _fetched(cache) -> float:
+    return getattr(cache, "stats", {}).get("fetched_fraction", 1.0)
+
+
+@torch.inference_mode()
+def run_ppl(model, ids: torch.Tensor, method, budget, options, window: int, prefix: int, samples: int, batch: int = 4):
+    """Perplexity over `samples` windows of `window` tokens of ids (1-D), prefix prefilled."""
     device = next(model.parameters()).device
-    hits, fetched = 0, []
+    if ids.numel() < samples * window:
+        raise DataError(f"ppl: the text has {ids.numel()} tokens, {samples} windows of {window} need more")
+    windows = ids[: samples * window].view(samples, window).to(device)
+    nll, count, fetched = 0.0, 0, []
+    for i in range(0, samples, batch):
+        x = windows[i : i + batch]
+        cache = _cache(model, method, budget, options)
+        logits = model(input_ids=x[:, :prefix], past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        nll += torch.nn.functional.cross_entropy(logits.float(), x[:, prefix], reduction="sum").item()
+        for t in range(prefix, window - 1):
+            logits = model(input_ids=x[:, t : t + 1], past_key_values=cache).logits[:, -1]
+            nll += torch.nn.functional.cross_entropy(logits.float(), x[:, t + 1], reduction="sum").item()
+        count += x.shape[0] * (window - prefix)
+        fetched.append(_fetched(cache))
+        print(f"  ppl {method} budget {budget}: windows {i + x.shape[0]}/{samples}", file=sys.stderr, flush=True)
+    return math.exp(nll / count), sum(fetched) / len(fetched)
+
+
+def run_generated(model, tokenizer, task, method, budget, options, length, samples, seed):
+    """Mean score of `samples` generated prompts of ~`length` tokens."""
+    device = next(model.parameters()).device
+    make = task_lib.GENERATORS[task]
+    total, fetched = 0.0, []
     for i in range(samples):
-        s = passkey(tokenizer, length, seed=seed + i)
+        s = make(tokenizer, length, seed=seed + i)
         enc = tokenizer(s.prompt, return_tensors="pt").to(device)
-        cache = make_cache(method, model, **options)
-        r = generate(model, enc["input_ids"], enc["attention_mask"], cache=cache, max_new_tokens=8)
-        answer = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
-        ok = s.answer in answer
-        hits += ok
-        fetched.append(getattr(cache, "stats", {}).get("fetched_fraction", 1.0))
-        print(f"  passkey {length} {method} seed {seed + i}: {'ok' if ok else 'miss'} {answer.strip()[:20]!r}",
+        cache = _cache(model, method, budget, options)
+        max_new = 24 if task == "vt" else 10
+        r = generate(model, enc["input_ids"], enc["attention_mask"], cache=cache, max_new_tokens=max_new)
+        out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
+        total += task_lib.score(task, out, s.answer)
+        fetched.append(_fetched(cache))
+        print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: {out.strip()[:30]!r} "
+              f"(answer {s.answer})", file=sys.stderr, flush=True)
+    return total / samples, sum(fetched) / len(fetched)
+
+
+def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(share before the first divergence, share overall) of tokens (n,) equal to reference (n,)."""
+    same = tokens == reference
+    first = int((~same).nonzero()[0]) if (~same).any() else same.numel()
+    return first / same.numel(), same.float().mean().item()
+
+
+def run_agreement(model, ids: torch.Tensor, method, budget, options, length, samples, new_tokens, references):
+    device = next(model.parameters()).device
+    prefix = overall = 0.0
+    fetched = []
+    for i in range(samples):
+        start = (i + 1) * 7919 % max(1, ids.numel() - length)  # spread the prompts over the text
+        x = ids[start : start + length].view(1, -1).to(device)
+        key = (length, i)
+        if key not in references:
+            ref = generate(model, x, cache=make_cache("full", model), max_new_tokens=new_tokens, stop_at_eos=False)
+            references[key] = ref.tokens[0]
+        cache = _cache(model, method, budget, options)
+        out = generate(model, x, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False).tokens[0]
+        p, o = agreement(out, references[key])
+        prefix += p
+        overall += o
+        fetched.append(_fetched(cache))
+        print(f"  agreement-{length} {method} budget {budget} sample {i}: prefix {p:.2f} overall {o:.2f}",
               file=sys.stderr, flush=True)
-    return hits / samples, sum(fetched) / len(fetched)
+    return prefix / samples, overall / samples, sum(fetched) / len(fetched)
 
 
-def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), out=None,
-                 model_name=None) -> dict:
-    rows = []
+def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), data=None,
+                 window=4096, prefix=1024, new_tokens=256, out=None, model_name=None) -> dict:
+    if NEEDS_TEXT & set(tasks):
+        text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
+    options = {**options, "tokenizer": tokenizer}
+    rows, references = [], {}
+
+    def row(task, method, budget, metric, value, n, fetched):
+        rows.append({"task": task, "method": method, "budget": budget, "metric": metric,
+                     "value": round(value, 4), "n": n, "fetched_fraction": round(fetched, 4)})
+
     for task in tasks:
-        for length in lengths:
-            for budget in budgets:
-                for method in methods:
-                    opts = {k: v for k, v in {**options, "budget": budget, "tokenizer": tokenizer}.items()
-                            if v is not None}
-                    acc, fetched = run_passkey(model, tokenizer, method, opts, length, samples, seed)
-                    rows.append({"task": f"{task}-{length}", "method": method, "budget": budget, "metric": "accuracy",
-                                 "value": round(acc, 4), "n": samples, "fetched_fraction": round(fetched, 4)})
+        for method in methods:
+            for budget in (budgets if method in BUDGETED else [None]):
+                if task == "ppl":
+                    ppl, f = run_ppl(model, text_ids, method, budget, options, window, prefix, samples)
+                    row("ppl", method, budget, "perplexity", ppl, samples, f)
+                    continue
+                for length in lengths:
+                    if task == "agreement":
+                        p, o, f = run_agreement(model, text_ids, method, budget, options, length, samples,
+                                                new_tokens, references)
+                        row(f"agreement-{length}", method, budget, "agreement_prefix", p, samples, f)
+                        row(f"agreement-{length}", method, budget, "agreement_overall", o, samples, f)
+                    else:
+                        v, f = run_generated(model, tokenizer, task, method, budget, options, length, samples, seed)
+                        row(f"{task}-{length}", method, budget, "score" if task == "vt" else "accuracy", v, samples, f)
     result = {"model": model_name or "SmolLM2-135M-Instruct", "torch": torch.__version__, "rows": rows}
     if out:
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "accuracy.json").write_text(json.dumps(result, indent=2))
-        (d / "accuracy.md").write_text(markdown_table(result) + "\n")
+        write_reports(result, Path(out))
     return result
 
 
 def markdown_table(result: dict) -> str:
     lines = ["| task | method | budget | metric | value | n | fetched |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['task']} | {r['method']} | {r['budget']} | {r['metric']} | {r['value']:.3f} | {r['n']} | "
+        budget = "-" if r["budget"] is None else r["budget"]
+        lines.append(f"| {r['task']} | {r['method']} | {budget} | {r['metric']} | {r['value']:.4g} | {r['n']} | "
                      f"{r['fetched_fraction']:.3f} |")
     return "\n".join(lines)
+
+
+def write_reports(result: dict, out: Path) -> list[Path]:
+    """accuracy.json, accuracy.md and one PNG per (task, metric): value vs budget, a line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(result, indent=2))
+    (out / "accuracy.md").write_text(markdown_table(result) + "\n")
+    written = [out / "accuracy.json", out / "accuracy.md"]
+    budgets = sorted({r["budget"] for r in result["rows"] if r["budget"] is not None})
+    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in result["rows"]):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for method in dict.fromkeys(r["method"] for r in result["rows"]):
+            pts = [(r["budget"], r["value"]) for r in result["rows"]
+                   if r["task"] == task and r["metric"] == metric and r["method"] == method]
+            if not pts:
+                continue
+            if pts[0][0] is None:  # budget-independent method: a horizontal reference line
+                ax.axhline(pts[0][1], linestyle="--", label=method, color="gray" if method == "full" else None)
+            else:
+                pts.sort()
+                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=method)
+        ax.set_xlabel("budget (fraction of the past)")
+        ax.set_ylabel(metric)
+        ax.set_title(task)
+        if budgets:
+            ax.set_xticks(budgets)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{task}-{metric}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
