@@ -56,8 +56,9 @@ KEYS = ("apple", "river", "candle", "marble", "falcon", "garden", "silver", "thu
         "lantern", "harbor", "violet", "pepper", "canyon", "saddle")
 
 
-def niah(tokenizer, length: int = 4000, seed: int = 0, needles: int = 4) -> Sample:
-    """RULER-style multi-key needle in a haystack: several key-value needles, one key asked."""
+def niah(tokenizer, length: int = 4000, seed: int = 0, needles: int = 2) -> Sample:
+    """RULER-style multi-key needle in a haystack: several key-value needles, one key asked. Two needles by
+    default: with four, SmolLM2-135M misses most even with the full cache (measured 1 of 3 at 2k tokens)."""
     rng = random.Random(seed)
     keys = rng.sample(KEYS, needles)
     values = [str(rng.randint(100000, 999999)) for _ in keys]
@@ -67,7 +68,7 @@ def niah(tokenizer, length: int = 4000, seed: int = 0, needles: int = 4) -> Samp
     return Sample(_fill(tokenizer, length, parts, question, rng), values[asked])
 
 
-def variable_tracking(tokenizer, length: int = 4000, seed: int = 0, hops: int = 4) -> Sample:
+def variable_tracking(tokenizer, length: int = 4000, seed: int = 0, hops: int = 2) -> Sample:
     """RULER-style variable tracking: a chain VAR A = 12345, VAR B = VAR A, ...; the answer is every
     variable of the chain (space-separated), asked by the value. Distractor chains hold other values."""
     rng = random.Random(seed)
@@ -78,7 +79,9 @@ def variable_tracking(tokenizer, length: int = 4000, seed: int = 0, hops: int = 
     for chain, val in ((names[: hops + 1], value), (names[hops + 1 :], other)):
         chains.append([f"VAR {chain[0]} = {val}."] + [f"VAR {chain[i]} = VAR {chain[i - 1]}." for i in range(1, hops + 1)])
     parts = [p for pair in zip(*chains) for p in pair]  # interleaved, each chain in order
-    question = f"Question: which variables are assigned the value {value}? Answer: the variables are"
+    question = (f"Question: find all variables that are assigned the value {value} in the text above. Answer: "
+                f"according to the chain of variable assignments, {hops + 1} variables are assigned the value "
+                f"{value}, they are: VAR")
     return Sample(_fill(tokenizer, length, parts, question, rng), " ".join(names[: hops + 1]))
 
 
