@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(a)
     _add_method_args(a, single_method=False, budget_list=True)
     a.add_argument("--tasks", default="ppl,passkey,niah,vt,agreement",
-                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement")
+                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement (default), lmeval")
     a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
     a.add_argument("--samples", type=_positive_int, default=10, help="prompts (ppl: windows) per task, length and method")
     a.add_argument("--seed", type=int, default=0)
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--window", type=_positive_int, default=4096, help="ppl window W (tokens)")
     a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
     a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated")
+    a.add_argument("--lmeval-tasks", default=None, help="lmeval task: comma-separated lm-eval task names")
+    a.add_argument("--lmeval-include", default=None, help="lmeval task: directory of task YAMLs (local data)")
+    a.add_argument("--lmeval-limit", type=_positive_int, default=None, help="lmeval task: documents per task")
     a.add_argument("--out", default=None, help="directory for JSON and markdown results")
     a.add_argument("--json", action="store_true")
     return parser
@@ -243,6 +246,15 @@ def cmd_bench_accuracy(args) -> dict:
                            "(WikiText-2 test, PG-19 excerpt) or any text file")
         if not Path(args.data).exists():
             raise CLIError(f"--data path not found: {args.data}")
+    lmeval = None
+    if "lmeval" in tasks:
+        if not args.lmeval_tasks:
+            raise CLIError("the lmeval task needs --lmeval-tasks (and --lmeval-include DIR for local task YAMLs)")
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError:
+            raise CLIError("the lmeval task needs lm-evaluation-harness: pip install 'infinigen-kv[lmeval]'") from None
+        lmeval = {"tasks": args.lmeval_tasks.split(","), "include_path": args.lmeval_include, "limit": args.lmeval_limit}
     if args.prefix >= args.window:
         raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
     model, tok = _load(args)
@@ -250,7 +262,7 @@ def cmd_bench_accuracy(args) -> dict:
                "bits": args.quant_bits}
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
-                        new_tokens=args.new_tokens, out=args.out, model_name=args.model)
+                        new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval)
 
 
 def cmd_bench_speed(args) -> dict:

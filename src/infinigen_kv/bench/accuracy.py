@@ -6,6 +6,8 @@ Tasks (deterministic for a seed):
 - `passkey`, `niah`, `vt`: generated retrieval tasks (tasks.py), greedy, scored by `tasks.score`.
 - `agreement`: greedy continuation of a long text prompt; share of tokens equal to the full cache's output
   up to the first divergence (`agreement_prefix`) and overall (`agreement_overall`).
+- `lmeval`: lm-evaluation-harness tasks (`lmeval.py`), for users with the datasets locally; not in the
+  default list.
 Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null).
 """
 
@@ -22,7 +24,8 @@ from ..baselines import make_cache
 from ..generation import generate
 from . import tasks as task_lib
 
-TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
+TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval")
+DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
 BUDGETED = {"infinigen", "h2o", "streaming"}
 NEEDS_TEXT = {"ppl", "agreement"}
 
@@ -126,7 +129,8 @@ def run_agreement(model, ids: torch.Tensor, method, budget, options, length, sam
 
 
 def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), data=None,
-                 window=4096, prefix=1024, new_tokens=256, out=None, model_name=None) -> dict:
+                 window=4096, prefix=1024, new_tokens=256, out=None, model_name=None, lmeval=None) -> dict:
+    """lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task."""
     if NEEDS_TEXT & set(tasks):
         text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
     options = {**options, "tokenizer": tokenizer}
@@ -142,6 +146,14 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
                 if task == "ppl":
                     ppl, f = run_ppl(model, text_ids, method, budget, options, window, prefix, samples)
                     row("ppl", method, budget, "perplexity", ppl, samples, f)
+                    continue
+                if task == "lmeval":
+                    from .lmeval import run_lmeval
+
+                    opts = {k: v for k, v in {**options, "budget": budget}.items() if v is not None}
+                    for r in run_lmeval(model, tokenizer, method, opts, lmeval["tasks"], lmeval.get("include_path"),
+                                        lmeval.get("limit")):
+                        row(r["task"], method, budget, r["metric"], r["value"], r["n"], r["fetched_fraction"])
                     continue
                 for length in lengths:
                     if task == "agreement":
