@@ -44,6 +44,17 @@ def test_logits_match_full(tiny_models, kind, batch):
     torch.testing.assert_close(ref, hf, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["h2o", "streaming"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "opt"])
+def test_fixed_budget_baselines_exact_when_budget_covers_all(tiny_models, method, kind):
+    """Budget 1.0 keeps every entry: the evicting caches reproduce the full cache."""
+    model = tiny_models[kind]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    got = step_logits(model, ig.make_cache(method, model, budget=1.0), ids, mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate_greedy_identical(tiny_models, kind):
     """model.generate() with the cache passed in: greedy tokens identical to the full cache, batch of 3."""

@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .adapters import get_arch
 from .attention import install
 from .calibrate import Calibration, load_or_calibrate
 from .config import InfiniGenConfig
+from .layer import LogicalLayer
 from .pool import RowBuffer
 from .speculate import approx_scores, select
 from .transfer import Scratch, make_transfer
 
 
-class InfiniGenLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-
+class InfiniGenLayer(LogicalLayer):
     def __init__(self, cache: "InfiniGenCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
@@ -77,12 +75,6 @@ class InfiniGenLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.k.length if self.is_initialized else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0  # the logical length, not the working set's
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         if self.is_initialized:

@@ -11,16 +11,15 @@ registered attention function, like InfiniGen's working set.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..attention import install
 from ..config import check_fraction
+from ..layer import LogicalLayer
 from ..pool import RowBuffer
 
 
-class EvictingLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
+class EvictingLayer(LogicalLayer):
     needs_probs = False  # H2O: the attention function reports the attention weights of each step
 
     def __init__(self, cache: "EvictingCache", layer_idx: int):
@@ -128,12 +127,6 @@ class EvictingLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen if self.is_initialized else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     @property
     def nbytes(self) -> int:

@@ -6,15 +6,13 @@ This is the reference every ratio is quoted against."""
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from ..layer import LogicalLayer, read_stats
 from ..pool import RowBuffer
 
 
-class FullLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-
+class FullLayer(LogicalLayer):
     def __init__(self):
         super().__init__()
         self.k = self.v = None
@@ -41,12 +39,6 @@ class FullLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.k.length if self.is_initialized else 0
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         if self.is_initialized:
             self.k.reset()
@@ -71,10 +63,4 @@ class FullCache(Cache):
 
     @property
     def stats(self) -> dict:
-        steps = max((l.steps for l in self.layers), default=0)
-        return {
-            "fetched_fraction": 1.0,
-            "decode_steps": steps,
-            "kv_bytes_per_step": sum(l.bytes_read for l in self.layers) // max(steps, 1),
-            "pool_bytes": sum(l.nbytes for l in self.layers),
-        }
+        return read_stats(self.layers)

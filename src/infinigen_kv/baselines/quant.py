@@ -8,8 +8,9 @@ extra dependencies that are not installed here, and neither is FlexGen's exact s
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from ..layer import LogicalLayer, read_stats
 from ..pool import RowBuffer
 
 GROUP = 64
@@ -40,10 +41,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
     return x.reshape(*lead, d).to(dtype)
 
 
-class QuantLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-
+class QuantLayer(LogicalLayer):
     def __init__(self, bits: int):
         super().__init__()
         self.bits = bits
@@ -81,12 +79,6 @@ class QuantLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.bufs["kq"].length if self.is_initialized else 0
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         if self.is_initialized:
             for buf in self.bufs.values():
@@ -113,10 +105,4 @@ class QuantCache(Cache):
 
     @property
     def stats(self) -> dict:
-        steps = max((l.steps for l in self.layers), default=0)
-        return {
-            "fetched_fraction": 1.0,
-            "decode_steps": steps,
-            "kv_bytes_per_step": sum(l.bytes_read for l in self.layers) // max(steps, 1),
-            "pool_bytes": sum(l.nbytes for l in self.layers),
-        }
+        return read_stats(self.layers)
