@@ -4,23 +4,18 @@ import json
 
 import pytest
 
+import torch
+
 from infinigen_kv.bench import tasks
 from infinigen_kv.bench.accuracy import agreement
 from test_cli import cli, one_line_error, save_tiny
 
-import torch
-
 
 @pytest.fixture(scope="module")
-def tok():
+def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from infinigen_kv.models import load_model  # noqa: F401  (the default model's tokenizer is real BPE)
-    import tempfile
-
-    d = tempfile.mkdtemp()
-    save_tiny(d)
-    return AutoTokenizer.from_pretrained(d)
+    return AutoTokenizer.from_pretrained(save_tiny(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.mark.parametrize("task", ["passkey", "niah", "vt"])

@@ -6,7 +6,6 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch
-from test_exactness import step_logits
 
 
 def test_prefill_scores_are_attention_column_sums(tiny_models):

@@ -7,7 +7,7 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch
-from test_exactness import EXACT, step_logits
+from test_exactness import step_logits
 
 
 def kept_positions(layer, b, g=0):

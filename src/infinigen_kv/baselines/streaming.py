@@ -3,7 +3,6 @@ plus the most recent tokens, within the budget; the oldest non-sink entry is evi
 
 from __future__ import annotations
 
-import torch
 
 from .evicting import EvictingCache, EvictingLayer
 
