@@ -39,3 +39,13 @@ def test_small_budget_changes_outputs_but_runs(tiny_models):
     ref = step_logits(model, ig.make_cache("full", model), ids, mask)
     got = step_logits(model, ig.make_cache("streaming", model, budget=0.2), ids, mask)
     assert torch.isfinite(got).all() and not torch.allclose(got, ref, atol=1e-3)
+
+
+def test_multi_token_forward_after_decode_is_refused(tiny_models):
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(30,))
+    cache = ig.make_cache("streaming", model, budget=0.5)
+    ig.generate(model, ids, mask, cache=cache, max_new_tokens=3, stop_at_eos=False)
+    with pytest.raises(NotImplementedError, match="new cache per prompt"):
+        with torch.inference_mode():
+            model(torch.randint(3, 200, (1, 4)), past_key_values=cache)

@@ -54,6 +54,9 @@ class EvictingLayer(LogicalLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
+        if T > 1 and self.seen > 0 and not self.compact_due:
+            raise NotImplementedError(f"{self.cache.method}: a multi-token forward after decoding has started "
+                                      "is not supported (evicted entries are gone); use a new cache per prompt")
         if self.seen == 0 or T > 1:  # prefill: keep everything for now, attend over everything
             keep = self.cache.keep_mask  # (B, T) valid positions of this forward, or None
             B, G = key_states.shape[:2]
