@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import UnsupportedModelError, check_supported
+from .adapters import check_supported
 from .calibrate import cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -122,8 +122,6 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa")
-    except UnsupportedModelError:
-        raise
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     model.to(dev).eval()
