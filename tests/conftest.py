@@ -64,3 +64,31 @@ def left_padded_batch(vocab: int = 256, lengths=(48, 40, 31), seed: int = 1):
         ids[i, n - L:] = torch.randint(3, vocab, (L,), generator=g)
         mask[i, n - L:] = 1
     return ids, mask
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+        "All that glitters is not gold. The pass key is 12345. Remember it. ") * 4
+
+
+def save_tiny(path, kind="llama-gqa", eos_never_greedy=False):
+    """A tiny random model + a small byte-level BPE tokenizer, saved as a local checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=250, special_tokens=["<pad>", "<s>", "</s>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    model = tiny_model(kind)
+    model.config.vocab_size = 256
+    if eos_never_greedy:  # EOS logit 0 while the largest of the others is always > 0: long greedy outputs
+        with torch.no_grad():
+            model.lm_head.weight[model.config.eos_token_id] = 0.0
+    model.save_pretrained(path)
+    return str(path)

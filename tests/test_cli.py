@@ -7,28 +7,7 @@ import sys
 
 import pytest
 
-from conftest import tiny_model
-
-TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
-        "All that glitters is not gold. The pass key is 12345. Remember it. ") * 4
-
-
-def save_tiny(path, kind="llama-gqa"):
-    """A tiny random model + a small byte-level BPE tokenizer, saved as a local checkpoint."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=250, special_tokens=["<pad>", "<s>", "</s>"],
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-    model = tiny_model(kind)
-    model.config.vocab_size = 256
-    model.save_pretrained(path)
-    return str(path)
+from conftest import TEXT, save_tiny, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`infinigen` command line: generate, calibrate, bench speed.
+"""`infinigen` command line: generate, calibrate, bench speed/accuracy, serve.
 
 Progress goes to stderr; `--json` prints one JSON document on stdout. Bad input exits non-zero with one
 line on stderr (no traceback).
@@ -45,6 +45,13 @@ def _positive_int(text):
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return v
+
+
+def _port(text):
+    v = _positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {text}")
     return v
 
 
@@ -138,6 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--lmeval-limit", type=_positive_int, default=None, help="lmeval task: documents per task")
     a.add_argument("--out", default=None, help="directory for JSON and markdown results")
     a.add_argument("--json", action="store_true")
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)")
+    _add_model_args(v)
+    _add_method_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    v.add_argument("--port", type=_port, default=8000)
+    v.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or "
+                   "SmolLM2-135M-Instruct)")
+    v.add_argument("--api-key", default=os.environ.get("INFINIGEN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $INFINIGEN_API_KEY; none = open)")
+    v.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded together")
+    v.add_argument("--queue-size", type=_positive_int, default=64, help="waiting requests before 503")
+    v.add_argument("--max-tokens-limit", type=_positive_int, default=2048, help="largest max_tokens accepted")
+    v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (413 above)")
     return parser
 
 
@@ -276,6 +297,17 @@ def cmd_bench_speed(args) -> dict:
                      _method_options(args), data=args.data, out=args.out, model_name=args.model)
 
 
+def cmd_serve(args) -> None:
+    from .serve import Engine, run_server
+
+    model, tok = _load(args)
+    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    engine = Engine(model, tok, args.method, {k: v for k, v in _method_options(args).items() if v is not None},
+                    max_batch=args.max_batch, queue_size=args.queue_size)
+    print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit)
+
+
 def _summary(result: dict) -> str:
     if "rows" in result and "machine" in result:
         from .bench.speed import markdown_table
@@ -295,7 +327,7 @@ def _summary(result: dict) -> str:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate}
+    handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate, "serve": cmd_serve}
     if args.command == "bench":
         handler = cmd_bench_speed if args.bench == "speed" else cmd_bench_accuracy
     else:
@@ -316,6 +348,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("infinigen: interrupted", file=sys.stderr)
         return 130
+    if result is None:  # serve: ran until shut down
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

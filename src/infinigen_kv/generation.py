@@ -32,17 +32,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # only at the prefill/decode boundaries, for the timings
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """Next ids (B,) from logits (B, V): greedy at temperature 0, else nucleus sampling."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generators: list) -> torch.Tensor:
+    """Next ids (B,) from logits (B, V); temperature and top_p (B,) per row: greedy where temperature is 0,
+    else nucleus sampling. One generator draws for the whole batch, or one per row (reproducible rows
+    whatever else shares the batch)."""
+    greedy = logits.argmax(-1)
+    if not generators:
+        return greedy
+    hot = temperature > 0
+    probs = torch.softmax(logits.float() / torch.where(hot, temperature, 1.0)[:, None], dim=-1)  # (B, V)
+    if bool((top_p < 1.0).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p[:, None]  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    if len(generators) == 1:
+        drawn = torch.multinomial(probs, 1, generator=generators[0]).squeeze(-1)
+    else:
+        drawn = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+    return torch.where(hot, drawn, greedy)
 
 
 @torch.inference_mode()
@@ -52,9 +59,9 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     cache=None,
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
+    temperature: float | list[float] = 0.0,
+    top_p: float | list[float] = 1.0,
+    seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
     stop_at_eos: bool = True,
     progress: str | None = None,
@@ -62,8 +69,10 @@ def generate(
 ) -> GenerationResult:
     """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
 
-    on_step(step, ids (B,)) is called after each new token (streaming). Stops early once every sequence
-    has produced an EOS (when stop_at_eos).
+    temperature, top_p and seed are one value for the batch or one per sequence (a list): a list of seeds
+    gives each sequence its own generator. on_step(step, ids (B,)) is called after each new token
+    (streaming); it returns True to stop. Stops early once every sequence has produced an EOS (when
+    stop_at_eos).
     """
     device = input_ids.device
     B, n = input_ids.shape
@@ -73,10 +82,12 @@ def generate(
     mask = torch.ones(B, n + max_new_tokens, dtype=attention_mask.dtype, device=device)
     mask[:, :n] = attention_mask
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(B)  # (B,)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device).expand(B)  # (B,)
+    generators = []
+    if bool((temperature > 0).any()):
+        for s in seed if isinstance(seed, (list, tuple)) else [seed]:
+            generators.append(torch.Generator(device=device).manual_seed(s if s is not None else torch.seed()))
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=device)
@@ -98,7 +109,7 @@ def generate(
     t1 = time.perf_counter()
     steps = 0
     for i in range(max_new_tokens):
-        ids = sample(logits, temperature, top_p, generator)
+        ids = sample(logits, temperature, top_p, generators)
         ids = torch.where(done, pad, ids)
         out[:, i] = ids
         if eos.numel():
@@ -106,9 +117,8 @@ def generate(
             lengths = torch.where(hit, i + 1, lengths)
             done |= hit
         bar.update(1)
-        if on_step is not None:
-            on_step(i, ids)
-        if i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
+        stop = on_step is not None and on_step(i, ids)
+        if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break
         logits = model(

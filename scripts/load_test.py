@@ -1,0 +1,200 @@
+"""Load and fuzz test of `infinigen serve` on loopback (a command, not a test; results go to
+docs/BENCHMARKS.md).
+
+    python scripts/load_test.py [--model M] [--methods infinigen,full] [--clients 8] [--requests 25] [--fuzz 200]
+
+Per method: one server, `clients` threads each sending `requests` requests of mixed kinds (chat or
+completions, streamed or not) and lengths with the openai client; reports errors, p50/p99 latency and
+generated tokens/s. Then `fuzz` request bodies drawn by hypothesis from the server's OpenAPI schema (and
+valid bodies with one field replaced by arbitrary JSON) against a server with a small max_tokens limit:
+every answer must be < 500 and the server must still answer /health.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+WORDS = ("the pool keeps every key and value while each layer fetches only the few entries that matter "
+         "speculated one layer ahead so that the transfer hides behind the compute of the previous layer").split()
+
+
+def start(model, method, extra=()):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "infinigen_kv.cli", "serve", "--port", str(port), "--method", method, *extra]
+    if model:
+        cmd += ["--model", model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if requests.get(url + "/health", timeout=1).ok:
+                return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.5)
+    raise SystemExit("server did not start")
+
+
+def stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(120)
+
+
+def one_request(client, model_id, rng, lengths):
+    words = rng.choice(lengths)
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    max_tokens = rng.choice([16, 32, 64])
+    chat, stream = rng.random() < 0.5, rng.random() < 0.5
+    t0 = time.perf_counter()
+    if chat:
+        kw = dict(model=model_id, messages=[{"role": "user", "content": text + "\nSummarize."}],
+                  max_tokens=max_tokens, temperature=0.7, seed=rng.randrange(1000))
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            tokens = chunks[-1].usage.completion_tokens
+        else:
+            tokens = client.chat.completions.create(**kw).usage.completion_tokens
+    else:
+        kw = dict(model=model_id, prompt=text, max_tokens=max_tokens, temperature=0)
+        if stream:
+            chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            tokens = chunks[-1].usage.completion_tokens
+        else:
+            tokens = client.completions.create(**kw).usage.completion_tokens
+    return time.perf_counter() - t0, tokens
+
+
+def load(url, model_id, clients, per_client, seed, lengths):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    errors, latencies, tokens = [], [], 0
+
+    def worker(c):
+        rng = random.Random(seed * 1000 + c)
+        out = []
+        for _ in range(per_client):
+            try:
+                out.append(one_request(client, model_id, rng, lengths))
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(e).__name__}: {e}")
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for out in pool.map(worker, range(clients)):
+            for lat, n in out:
+                latencies.append(lat)
+                tokens += n
+    wall = time.perf_counter() - t0
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else (latencies or [0]) * 99
+    return {"requests": clients * per_client, "errors": len(errors), "error_examples": errors[:3],
+            "p50_s": round(q[49], 2), "p99_s": round(q[98], 2), "completion_tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 1)}
+
+
+def fuzz(url, model_id, count):
+    schema = requests.get(url + "/openapi.json").json()
+    components = schema.get("components", {})
+
+    def body_strategy(name):
+        return from_schema({"$ref": f"#/components/schemas/{name}", "components": components})
+
+    anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+                            max_leaves=8)
+    valid = {"/v1/chat/completions": {"model": model_id, "messages": [{"role": "user", "content": "hello"}],
+                                      "max_tokens": 4},
+             "/v1/completions": {"model": model_id, "prompt": "hello", "max_tokens": 4}}
+
+    @st.composite
+    def mutated(draw):
+        path = draw(st.sampled_from(sorted(valid)))
+        body = dict(valid[path])
+        key = draw(st.sampled_from(sorted(body) + ["temperature", "top_p", "stop", "seed", "stream", "n",
+                                                   "stream_options", "max_completion_tokens"]))
+        if draw(st.booleans()):
+            body[key] = draw(anything)
+        else:
+            body.pop(key, None)
+        return path, body
+
+    schemas = {"/v1/chat/completions": "ChatRequest", "/v1/completions": "CompletionRequest"}
+    from_api = st.sampled_from(sorted(schemas)).flatmap(
+        lambda p: st.tuples(st.just(p), body_strategy(schemas[p])))
+    raw = st.tuples(st.sampled_from(sorted(valid)), anything)
+    statuses, server_errors = {}, []
+
+    @settings(max_examples=count, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(from_api, mutated(), raw))
+    def check(case):
+        path, body = case
+        r = requests.post(url + path, data=json.dumps(body), headers={"Content-Type": "application/json"},
+                          timeout=300)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        if r.status_code >= 500:
+            server_errors.append((path, body, r.text[:200]))
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, r.text
+
+    check()
+    alive = requests.get(url + "/health", timeout=10).ok
+    return {"bodies": sum(statuses.values()), "statuses": dict(sorted(statuses.items())),
+            "server_errors": len(server_errors), "examples": server_errors[:3], "alive_after": alive}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--methods", default="infinigen,full")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=25, help="per client")
+    ap.add_argument("--fuzz", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--words", default="50,200,800,2000", help="prompt lengths in words, drawn per request")
+    args = ap.parse_args()
+    model_id = args.model or "SmolLM2-135M-Instruct"
+    report = {"load": {}}
+    for method in args.methods.split(","):
+        proc, url = start(args.model, method)
+        try:
+            report["load"][method] = load(url, model_id, args.clients, args.requests, args.seed,
+                                          [int(w) for w in args.words.split(",")])
+        finally:
+            status = stop(proc)
+        report["load"][method]["exit_status"] = status
+        print(method, json.dumps(report["load"][method]), flush=True)
+    if args.fuzz:
+        proc, url = start(args.model, args.methods.split(",")[0], ["--max-tokens-limit", "16"])
+        try:
+            report["fuzz"] = fuzz(url, model_id, args.fuzz)
+        finally:
+            status = stop(proc)
+        report["fuzz"]["exit_status"] = status
+        print("fuzz", json.dumps(report["fuzz"]), flush=True)
+    print(json.dumps(report, indent=1))
+    ok = all(r["errors"] == 0 for r in report["load"].values()) and report.get("fuzz", {}).get("server_errors", 0) == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

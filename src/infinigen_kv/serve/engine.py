@@ -1,0 +1,214 @@
+"""The generation engine behind the server: a bounded queue of jobs and one worker thread that runs them in
+batches. Requests that arrive while a batch runs join the next one (ragged prompts left-padded); each job
+streams its text to its own asyncio queue; a cancelled job (client gone) stops counting at the next step
+and the batch ends early once no job in it is live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..baselines import make_cache
+from ..generation import generate
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More jobs waiting than the queue holds (the server answers 503)."""
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None  # ("text", delta) ..., then ("done", finish_reason) or ("error", message)
+    completion_tokens: int = 0
+    cancelled: bool = False
+
+    def emit(self, kind: str, value: str) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
+            self.cancelled = True
+
+
+class TextStream:
+    """Incremental detokenization of one job with stop sequences: text is released only when no stop
+    sequence can still begin inside it, and never with half a UTF-8 character."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop, self.ids, self.sent = tokenizer, stop, [], 0
+        self.text = ""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; returns (text to send now, whether a stop sequence was hit)."""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = text[: min(hits)]
+            return self._release(len(self.text)), True
+        self.text = text
+        safe = len(text) - (1 if text.endswith("\ufffd") else 0)
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
+        return self._release(safe - hold), False
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent : upto], upto
+        return delta
+
+
+class Engine:
+    def __init__(self, model, tokenizer, method: str = "infinigen", options: dict | None = None,
+                 max_batch: int = 8, queue_size: int = 64):
+        self.model, self.tokenizer, self.method = model, tokenizer, method
+        self.options = {**(options or {}), "tokenizer": tokenizer}
+        self.max_batch, self.queue_size = max_batch, queue_size
+        self.device = next(model.parameters()).device
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(self.eos) if self.eos else 0)
+        self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
+        self.pending: collections.deque[Job] = collections.deque()
+        self.running = 0
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0, "pool_bytes": 0}
+        make_cache(method, model, **self.options)  # calibrates now (or loads), not on the first request
+        self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
+        self.thread.start()
+
+    # --- API of the event loop side ----------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        with self.tokenizer_lock:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def submit(self, job: Job) -> Job:
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        with self.cv:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.pending) >= self.queue_size:
+                raise QueueFull(f"queue full ({self.queue_size} requests waiting)")
+            self.pending.append(job)
+            self.cv.notify()
+        return job
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.pending) + self.running
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking jobs, cancel the waiting ones and the running batch, join the worker."""
+        with self.cv:
+            self.stopping = True
+            waiting, self.pending = list(self.pending), collections.deque()
+            self.cv.notify_all()
+        for job in waiting:
+            job.emit("error", "the server is shutting down")
+        self.thread.join(timeout)
+
+    # --- worker thread -----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self.cv:
+                while not self.pending and not self.stopping:
+                    self.cv.wait()
+                if self.stopping:
+                    return
+                batch = []
+                while self.pending and len(batch) < self.max_batch:
+                    job = self.pending.popleft()
+                    if not job.cancelled:
+                        batch.append(job)
+                self.running = len(batch)
+            try:
+                if batch:
+                    self._run(batch)
+            except Exception as e:  # a failed batch fails its jobs, never the server
+                log.exception("generation failed for a batch of %d", len(batch))
+                for job in batch:
+                    job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+            finally:
+                self.running = 0
+
+    def _run(self, batch: list[Job]) -> None:
+        n = max(len(j.prompt_ids) for j in batch)
+        ids = torch.full((len(batch), n), self.pad, dtype=torch.long)  # left-padded (B, n)
+        mask = torch.zeros(len(batch), n, dtype=torch.long)
+        for b, j in enumerate(batch):
+            ids[b, n - len(j.prompt_ids):] = torch.tensor(j.prompt_ids)
+            mask[b, n - len(j.prompt_ids):] = 1
+        streams = [TextStream(self.tokenizer, j.stop) for j in batch]
+        live = [True] * len(batch)
+
+        def finish(b: int, reason: str) -> None:
+            with self.tokenizer_lock:
+                rest = streams[b].flush()
+            if rest:
+                batch[b].emit("text", rest)
+            batch[b].emit("done", reason)
+            live[b] = False
+
+        def on_step(step: int, new: torch.Tensor) -> bool:
+            for b, t in enumerate(new.tolist()):
+                job = batch[b]
+                if not live[b]:
+                    continue
+                if job.cancelled or self.stopping:
+                    live[b] = False
+                    if self.stopping:
+                        job.emit("error", "the server is shutting down")
+                    continue
+                if t in self.eos:
+                    finish(b, "stop")
+                    continue
+                job.completion_tokens += 1
+                with self.tokenizer_lock:
+                    delta, stopped = streams[b].push(t)
+                if delta:
+                    job.emit("text", delta)
+                if stopped:
+                    finish(b, "stop")
+                elif job.completion_tokens >= job.max_tokens:
+                    finish(b, "length")
+            return not any(live)
+
+        cache = make_cache(self.method, self.model, **self.options)
+        t0 = time.perf_counter()
+        r = generate(self.model, ids.to(self.device), mask.to(self.device), cache=cache,
+                     max_new_tokens=max(j.max_tokens for j in batch), temperature=[j.temperature for j in batch],
+                     top_p=[j.top_p for j in batch], seed=[j.seed for j in batch], stop_at_eos=False, on_step=on_step)
+        for b in range(len(batch)):  # rows the loop ended before they finished (cannot happen; be safe)
+            if live[b]:
+                finish(b, "length")
+        stats = getattr(cache, "stats", {})
+        self.last = {"decode_tokens_per_s": r.decode_tokens_per_s, "batch": len(batch),
+                     "fetched_fraction": stats.get("fetched_fraction", 1.0),
+                     "pool_bytes": stats.get("pool_bytes", 0), "seconds": time.perf_counter() - t0}

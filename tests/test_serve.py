@@ -1,0 +1,278 @@
+"""The OpenAI-compatible server, live on loopback (`infinigen serve` in a subprocess), driven with the real
+openai client and with raw HTTP for bad input, disconnects, the API key, the queue bound and SIGTERM."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from conftest import save_tiny
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny"
+
+
+class Server:
+    def __init__(self, model_dir, log, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infinigen_kv.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
+             "--port", str(self.port), "--max-tokens-limit", "900", "--max-body-bytes", "65536", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert self.proc.poll() is None, open(log).read()
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        raise TimeoutError(open(log).read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+    def metric(self, name, headers=None) -> float:
+        text = requests.get(self.url + "/metrics", headers=headers, timeout=5).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("serve-model"), eos_never_greedy=True)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, tmp_path_factory.mktemp("log") / "server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client, **kw):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "The pass key is 12345. Remember it."}],
+                max_tokens=8, temperature=0)
+    return client.chat.completions.create(**{**args, **kw})
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_plain_and_streaming_agree(client):
+    r = chat(client)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    text = r.choices[0].message.content
+    assert isinstance(text, str) and text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_plain_and_streaming(client):
+    r = client.completions.create(model=MODEL, prompt="All that glitters", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model=MODEL, prompt="All that glitters", max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_sequence(client):
+    text = chat(client, max_tokens=30).choices[0].message.content
+    stop = text.strip()[4:7]
+    assert len(stop) == 3
+    want = text[: text.find(stop)]
+    r = chat(client, max_tokens=30, stop=[stop, "\x00never"])
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, max_tokens=30, stop=stop, stream=True))
+    assert streamed == want
+
+
+def test_seeded_sampling_reproducible(client):
+    a, b = (chat(client, temperature=1.0, seed=7, max_tokens=12).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_concurrent_requests_are_all_served(client):
+    out, errors = {}, []
+
+    def ask(i):
+        try:
+            r = client.completions.create(model=MODEL, prompt="The quick brown fox " * (i + 1), max_tokens=4 + i,
+                                          temperature=0)
+            out[i] = r.usage.completion_tokens
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and out == {i: 4 + i for i in range(6)}
+
+
+BAD = [
+    ({"model": MODEL, "messages": "hi"}, 400, "messages"),  # wrong type
+    ({"model": MODEL}, 400, "messages"),  # missing
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1200}]}, 400, "messages"),  # > context
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_input_is_a_4xx_error_json(server, body, status, param):
+    r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_malformed_json_oversized_body_and_unknown_route(server):
+    url = server.url + "/v1/completions"
+    r = requests.post(url, data=b'{"model": "tiny", "prompt": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = requests.post(url, json={"model": MODEL, "prompt": "x" * 70000})
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    r = requests.post(url, data=(b"x" * 10000 for _ in range(10)))  # chunked, no Content-Length
+    assert r.status_code == 413
+    r = requests.post(url, json={"model": MODEL, "prompt": "word " * 1200})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "1024" in r.json()["error"]["message"]
+    r = requests.post(url, json={"model": MODEL, "prompt": [5, 99999]})
+    assert r.status_code == 400
+    assert requests.get(server.url + "/nope").json()["error"]["type"] == "not_found_error"
+    assert requests.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_disconnect_mid_stream_frees_the_place(server, client):
+    before = server.metric("infinigen_cancelled_requests_total")
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0, "stream": True}
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith(b"data: {") for line in got)
+    deadline = time.time() + 20
+    while time.time() < deadline and (server.metric("infinigen_queue_depth") > 0 or
+                                      server.metric("infinigen_cancelled_requests_total") <= before):
+        time.sleep(0.1)
+    assert server.metric("infinigen_cancelled_requests_total") == before + 1
+    assert server.metric("infinigen_queue_depth") == 0
+    assert chat(client, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_metrics(server):
+    text = requests.get(server.url + "/metrics").text
+    for name in ("infinigen_requests_total", "infinigen_prompt_tokens_total", "infinigen_completion_tokens_total",
+                 "infinigen_decode_tokens_per_second", "infinigen_fetched_fraction", "infinigen_queue_depth",
+                 "infinigen_pool_bytes"):
+        assert name in text
+    assert server.metric("infinigen_completion_tokens_total") > 0
+    assert 0 < server.metric("infinigen_fetched_fraction") <= 1
+
+
+def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
+    s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--api-key", "s3cret", "--queue-size", "1",
+               "--max-batch", "1")
+    try:
+        url, key = s.url + "/v1/completions", {"Authorization": "Bearer s3cret"}
+        body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
+        r = requests.post(url, json=body)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert requests.post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(**body).usage.completion_tokens == 5
+
+        # One request runs, one waits (queue size 1): a third is turned away with 503.
+        long = {**body, "max_tokens": 900, "stream": True}
+        running = requests.post(url, json=long, headers=key, stream=True, timeout=60)
+        lines = running.iter_lines()
+        assert next(lines).startswith(b"data: ")
+        waiting = {}
+        t = threading.Thread(target=lambda: waiting.update(r=requests.post(url, json=body, headers=key, timeout=120)))
+        t.start()
+        deadline = time.time() + 20
+        while s.metric("infinigen_queue_depth", key) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        r = requests.post(url, json=body, headers=key)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+
+        # SIGTERM while a stream runs: it is finished (or cancelled) cleanly and the process exits 0.
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [x for x in lines if x]
+        assert rest and rest[-1] == b"data: [DONE]"
+        assert all(json.loads(x[6:]) for x in rest if x.startswith(b"data: {"))
+        t.join(120)
+        assert waiting["r"].status_code in (200, 503)
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
+
+
+def test_text_stream_holds_back_what_may_start_a_stop_sequence():
+    from infinigen_kv.serve.engine import TextStream
+
+    class Chars:  # token id = code point
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    s = TextStream(Chars(), ["END"])
+    out = [s.push(ord(c)) for c in "abENxEND"]
+    assert [d for d, _ in out] == ["a", "b", "", "", "ENx", "", "", ""]
+    assert [hit for _, hit in out] == [False] * 7 + [True] and s.text == "abENx"
+    s = TextStream(Chars(), ["END"])
+    assert [s.push(ord(c))[0] for c in "xE"] == ["x", ""] and s.flush() == "E"  # length end: held text released
+
+
+def test_per_row_seeds_do_not_depend_on_the_batch():
+    import torch
+
+    import infinigen_kv as ig
+    from conftest import tiny_model
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+
+    def run(batch, seeds):
+        return ig.generate(model, batch, cache=ig.make_cache("full", model), max_new_tokens=12, temperature=1.0,
+                           seed=seeds, stop_at_eos=False).tokens
+
+    both = run(ids.repeat(2, 1), [5, 6])
+    assert torch.equal(both[0], run(ids, [5])[0]) and torch.equal(both[1], run(ids, [6])[0])
+    assert not torch.equal(both[0], both[1])
