@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--samples", type=int, default=8, help="prompts per generated task")
     ap.add_argument("--windows", type=int, default=4, help="ppl windows")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variant names")
+    ap.add_argument("--base", default="{}", help='options under every variant, as JSON, e.g. \'{"partial_ratio": 0.5}\'')
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     args = ap.parse_args()
     model, tok = ig.load_model(args.model)
@@ -44,11 +45,11 @@ def main():
     table = {}
     full = run_accuracy(model, tok, ["full"], ["ppl"], [None], args.windows, 0, {}, data=args.data, window=1024,
                         prefix=256)["rows"][0]["value"]
-    print(f"| variant (budget {args.budget}) | ppl (W 1024, P 256, {args.windows} windows; full {full:.2f}) "
+    print(f"| variant of {args.base} (budget {args.budget}) | ppl (W 1024, P 256, {args.windows} windows; full {full:.2f}) "
           f"| niah-4000 | passkey-4000 | fetched |")
     print("|---|---|---|---|---|")
     for name in names:
-        opts = dict(VARIANTS[name])
+        opts = {**json.loads(args.base), **VARIANTS[name]}
         if "calibration_text" in opts:
             opts["calibration_text"] = str(Path(args.data) / opts["calibration_text"])
         rows = run_accuracy(model, tok, ["infinigen"], ["ppl"], [args.budget], args.windows, 0, opts,

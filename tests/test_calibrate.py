@@ -25,7 +25,7 @@ def test_skew_is_orthogonal_and_preserves_scores(tiny_models, svd_calibration):
     qs, ks = collect_qk(model, arch, ids)
     q, k, A = qs[1][: arch.group], ks[1][:1], cal.skew[1, 0]  # query heads of KV head 0
     torch.testing.assert_close((q @ A) @ (k @ A).transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-4, rtol=1e-4)
-    assert cal.channels.shape == (L, G, 4)  # ceil(0.2 x 16)
+    assert cal.channels.shape == (L, G, 8)  # ceil(0.5 x 16)
 
 
 def test_outputs_unchanged_with_skew(tiny_models, svd_calibration):

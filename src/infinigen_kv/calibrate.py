@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .adapters import Arch, get_arch
+from .config import InfiniGenConfig
 
 FORMAT_VERSION = 1
 
@@ -248,7 +249,7 @@ def calibrate(
     model,
     tokenizer=None,
     text_file: str | None = None,
-    partial_ratio: float = 0.2,
+    partial_ratio: float = InfiniGenConfig.partial_ratio,
     channel_rule: str = "qk",
     skew: str = "auto",
     tokens: int = 4096,

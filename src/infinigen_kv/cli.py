@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .config import InfiniGenConfig
 
 
 class CLIError(Exception):
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     c.add_argument("--text-file", default=None, help="calibration text (default: text the model generates itself)")
     c.add_argument("--out", default=None, help="directory to write the calibration file to (default: the user cache)")
-    c.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=0.2)
+    c.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=InfiniGenConfig.partial_ratio)
     c.add_argument("--skew", choices=["auto", "svd", "none"], default="auto")
     c.add_argument("--channel-rule", choices=["q", "qk"], default="qk")
     c.add_argument("--tokens", type=_positive_int, default=4096, help="calibration tokens")
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--data", default=None, help="text for ppl and agreement: a directory such as ../shared/data, or a file")
     a.add_argument("--window", type=_positive_int, default=4096, help="ppl window W (tokens)")
     a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
+    a.add_argument("--windows", type=_positive_int, default=None, help="ppl windows (default: --samples)")
     a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated")
     a.add_argument("--lmeval-tasks", default=None, help="lmeval task: comma-separated lm-eval task names")
     a.add_argument("--lmeval-include", default=None, help="lmeval task: directory of task YAMLs (local data)")
@@ -227,7 +229,6 @@ def cmd_generate(args) -> dict:
 
 def cmd_calibrate(args) -> dict:
     from .calibrate import calibrate, default_path
-    from .config import InfiniGenConfig
 
     if args.text_file is not None and not Path(args.text_file).is_file():
         raise CLIError(f"calibration text file not found: {args.text_file}")
@@ -283,7 +284,8 @@ def cmd_bench_accuracy(args) -> dict:
                "bits": args.quant_bits}
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
-                        new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval)
+                        new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval,
+                        windows=args.windows)
 
 
 def cmd_bench_speed(args) -> dict:

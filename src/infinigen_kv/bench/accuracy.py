@@ -106,31 +106,37 @@ def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, flo
     return first / same.numel(), same.float().mean().item()
 
 
-def run_agreement(model, ids: torch.Tensor, method, budget, options, length, samples, new_tokens, references):
+def run_agreement(model, ids: torch.Tensor, method, budget, options, length, samples, new_tokens, references,
+                  batch: int = 4):
+    """Greedy agreement with the full cache over `samples` prompts of `length` tokens spread over the text,
+    decoded `batch` at a time (equal lengths: no padding)."""
     device = next(model.parameters()).device
+    starts = [(i + 1) * 7919 % max(1, ids.numel() - length) for i in range(samples)]
     prefix = overall = 0.0
     fetched = []
-    for i in range(samples):
-        start = (i + 1) * 7919 % max(1, ids.numel() - length)  # spread the prompts over the text
-        x = ids[start : start + length].view(1, -1).to(device)
-        key = (length, i)
+    for b in range(0, samples, batch):
+        x = torch.stack([ids[s : s + length] for s in starts[b : b + batch]]).to(device)  # (b, length)
+        key = (length, b)
         if key not in references:
             ref = generate(model, x, cache=make_cache("full", model), max_new_tokens=new_tokens, stop_at_eos=False)
-            references[key] = ref.tokens[0]
+            references[key] = ref.tokens
         cache = _cache(model, method, budget, options)
-        out = generate(model, x, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False).tokens[0]
-        p, o = agreement(out, references[key])
-        prefix += p
-        overall += o
+        out = generate(model, x, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False).tokens
+        for i in range(x.shape[0]):
+            p, o = agreement(out[i], references[key][i])
+            prefix += p
+            overall += o
+            print(f"  agreement-{length} {method} budget {budget} sample {b + i}: prefix {p:.2f} overall {o:.2f}",
+                  file=sys.stderr, flush=True)
         fetched.append(_fetched(cache))
-        print(f"  agreement-{length} {method} budget {budget} sample {i}: prefix {p:.2f} overall {o:.2f}",
-              file=sys.stderr, flush=True)
     return prefix / samples, overall / samples, sum(fetched) / len(fetched)
 
 
 def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), data=None,
-                 window=4096, prefix=1024, new_tokens=256, out=None, model_name=None, lmeval=None) -> dict:
-    """lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task."""
+                 window=4096, prefix=1024, new_tokens=256, out=None, model_name=None, lmeval=None,
+                 windows=None) -> dict:
+    """samples: prompts per generated task and length (and ppl windows unless `windows` is given).
+    lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task."""
     if NEEDS_TEXT & set(tasks):
         text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
     options = {**options, "tokenizer": tokenizer}
@@ -144,8 +150,8 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
         for method in methods:
             for budget in (budgets if method in BUDGETED else [None]):
                 if task == "ppl":
-                    ppl, f = run_ppl(model, text_ids, method, budget, options, window, prefix, samples)
-                    row("ppl", method, budget, "perplexity", ppl, samples, f)
+                    ppl, f = run_ppl(model, text_ids, method, budget, options, window, prefix, windows or samples)
+                    row("ppl", method, budget, "perplexity", ppl, windows or samples, f)
                     continue
                 if task == "lmeval":
                     from .lmeval import run_lmeval
