@@ -27,7 +27,7 @@ def cli(*args, ok=True):
 def test_generate_json_contract(tiny_dir, capsys):
     from infinigen_kv.cli import main
 
-    for method in ("infinigen", "full", "hf-dynamic", "quant", "streaming", "h2o"):
+    for method in ("infinigen", "full", "offload", "hf-dynamic", "quant", "streaming", "h2o"):
         assert main(["generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "5", "--method", method,
                      "--batch", "2", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)

@@ -39,6 +39,17 @@ def test_exact_on_gpu(kind):
     assert torch.equal(got, ref)
 
 
+def test_offload_exact_with_pinned_pool_on_gpu():
+    model = tiny_model("llama-gqa").to("cuda")
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ref = model.generate(ids, past_key_values=ig.make_cache("full", model), **kw)
+    cache = ig.make_cache("offload", model)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    assert all(not l.k.data.is_cuda and l.k.data.is_pinned() for l in cache.layers)  # every layer in the pool
+
+
 def test_no_device_wide_synchronize_in_decode(gpu_model, monkeypatch):
     ids, mask = left_padded_batch(lengths=(64, 50))
     cache = ig.make_cache("infinigen", gpu_model, budget=0.2)

@@ -44,6 +44,20 @@ def test_logits_match_full(tiny_models, kind, batch):
     torch.testing.assert_close(ref, hf, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_offload_matches_full(tiny_models, kind):
+    """Full offload moves every valid row every step: the full cache's logits, padding never attended."""
+    model = tiny_models[kind]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    cache = ig.make_cache("offload", model)
+    torch.testing.assert_close(step_logits(model, cache, ids, mask), ref, atol=1e-4, rtol=1e-4)
+    assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
+    assert cache.calibration is None and all(layer.partial is None for layer in cache.layers)
+    rows = sum(l.k.batch * l.k.heads for l in cache.layers)
+    assert cache.stats["bytes_moved"] >= 12 * rows * 31 * (cache.layers[0].k.width * 2 * 4)  # all rows, every step
+
+
 @pytest.mark.parametrize("method", ["h2o", "streaming"])
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "opt"])
 def test_fixed_budget_baselines_exact_when_budget_covers_all(tiny_models, method, kind):

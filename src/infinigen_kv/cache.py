@@ -27,11 +27,22 @@ from .speculate import approx_scores, select
 from .transfer import Scratch, make_transfer
 
 
+def past_keep(attention_mask, n: int):
+    """(B, 1, n) bool of the past positions a decode token may attend (False: padding, user-masked), from
+    the step's mask (B, 1, 1, n + 1) (bool, or additive float with 0 = attend); None when there is none."""
+    if attention_mask is None:
+        return None
+    m = attention_mask[:, :, -1, :n]
+    return m if m.dtype == torch.bool else m == 0
+
+
 class InfiniGenLayer(LogicalLayer):
     def __init__(self, cache: "InfiniGenCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.dense = layer_idx == 0  # no previous layer to speculate from: attends fully, lives on device
+        # Layer 0 has no previous layer to speculate from: it attends fully and lives on the device (InfiniGen).
+        # Without speculation (offload) every layer lives in the pool.
+        self.dense = layer_idx == 0 and cache.speculates
         self.pending = None  # selection for this step, set by the previous layer's speculation
         self.work_mask = None  # (B, G, 1, m + 1) mask of the working set returned by the last update
         self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
@@ -45,8 +56,10 @@ class InfiniGenLayer(LogicalLayer):
         pin = pool_dev.type == "cpu" and on_gpu
         self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin)
         self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin)
-        self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
-        self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev)  # partial key cache, on device
+        self.skew_p = self.partial = None
+        if self.cache.speculates:
+            self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
+            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev)  # partial key cache, on device
         self.scratch = Scratch(dev)
         self.host_scratch = Scratch("cpu", pin=on_gpu)
         self.is_initialized = True
@@ -61,7 +74,8 @@ class InfiniGenLayer(LogicalLayer):
         if pending is not None:
             pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
         transfer.write(self, key_states, value_states)  # the new rows into the pool
-        self.partial.append(torch.matmul(key_states, self.skew_p))  # (B, G, T, p)
+        if self.partial is not None:
+            self.partial.append(torch.matmul(key_states, self.skew_p))  # (B, G, T, p)
         if pending is None or key_states.shape[2] > 1:
             self.work_mask = None
             if past == 0:
@@ -79,7 +93,8 @@ class InfiniGenLayer(LogicalLayer):
     def reset(self) -> None:
         if self.is_initialized:
             for buf in (self.k, self.v, self.partial):
-                buf.reset()
+                if buf is not None:
+                    buf.reset()
         self.pending = self.work_mask = self.selection = None
         self.unflushed = self.copied = self.consumed = None
 
@@ -93,21 +108,24 @@ class InfiniGenCache(Cache):
     installs the speculation hooks and the attention function on the model (once per model)."""
 
     method = "infinigen"
+    speculates = True  # False in subclasses that fetch every row (offload): no calibration, no partial keys
 
     def __init__(self, model, config: InfiniGenConfig | None = None, calibration: Calibration | None = None,
                  tokenizer=None, **overrides):
         self.config = config or InfiniGenConfig(**overrides)
         self.arch = get_arch(model)
-        if calibration is None:
+        if not self.speculates:
+            calibration = None
+        elif calibration is None:
             calibration = load_or_calibrate(model, self.config, tokenizer)
         else:
             calibration.check(model, self.config.partial_ratio)
         self.calibration = calibration
-        self.skew_partial = calibration.skew_partial  # (L, G, d, p)
+        self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.pq_weight = self.pq_bias = None
-        if calibration.pq_weight is not None:
+        if calibration is not None and calibration.pq_weight is not None:
             self.pq_weight = calibration.pq_weight.to(device, dtype)
             self.pq_bias = calibration.pq_bias.to(device, dtype)
         install(model)
@@ -162,20 +180,23 @@ class InfiniGenCache(Cache):
         n = target.partial.length
         q = self.partial_query(nxt, x, rope)
         scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, n)
-        keep = None
-        if attention_mask is not None:  # (B, 1, 1, n + 1): padding and any user masking of past tokens
-            m = attention_mask[:, :, -1, :n]
-            keep = m if m.dtype == torch.bool else m == 0
+        keep = past_keep(attention_mask, n)
         c = self.config
         idx, count = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
+        self._prefetch(target, idx, count, keep, target.partial.width * target.partial.data.element_size())
+
+    def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, count: torch.Tensor, keep, partial_row: int):
+        """Account for the fetch of idx (B, G, m) (first `count` real) and start it."""
         B, G, m = idx.shape
+        n = target.k.length
+        nxt = target.layer_idx
         self._fetched[nxt] += count.sum()
         self._possible[nxt] += keep.sum() * G if keep is not None else B * G * n
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
         row = (target.k.width + target.v.width) * target.k.data.element_size()
-        self._kv_bytes += B * G * (n * target.partial.width * target.partial.data.element_size() + (m + 1) * row)
+        self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
         self.transfer.prefetch(target, idx, count)
 
     def _count_dense(self, layer_idx: int) -> None:

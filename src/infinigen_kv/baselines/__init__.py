@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from .full import FullCache
 from .h2o import H2OCache
+from .offload import OffloadCache
 from .quant import QuantCache
 from .streaming import StreamingCache
 
@@ -27,6 +28,7 @@ METHODS = {
     "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
                                "calibration_text", "channel_rule", "skew", "tokenizer"}),
     "full": (FullCache, set()),
+    "offload": (OffloadCache, set()),
     "quant": (QuantCache, {"bits"}),
     "streaming": (StreamingCache, {"budget", "sink_tokens"}),
     "h2o": (H2OCache, {"budget", "recent_ratio"}),

@@ -1,0 +1,47 @@
+"""`offload`: full offload, FlexGen-style. Every layer's whole K/V lives in the host pool (pinned when a GPU
+computes) and is brought to the compute device at every decode step, the next layer's while this one
+computes: InfiniGen's cache and transfer machinery with the selection replaced by "every valid row" and
+no calibration or partial keys. Layer 0 has no previous layer: it fetches itself in its own pre-hook. On
+CPU it degenerates to one copy of the whole cache per step (what offloading costs where there is no
+device to offload from)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import InfiniGenCache, past_keep
+
+
+class OffloadCache(InfiniGenCache):
+    method = "offload"
+    speculates = False
+
+    def __init__(self, model, **_):
+        super().__init__(model)
+        self._all = None  # (idx, count) of the current step, shared by every layer
+
+    @torch.no_grad()
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
+        if x.shape[1] != 1:
+            return  # prefill attends over the prompt itself
+        if layer_idx == 0:
+            self._all = None
+            self._fetch_all(0, attention_mask)
+        if layer_idx + 1 < len(self.layers):
+            self._fetch_all(layer_idx + 1, attention_mask)
+
+    def _fetch_all(self, nxt: int, attention_mask) -> None:
+        target = self.layers[nxt]
+        if not target.is_initialized:
+            return
+        B, G, n = target.k.batch, target.k.heads, target.k.length
+        keep = past_keep(attention_mask, n)
+        if self._all is None:  # every layer has the same past and mask within a step: order once
+            device = self._fetched.device
+            if keep is None:
+                idx, count = torch.arange(n, device=device).expand(B, G, n), torch.full((B, G), n, device=device)
+            else:  # valid positions first (in order), padding after: the working-set mask covers `count` slots
+                idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices.expand(B, G, n)
+                count = keep.sum(-1).expand(B, G)
+            self._all = (idx.contiguous(), count.contiguous())
+        self._prefetch(target, *self._all, keep, 0)
