@@ -79,3 +79,26 @@ def test_bench_accuracy_needs_data():
     one_line_error(cli("bench", "accuracy", "--tasks", "ppl", ok=False), "pass --data")
     one_line_error(cli("bench", "accuracy", "--tasks", "ppl", "--data", "/no/such/dir", ok=False), "not found")
     one_line_error(cli("bench", "accuracy", "--tasks", "nope", ok=False), "unknown task")
+
+
+def test_bench_speed_contract_floor_and_plots(tmp_path, capsys):
+    from infinigen_kv.cli import main
+
+    model_dir = save_tiny(tmp_path / "model")
+    out = tmp_path / "speed"
+    assert main(["bench", "speed", "--model", model_dir, "--methods", "full,infinigen,offload,h2o", "--batch", "1,2",
+                 "--prompt-len", "48,96", "--new-tokens", "3", "--repeats", "1", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["machine"]["read_bandwidth_gb_s"] > 0 and result["machine"]["device"] == "cpu"
+    rows = result["rows"]
+    assert len(rows) == 4 * 2 * 2
+    for r in rows:
+        assert set(r) >= {"method", "batch", "prompt_len", "new_tokens", "decode_tokens_per_s", "fetched_fraction",
+                          "bytes_read_per_step", "prefill_s", "step_s", "floor_s", "step_over_floor"}
+        assert r["decode_tokens_per_s"] > 0 and r["step_over_floor"] > 0
+        assert r["step_s"] == pytest.approx(r["batch"] / r["decode_tokens_per_s"], rel=1e-2)
+    by = {(r["method"], r["batch"], r["prompt_len"]): r for r in rows}
+    assert by[("offload", 2, 96)]["fetched_fraction"] == 1.0
+    assert by[("infinigen", 2, 96)]["bytes_read_per_step"] < by[("full", 2, 96)]["bytes_read_per_step"]
+    for name in ("speed.json", "speed.md", "speed-batch1.png", "speed-batch2.png"):
+        assert (out / name).is_file(), name

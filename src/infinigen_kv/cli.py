@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
     _add_model_args(s)
     _add_method_args(s, single_method=False)
+    s.set_defaults(methods="full,infinigen,offload,h2o,streaming,quant,hf-dynamic")
     s.add_argument("--batch", type=_int_list, default=[4], help="batch sizes, e.g. 1,4,8")
     s.add_argument("--prompt-len", type=_int_list, default=[4096], help="prompt lengths, e.g. 1024,4096")
     s.add_argument("--new-tokens", type=_positive_int, default=32)

@@ -34,6 +34,21 @@ def memory_bandwidth(device: torch.device, mbytes: int = 512, repeats: int = 5) 
     return x.numel() * 4 / best
 
 
+def h2d_bandwidth(device: torch.device, mbytes: int = 256, repeats: int = 5) -> float:
+    """Host-to-device bandwidth in bytes/s from pinned memory: the best of `repeats` copies."""
+    src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return src.numel() * 4 / best
+
+
 def machine_info(device: torch.device) -> dict:
     cpu = platform.processor()
     try:
@@ -54,6 +69,7 @@ def machine_info(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+        info["h2d_bandwidth_gb_s"] = round(h2d_bandwidth(device) / 1e9, 2)
     return info
 
 
@@ -107,34 +123,81 @@ def run_speed(model, tokenizer, methods, batches, prompt_lens, new_tokens, repea
                     print(f"  B={B} n={n} {method} rep {rep}: {r.decode_tokens_per_s:.2f} tok/s", flush=True,
                           file=sys.stderr)
             for method in methods:
-                res = [r for r, _, _ in runs[method]]
-                stats = runs[method][-1][1]
-                rows.append({
-                    "method": method, "batch": B, "prompt_len": n, "new_tokens": new_tokens,
-                    "decode_tokens_per_s": round(statistics.median(r.decode_tokens_per_s for r in res), 3),
-                    "prefill_s": round(statistics.median(r.prefill_s for r in res), 4),
-                    "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
-                    "bytes_read_per_step": runs[method][-1][2],
-                    "repeats": repeats,
-                })
+                rows.append(summarize(method, B, n, new_tokens, runs[method], machine))
     result = {"model": model_name or "SmolLM2-135M-Instruct", "machine": machine, "options": {
         k: v for k, v in options.items() if k != "tokenizer"}, "rows": rows}
     if out:
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "speed.json").write_text(json.dumps(result, indent=2))
-        (d / "speed.md").write_text(markdown_table(result) + "\n")
+        write_reports(result, Path(out))
     return result
+
+
+def summarize(method, batch, prompt_len, new_tokens, runs, machine) -> dict:
+    """One row from the repeats of one method: medians, and the step time against the bytes floor (the
+    bytes one step must read over the measured read bandwidth; on CUDA also the bytes moved host to
+    device over the measured H2D bandwidth)."""
+    res = [r for r, _, _ in runs]
+    stats, read = runs[-1][1], runs[-1][2]
+    tps = statistics.median(r.decode_tokens_per_s for r in res)
+    step_s = batch / tps if tps > 0 else float("inf")  # every sequence advances one token per step
+    floor_s = read / (machine["read_bandwidth_gb_s"] * 1e9)
+    row = {
+        "method": method, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "decode_tokens_per_s": round(tps, 3),
+        "prefill_s": round(statistics.median(r.prefill_s for r in res), 4),
+        "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
+        "bytes_read_per_step": read,
+        "step_s": round(step_s, 5),
+        "floor_s": round(floor_s, 5),
+        "step_over_floor": round(step_s / floor_s, 3) if floor_s > 0 else None,
+        "repeats": len(runs),
+    }
+    steps = max(res[-1].decode_steps, 1)
+    if "h2d_bandwidth_gb_s" in machine and stats.get("bytes_moved"):
+        row["bytes_moved_per_step"] = stats["bytes_moved"] // steps
+        row["h2d_floor_s"] = round(row["bytes_moved_per_step"] / (machine["h2d_bandwidth_gb_s"] * 1e9), 5)
+    return row
+
+
+def write_reports(result: dict, out: Path) -> list[Path]:
+    """speed.json, speed.md and one PNG per batch size: decode tokens/s vs prompt length, a line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps(result, indent=2))
+    (out / "speed.md").write_text(markdown_table(result) + "\n")
+    written = [out / "speed.json", out / "speed.md"]
+    for B in dict.fromkeys(r["batch"] for r in result["rows"]):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for method in dict.fromkeys(r["method"] for r in result["rows"]):
+            pts = sorted((r["prompt_len"], r["decode_tokens_per_s"]) for r in result["rows"]
+                         if r["batch"] == B and r["method"] == method)
+            ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"batch {B}, {result['machine']['device']}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"speed-batch{B}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def markdown_table(result: dict) -> str:
     """Rows with each method's speed-up over `full` at the same (batch, prompt length)."""
     base = {(r["batch"], r["prompt_len"]): r["decode_tokens_per_s"] for r in result["rows"] if r["method"] == "full"}
-    lines = ["| method | batch | prompt | decode tok/s | vs full | prefill s | fetched | MB read/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | prompt | decode tok/s | vs full | prefill s | fetched | MB read/step | step / floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ref = base.get((r["batch"], r["prompt_len"]))
         ratio = f"{r['decode_tokens_per_s'] / ref:.2f}x" if ref else "-"
+        floor = f"{r['step_over_floor']:.2f}" if r.get("step_over_floor") else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['prompt_len']} | {r['decode_tokens_per_s']:.2f} | {ratio} | "
-                     f"{r['prefill_s']:.2f} | {r['fetched_fraction']:.3f} | {r['bytes_read_per_step'] / 1e6:.0f} |")
+                     f"{r['prefill_s']:.2f} | {r['fetched_fraction']:.3f} | {r['bytes_read_per_step'] / 1e6:.0f} | "
+                     f"{floor} |")
     return "\n".join(lines)
