@@ -50,7 +50,7 @@ def test_calibrate_writes_file_and_generate_uses_it(tiny_dir, tmp_path, capsys):
     assert main(["calibrate", "--model", tiny_dir, "--text-file", str(text), "--out", str(tmp_path), "--tokens",
                  "512", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert os.path.isfile(out["path"]) and out["text"] == "file:calib.txt" and out["partial_channels"] == 4
+    assert os.path.isfile(out["path"]) and out["text"] == "file:calib.txt" and out["partial_channels"] == 8  # ceil(0.5 x 16)
     assert main(["generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "3", "--calibration",
                  out["path"], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["method"] == "infinigen"

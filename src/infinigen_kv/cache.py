@@ -22,7 +22,7 @@ from .attention import install
 from .calibrate import Calibration, load_or_calibrate
 from .config import InfiniGenConfig
 from .layer import LogicalLayer
-from .pool import RowBuffer
+from .pool import RowBuffer, Slots
 from .speculate import approx_scores, select
 from .transfer import Scratch, make_transfer
 
@@ -47,6 +47,10 @@ class InfiniGenLayer(LogicalLayer):
         self.work_mask = None  # (B, G, 1, m + 1) mask of the working set returned by the last update
         self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
         self.unflushed = self.copied = self.consumed = None  # CUDA-path state (see transfer.py)
+        self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
+        self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
+        self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
+        self.new_slot = None  # where the last token went: an int (appended) or (B, G) (overwrote a victim)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
@@ -54,12 +58,18 @@ class InfiniGenLayer(LogicalLayer):
         on_gpu = dev.type == "cuda"
         pool_dev = dev if (self.dense or not on_gpu) else torch.device("cpu")
         pin = pool_dev.type == "cpu" and on_gpu
-        self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin)
-        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin)
+        c = self.cache.config
+        if self.cache.speculates and not self.dense and (c.capacity is not None or c.capacity_bytes is not None):
+            self.slots = Slots(B, G, dev, c.eviction)
+            if c.capacity_bytes is not None:
+                row = G * (d + value_states.shape[-1]) * key_states.element_size()  # one token, all KV heads
+                self.max_rows = max(1, c.capacity_bytes // row)
+        self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin, max_rows=self.max_rows)
+        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin, max_rows=self.max_rows)
         self.skew_p = self.partial = None
         if self.cache.speculates:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
-            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev)  # partial key cache, on device
+            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev, max_rows=self.max_rows)
         self.scratch = Scratch(dev)
         self.host_scratch = Scratch("cpu", pin=on_gpu)
         self.is_initialized = True
@@ -69,14 +79,16 @@ class InfiniGenLayer(LogicalLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         transfer = self.cache.transfer
-        past = self.k.length
+        past, T = self.seen, key_states.shape[2]
         pending, self.pending = self.pending, None
         if pending is not None:
             pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
-        transfer.write(self, key_states, value_states)  # the new rows into the pool
-        if self.partial is not None:
-            self.partial.append(torch.matmul(key_states, self.skew_p))  # (B, G, T, p)
-        if pending is None or key_states.shape[2] > 1:
+        if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
+            raise NotImplementedError("a pool that has evicted entries serves one decode token per step: "
+                                      "make a new cache per prompt")
+        self.store(key_states, value_states)
+        self.seen += T
+        if pending is None or T > 1:
             self.work_mask = None
             if past == 0:
                 return key_states, value_states  # prefill: attend over the prompt itself
@@ -87,10 +99,47 @@ class InfiniGenLayer(LogicalLayer):
         self.selection = pending[0]
         return K, V
 
+    def limit(self, seen: int) -> int | None:
+        """Entries the pool may hold per (sequence, KV head) after `seen` tokens (None: no limit)."""
+        if self.slots is None:
+            return None
+        c = self.cache.config
+        limits = [self.max_rows] if self.max_rows is not None else []
+        if c.capacity is not None:
+            limits.append(max(1, int(c.capacity * seen)))
+        return min(limits)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new rows k, v (B, G, T, d) into the pool and their skewed channels into the partial key
+        cache; a full pool overwrites the slot its eviction policy names (one per new token), and a
+        prefill larger than the pool keeps its most recent tokens."""
+        transfer, past, T = self.cache.transfer, self.seen, k.shape[2]
+        limit = self.limit(past + T)
+        if limit is not None and T == 1 and self.k.length + 1 > limit:
+            slot = self.slots.victim()  # (B, G)
+            transfer.write(self, k, v, slot)
+            self.partial.put(slot, torch.matmul(k, self.skew_p))
+            self.slots.replace(slot, past)
+            self.new_slot = slot
+            return
+        if limit is not None and self.k.length + T > limit:  # only a first prefill gets here (see update)
+            drop = self.k.length + T - limit
+            k, v, past, T = k[:, :, drop:], v[:, :, drop:], past + drop, T - drop
+            self.slots.evicted += drop
+        transfer.write(self, k, v)
+        if self.partial is not None:
+            self.partial.append(torch.matmul(k, self.skew_p))  # (B, G, T, p)
+        if self.slots is not None:
+            self.slots.append(past, T)
+        self.new_slot = self.k.length - 1
+
     def get_seq_length(self) -> int:
-        return self.k.length if self.is_initialized else 0
+        return self.seen if self.is_initialized else 0
 
     def reset(self) -> None:
+        self.seen = 0
+        if self.slots is not None:
+            self.slots.reset()
         if self.is_initialized:
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
@@ -177,10 +226,12 @@ class InfiniGenCache(Cache):
         target = self.layers[nxt]
         if not target.is_initialized:
             return
-        n = target.partial.length
         q = self.partial_query(nxt, x, rope)
-        scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, n)
-        keep = past_keep(attention_mask, n)
+        scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, slots)
+        keep = past_keep(attention_mask, target.seen)  # (B, 1, seen) over positions
+        if keep is not None and target.slots is not None and target.slots.evicted:
+            B, G = scores.shape[:2]
+            keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = self.config
         idx, count = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
         self._prefetch(target, idx, count, keep, target.partial.width * target.partial.data.element_size())
@@ -191,10 +242,12 @@ class InfiniGenCache(Cache):
         n = target.k.length
         nxt = target.layer_idx
         self._fetched[nxt] += count.sum()
-        self._possible[nxt] += keep.sum() * G if keep is not None else B * G * n
+        self._possible[nxt] += keep.sum() * (G // keep.shape[1]) if keep is not None else B * G * n
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
+        if target.slots is not None:
+            target.slots.record(idx, count)
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
         self.transfer.prefetch(target, idx, count)
@@ -212,6 +265,8 @@ class InfiniGenCache(Cache):
     def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
         """True attention of q (B, G, r, d) over the whole pool; add the mass on the fetched rows."""
         layer = self.layers[layer_idx]
+        if layer.slots is not None and layer.slots.evicted:
+            return  # positions no longer match the slots: the diagnostic measures unevicted pools only
         self.transfer.flush(layer)
         K = layer.k.valid().to(q.device)  # (B, G, n + 1, d)
         s = torch.matmul(q.float(), K.float().transpose(-1, -2)) * scaling  # (B, G, r, n + 1)

@@ -49,6 +49,27 @@ def _positive_int(text):
     return v
 
 
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _capacity(text):
+    """A fraction of the tokens seen in (0, 1], or a byte limit with a unit (e.g. 512MiB, 2GB)."""
+    t = text.strip().lower()
+    unit = next((u for u in sorted(UNITS, key=len, reverse=True) if t.endswith(u)), None)
+    try:
+        if unit is not None:
+            n = int(float(t[: -len(unit)]) * UNITS[unit])
+            if n < 1:
+                raise ValueError
+            return ("bytes", n)
+        v = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"capacity must be a fraction in (0, 1] or a size like 512MiB, got {text!r}")
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"capacity must be a fraction in (0, 1] or a size like 512MiB, got {text}")
+    return ("fraction", v)
+
+
 def _port(text):
     v = _positive_int(text)
     if v > 65535:
@@ -85,6 +106,10 @@ def _add_method_args(p, single_method=True, budget_list=False):
         p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
+    p.add_argument("--capacity", type=_capacity, default=None,
+                   help="InfiniGen pool limit per layer and sequence: a fraction of the tokens seen, or bytes (512MiB)")
+    p.add_argument("--eviction", choices=["fifo", "lru", "counter"], default=None,
+                   help="what a full pool evicts (default: counter)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,8 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _method_options(args) -> dict:
+    kind, value = args.capacity or (None, None)
     return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
-            "calibration": args.calibration, "bits": args.quant_bits}
+            "calibration": args.calibration, "bits": args.quant_bits, "eviction": args.eviction,
+            "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
 
 
 def _load(args):
@@ -281,8 +308,7 @@ def cmd_bench_accuracy(args) -> dict:
     if args.prefix >= args.window:
         raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
     model, tok = _load(args)
-    options = {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "calibration": args.calibration,
-               "bits": args.quant_bits}
+    options = {k: v for k, v in _method_options(args).items() if k != "budget"}
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
                         new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval,

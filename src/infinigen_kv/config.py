@@ -35,6 +35,14 @@ class InfiniGenConfig:
     # channel_rule: how partial channels are ranked: "q" (|Q| summed, the paper's code) or "qk"
     # (mean|Q| x mean|K|, which predicted attention better on our measurements).
     channel_rule: str = "qk"
+    # capacity: the host pool keeps at most capacity x (tokens seen) entries per layer and sequence; None =
+    # every entry. capacity_bytes: the same as a byte limit of the K+V rows per layer and sequence. When the
+    # pool is full each new token overwrites one entry chosen by `eviction`: "fifo" (oldest), "lru" (least
+    # recently fetched) or "counter" (fewest fetches; the paper's default). Evicted entries are gone for good.
+    # Layer 0 attends fully from the device and is not limited.
+    capacity: float | None = None
+    capacity_bytes: int | None = None
+    eviction: str = "counter"
     # skew: "svd" (the paper's skewing matrices), "none" (raw channels), or "auto": "none" for RoPE
     # models, where it measured better, and "svd" for models without RoPE (OPT).
     skew: str = "auto"
@@ -50,6 +58,12 @@ class InfiniGenConfig:
             raise ConfigError(f"gqa_combine must be 'max' or 'mean', got {self.gqa_combine!r}")
         if self.skew not in ("auto", "svd", "none"):
             raise ConfigError(f"skew must be 'auto', 'svd' or 'none', got {self.skew!r}")
+        if self.capacity is not None:
+            check_fraction("capacity", self.capacity)
+        if self.capacity_bytes is not None and not (isinstance(self.capacity_bytes, int) and self.capacity_bytes > 0):
+            raise ConfigError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
+        if self.eviction not in ("fifo", "lru", "counter"):
+            raise ConfigError(f"eviction must be 'fifo', 'lru' or 'counter', got {self.eviction!r}")
         if self.channel_rule not in ("q", "qk"):
             raise ConfigError(f"channel_rule must be 'q' or 'qk', got {self.channel_rule!r}")
 

@@ -1,8 +1,14 @@
-"""Row buffers: per-(sequence, head) rows that grow in large chunks, and the gather of selected rows.
+"""Row buffers: per-(sequence, head) rows that grow in large chunks, and the gather of selected rows; the
+pool's capacity and eviction policies.
 
 `RowBuffer` is the storage behind every cache here: the host KV pool of InfiniGen (pinned when a CUDA
 device computes), its partial key cache, and the preallocated full cache. Rows [0, length) are valid;
 the buffer grows geometrically in chunks, never per step, so appending a token is one small copy.
+
+`Slots`: once a pool has a capacity, a slot no longer means a position. Per (sequence, KV head) it
+records the logical position each slot holds and how often / when it was last fetched, and names the
+slot to overwrite when a new token arrives at a full pool: `fifo` (oldest position), `lru` (least
+recently fetched) or `counter` (fewest fetches, the paper's default), ties to the oldest.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ CHUNK = 1024  # rows; growth is at least this and at least 50% of the current ca
 class RowBuffer:
     """A (B, G, capacity, width) tensor whose first `length` rows along dim 2 are valid."""
 
-    def __init__(self, batch: int, heads: int, width: int, dtype, device, pin: bool = False):
+    def __init__(self, batch: int, heads: int, width: int, dtype, device, pin: bool = False,
+                 max_rows: int | None = None):
         self.batch, self.heads, self.width = batch, heads, width
         self.dtype, self.device, self.pin = dtype, torch.device(device), pin
+        self.max_rows = max_rows  # never allocate more rows than this (a byte-limited pool)
         self.length = 0
         self.data = self._alloc(0)
 
@@ -39,6 +47,10 @@ class RowBuffer:
             return
         capacity = max(rows, self.capacity + max(CHUNK, self.capacity // 2))
         capacity = -(-capacity // CHUNK) * CHUNK
+        if self.max_rows is not None:
+            if rows > self.max_rows:
+                raise ValueError(f"{rows} rows asked of a buffer limited to {self.max_rows}")
+            capacity = min(capacity, self.max_rows)
         data = self._alloc(capacity)
         data[:, :, : self.length].copy_(self.data[:, :, : self.length])
         self.data = data
@@ -81,5 +93,76 @@ class RowBuffer:
         """Rows at positions idx (B, G, m) of each (sequence, head): (B, G, m, width)."""
         return self.gather_flat(idx + self.row_base(idx.device), out)
 
+    def put(self, slot: torch.Tensor, x: torch.Tensor) -> None:
+        """Overwrite one row per (sequence, head): x (B, G, 1, width) at slots slot (B, G)."""
+        rows = (slot.unsqueeze(-1).to(self.device) + self.row_base()).view(-1)
+        self.data.view(-1, self.width).index_copy_(0, rows, x.reshape(-1, self.width).to(self.device))
+
+    def drop_front(self, k: int) -> None:
+        """Forget the first k valid rows (the oldest), moving the others to the front."""
+        keep = self.length - k
+        self.data[:, :, :keep] = self.data[:, :, k : self.length].clone()
+        self.length = keep
+
     def reset(self) -> None:
         self.length = 0
+
+
+POLICIES = ("fifo", "lru", "counter")
+
+
+class Slots:
+    """Position and fetch statistics of every slot of one layer's pool, on the compute device: pos, hits
+    and last fetch step, each (B, G, S)."""
+
+    def __init__(self, batch: int, heads: int, device, policy: str):
+        if policy not in POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.pos = RowBuffer(batch, heads, 1, torch.int64, device)
+        self.hits = RowBuffer(batch, heads, 1, torch.int64, device)
+        self.last = RowBuffer(batch, heads, 1, torch.int64, device)
+        self.step = 0
+        self.evicted = 0  # entries evicted so far per (sequence, head)
+
+    def append(self, start: int, T: int) -> None:
+        """T new tokens at logical positions start..start+T-1, in new slots at the end."""
+        B, G = self.pos.batch, self.pos.heads
+        pos = torch.arange(start, start + T, device=self.pos.device).view(1, 1, T, 1).expand(B, G, T, 1)
+        self.pos.append(pos)
+        self.hits.append(torch.zeros_like(pos))
+        self.last.append(torch.full_like(pos, -1))
+
+    def drop_front(self, k: int) -> None:
+        for buf in (self.pos, self.hits, self.last):
+            buf.drop_front(k)
+        self.evicted += k
+
+    def record(self, idx: torch.Tensor, count: torch.Tensor) -> None:
+        """The prefetch of this step fetched slots idx (B, G, m), the first count (B, G) of them real."""
+        self.step += 1
+        real = torch.arange(idx.shape[-1], device=idx.device) < count.unsqueeze(-1)  # (B, G, m)
+        hits, last = self.hits.valid()[..., 0], self.last.valid()[..., 0]  # (B, G, S) views
+        hits.scatter_add_(-1, idx, real.long())
+        last.scatter_(-1, idx, torch.where(real, self.step, last.gather(-1, idx)))
+
+    def victim(self) -> torch.Tensor:
+        """(B, G): the slot to overwrite by the policy, ties broken towards the oldest position."""
+        pos = self.pos.valid()[..., 0]
+        if self.policy == "fifo":
+            key = pos
+        else:
+            stat = self.hits.valid()[..., 0] if self.policy == "counter" else self.last.valid()[..., 0]
+            key = stat * (1 << 32) + pos  # positions < 2^32
+        return key.argmin(-1)
+
+    def replace(self, slot: torch.Tensor, position: int) -> None:
+        """A new token at `position` now lives in slot (B, G)."""
+        for buf, value in ((self.pos, position), (self.hits, 0), (self.last, -1)):
+            buf.valid()[..., 0].scatter_(-1, slot.unsqueeze(-1), value)
+        self.evicted += 1
+
+    def reset(self) -> None:
+        for buf in (self.pos, self.hits, self.last):
+            buf.reset()
+        self.step = self.evicted = 0

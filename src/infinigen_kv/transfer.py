@@ -55,9 +55,14 @@ class DirectTransfer:
         """-> (idx, count, fetched rows or None) once the prefetch of `layer` is complete."""
         return pending[0], pending[1], None
 
-    def write(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
-        layer.k.append(k)
-        layer.v.append(v)
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
+        """New rows into the pool: appended, or one decode row over slots slot (B, G) of a full pool."""
+        if slot is None:
+            layer.k.append(k)
+            layer.v.append(v)
+        else:
+            layer.k.put(slot, k)
+            layer.v.put(slot, v)
 
     def fetch(self, layer, ready, k_new: torch.Tensor, v_new: torch.Tensor):
         """-> K, V (B, G, m + 1, d): [new token, fetched rows], and their mask (B, G, 1, m + 1).
@@ -66,7 +71,8 @@ class DirectTransfer:
         B, G, m = idx.shape
         base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
-        torch.add(base, layer.k.length - 1, out=rows[:, :, :1])  # the new token's row
+        new = layer.new_slot if isinstance(layer.new_slot, int) else layer.new_slot.unsqueeze(-1)
+        torch.add(base, new, out=rows[:, :, :1])  # the new token's row
         torch.add(idx, base, out=rows[:, :, 1:])
         K = layer.k.gather_flat(rows, out=layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype))
         V = layer.v.gather_flat(rows, out=layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype))
@@ -126,37 +132,45 @@ class CudaTransfer:
         torch.cuda.current_stream(self.device).wait_event(done)  # the GPU waits on this copy only
         return idx, count, (dk, dv)
 
-    def write(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """New rows into the pool. A decode row goes device -> contiguous pinned staging asynchronously
-        (a strided pinned destination would make the copy blocking); the worker moves it into the pool
-        (`flush`) before its next gather of this layer."""
+        (a strided pinned destination would make the copy blocking), with its target slots (B, G) when it
+        overwrites evicted entries; the worker moves it into the pool (`flush`) before its next gather of
+        this layer."""
         if layer.k.device.type != "cpu" or k.shape[2] > 1:  # device-resident layer, or prefill
             self.flush(layer)
-            layer.k.append(k)
-            layer.v.append(v)
+            DirectTransfer.write(self, layer, k, v, slot)
             return
         self.flush(layer)  # at most one row in flight per layer
         sk = layer.host_scratch.get("new_k", k.shape, k.dtype)
         sv = layer.host_scratch.get("new_v", v.shape, v.dtype)
         sk.copy_(k, non_blocking=True)
         sv.copy_(v, non_blocking=True)
+        if slot is None:
+            target = layer.k.length
+            layer.k.reserve(target + 1)
+            layer.v.reserve(target + 1)
+            layer.k.length += 1
+            layer.v.length += 1
+        else:
+            target = layer.host_scratch.get("slot", slot.shape, slot.dtype)
+            target.copy_(slot, non_blocking=True)
         written = torch.cuda.Event()
         written.record()
-        pos = layer.k.length
-        layer.k.reserve(pos + 1)
-        layer.v.reserve(pos + 1)
-        layer.k.length += 1
-        layer.v.length += 1
-        layer.unflushed = (written, sk, sv, pos)
+        layer.unflushed = (written, sk, sv, target)
 
     @staticmethod
     def flush(layer) -> None:
         if layer.unflushed is None:
             return
-        written, sk, sv, pos = layer.unflushed
-        written.synchronize()  # this event only: the row has landed in pinned memory
-        layer.k.data[:, :, pos : pos + 1].copy_(sk)
-        layer.v.data[:, :, pos : pos + 1].copy_(sv)
+        written, sk, sv, target = layer.unflushed
+        written.synchronize()  # this event only: the row (and its slots) have landed in pinned memory
+        if isinstance(target, int):
+            layer.k.data[:, :, target : target + 1].copy_(sk)
+            layer.v.data[:, :, target : target + 1].copy_(sv)
+        else:
+            layer.k.put(target, sk)
+            layer.v.put(target, sv)
         layer.unflushed = None
 
     def fetch(self, layer, ready, k_new, v_new):

@@ -26,7 +26,8 @@ def _hf_dynamic(model, **_):
 # name -> (factory, options it takes)
 METHODS = {
     "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
-                               "calibration_text", "channel_rule", "skew", "tokenizer"}),
+                               "calibration_text", "channel_rule", "skew", "tokenizer", "capacity",
+                               "capacity_bytes", "eviction"}),
     "full": (FullCache, set()),
     "offload": (OffloadCache, set()),
     "quant": (QuantCache, {"bits"}),

@@ -1,0 +1,92 @@
+"""Pool capacity and eviction: the pool never holds more than its capacity, each policy evicts what it says,
+a capacity that covers everything changes nothing."""
+
+import math
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.pool import Slots
+from conftest import left_padded_batch
+from test_exactness import EXACT, step_logits
+
+
+def test_policies_pick_their_victims():
+    s = Slots(1, 2, "cpu", "fifo")
+    s.append(0, 5)  # positions 0..4 in slots 0..4
+    s.record(torch.tensor([[[4, 3, 0], [1, 2, 0]]]), torch.tensor([[3, 2]]))  # head 1: slot 0 padding only
+    s.record(torch.tensor([[[4, 0, 0], [1, 0, 0]]]), torch.tensor([[1, 1]]))
+    assert s.hits.valid()[0, :, :, 0].tolist() == [[1, 0, 0, 1, 2], [0, 2, 1, 0, 0]]
+    assert s.victim().tolist() == [[0, 0]]  # fifo: the oldest position
+    s.policy = "counter"
+    assert s.victim().tolist() == [[1, 0]]  # fewest fetches, ties to the oldest
+    s.policy = "lru"
+    assert s.victim().tolist() == [[1, 0]]  # never fetched first, then the least recent
+    s.replace(torch.tensor([[1, 0]]), 5)
+    assert s.pos.valid()[0, :, :, 0].tolist() == [[0, 5, 2, 3, 4], [5, 1, 2, 3, 4]]
+    assert s.victim().tolist() == [[2, 3]]  # head 0: slot 2 (never fetched, oldest); head 1: slot 3 (pos 3 < 4)
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "lru", "counter"])
+def test_pool_never_exceeds_capacity(tiny_models, eviction):
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    cache = ig.make_cache("infinigen", model, budget=0.3, capacity=0.5, eviction=eviction)
+    out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=20, stop_at_eos=False)
+    assert out.tokens.shape == (3, 20)
+    seen = 48 + 19  # the last token is sampled, not fed
+    for layer in cache.layers[1:]:
+        assert layer.seen == seen and layer.get_seq_length() == seen
+        assert layer.k.length == math.floor(0.5 * seen) == layer.partial.length == layer.slots.pos.length
+        pos = layer.slots.pos.valid()[..., 0]
+        assert int(pos.max()) == seen - 1  # the newest token is always kept
+        assert (pos.sort(-1).values.diff(dim=-1) > 0).all()  # each position at most once per (sequence, head)
+    assert cache.layers[0].k.length == seen  # layer 0 attends fully from the device: not limited
+
+
+def test_byte_capacity_bounds_the_allocation(tiny_models):
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40))
+    G, d = 2, 16
+    limit = 30 * G * 2 * d * 4  # 30 rows of K+V per sequence and layer, float32
+    cache = ig.make_cache("infinigen", model, budget=0.5, capacity_bytes=limit)
+    ig.generate(model, ids, mask, cache=cache, max_new_tokens=10, stop_at_eos=False)
+    for layer in cache.layers[1:]:
+        assert layer.k.length == 30 and layer.nbytes <= 2 * limit  # two sequences
+    assert cache.stats["pool_bytes"] <= cache.layers[0].nbytes + (len(cache.layers) - 1) * 2 * limit
+
+
+def test_capacity_one_is_exact(tiny_models):
+    """capacity 1.0 never evicts: the full cache's logits with everything fetched."""
+    model = tiny_models["qwen2"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    got = step_logits(model, ig.make_cache("infinigen", model, capacity=1.0, eviction="lru", **EXACT), ids, mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fifo_keeps_the_newest_window(tiny_models):
+    """FIFO at capacity 0.8: each pool holds exactly the newest floor(0.8 x seen) positions, and decoding
+    over it (everything it holds fetched) stays finite."""
+    model = tiny_models["llama-mha"]
+    ids, mask = left_padded_batch(lengths=(40,))
+    cache = ig.make_cache("infinigen", model, capacity=0.8, eviction="fifo", **EXACT)
+    got = step_logits(model, cache, ids, mask, steps=6)
+    assert torch.isfinite(got).all()
+    layer = cache.layers[2]
+    assert layer.slots.evicted > 0 and layer.k.length == int(0.8 * layer.seen)
+    # fifo keeps a contiguous window of the newest positions
+    pos = layer.slots.pos.valid()[0, 0, :, 0].sort().values
+    assert pos.tolist() == list(range(layer.seen - layer.k.length, layer.seen))
+
+
+def test_config_and_cli_validate_capacity():
+    with pytest.raises(ig.ConfigError, match="capacity"):
+        ig.InfiniGenConfig(capacity=1.5)
+    with pytest.raises(ig.ConfigError, match="eviction"):
+        ig.InfiniGenConfig(eviction="random")
+    from infinigen_kv.cli import _capacity
+
+    assert _capacity("0.5") == ("fraction", 0.5) and _capacity("512MiB") == ("bytes", 512 * 2**20)
+    assert _capacity("2GB") == ("bytes", 2 * 10**9)
