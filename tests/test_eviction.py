@@ -90,3 +90,29 @@ def test_config_and_cli_validate_capacity():
 
     assert _capacity("0.5") == ("fraction", 0.5) and _capacity("512MiB") == ("bytes", 512 * 2**20)
     assert _capacity("2GB") == ("bytes", 2 * 10**9)
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "counter"])
+def test_victim_fetched_this_step_is_attended_not_the_new_token_twice(tiny_models, eviction):
+    """Everything fetched, pool full: the victim is always among the selected rows. The working set must be
+    [new token, the rows as they were], never the new token twice."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(40, 33))
+    cache = ig.make_cache("infinigen", model, capacity=0.7, eviction=eviction, **EXACT)
+    sets = []
+    layer = cache.layers[2]
+    update = layer.update
+
+    def spy(k, v, *a, **kw):
+        K, V = update(k, v, *a, **kw)
+        if k.shape[2] == 1:
+            sets.append((K.clone(), layer.work_mask.clone()))
+        return K, V
+
+    layer.update = spy
+    step_logits(model, cache, ids, mask, steps=5)
+    assert layer.slots.evicted > 0 and len(sets) == 5
+    for K, m in sets:
+        new, rest = K[:, :, :1], K[:, :, 1:]
+        same = (rest - new).abs().amax(-1) < 1e-6  # (B, G, m)
+        assert not (same & m[:, :, 0, 1:]).any()

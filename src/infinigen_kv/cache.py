@@ -86,6 +86,14 @@ class InfiniGenLayer(LogicalLayer):
         if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
             raise NotImplementedError("a pool that has evicted entries serves one decode token per step: "
                                       "make a new cache per prompt")
+        if pending is not None and T == 1 and self.evicts_next():
+            # a full pool: fetch before the new token overwrites a victim, which may be among the selected
+            self.new_slot = None
+            K, V, self.work_mask = transfer.fetch(self, pending, key_states, value_states)
+            self.selection = pending[0]
+            self.store(key_states, value_states)
+            self.seen += T
+            return K, V
         self.store(key_states, value_states)
         self.seen += T
         if pending is None or T > 1:
@@ -108,6 +116,11 @@ class InfiniGenLayer(LogicalLayer):
         if c.capacity is not None:
             limits.append(max(1, int(c.capacity * seen)))
         return min(limits)
+
+    def evicts_next(self) -> bool:
+        """Whether one more token makes the pool overwrite an entry."""
+        limit = self.limit(self.seen + 1)
+        return limit is not None and self.k.length + 1 > limit
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new rows k, v (B, G, T, d) into the pool and their skewed channels into the partial key

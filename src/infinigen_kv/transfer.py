@@ -69,6 +69,12 @@ class DirectTransfer:
         The pool already holds the new token; one index_select per tensor takes all of it."""
         idx, count, _ = ready
         B, G, m = idx.shape
+        if layer.new_slot is None:  # a full pool, before the new token overwrites a victim: gather, then join
+            K = layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
+            V = layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
+            torch.cat([k_new, layer.k.gather(idx)], dim=2, out=K)
+            torch.cat([v_new, layer.v.gather(idx)], dim=2, out=V)
+            return K, V, work_mask(count, m)
         base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
         new = layer.new_slot if isinstance(layer.new_slot, int) else layer.new_slot.unsqueeze(-1)
