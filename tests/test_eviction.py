@@ -116,3 +116,22 @@ def test_victim_fetched_this_step_is_attended_not_the_new_token_twice(tiny_model
         new, rest = K[:, :, :1], K[:, :, 1:]
         same = (rest - new).abs().amax(-1) < 1e-6  # (B, G, m)
         assert not (same & m[:, :, 0, 1:]).any()
+
+
+def test_device_map_per_layer_devices(tmp_path):
+    """A model dispatched by accelerate with a per-module device map (all CPU here; several GPUs in use):
+    the cache keeps each layer's state on that layer's device and stays exact."""
+    from conftest import save_tiny
+
+    model_dir = save_tiny(tmp_path / "m")
+    n = 4
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "cpu" for i in range(n)}}
+    model, _ = ig.load_model(model_dir, device_map=device_map)
+    ids, mask = left_padded_batch(lengths=(40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask, steps=4)
+    cache = ig.make_cache("infinigen", model, **EXACT)
+    torch.testing.assert_close(step_logits(model, cache, ids, mask, steps=4), ref, atol=1e-4, rtol=1e-4)
+    for i, layer in enumerate(cache.layers):
+        assert layer.device == model.model.layers[i].self_attn.q_proj.weight.device
+        assert layer.transfer is cache.transfer_for(layer.device)

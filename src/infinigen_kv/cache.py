@@ -27,12 +27,13 @@ from .speculate import approx_scores, select
 from .transfer import Scratch, make_transfer
 
 
-def past_keep(attention_mask, n: int):
+def past_keep(attention_mask, n: int, device=None):
     """(B, 1, n) bool of the past positions a decode token may attend (False: padding, user-masked), from
-    the step's mask (B, 1, 1, n + 1) (bool, or additive float with 0 = attend); None when there is none."""
+    the step's mask (B, 1, 1, n + 1) (bool, or additive float with 0 = attend), on `device`; None when
+    there is none."""
     if attention_mask is None:
         return None
-    m = attention_mask[:, :, -1, :n]
+    m = attention_mask[:, :, -1, :n].to(device or attention_mask.device, non_blocking=True)
     return m if m.dtype == torch.bool else m == 0
 
 
@@ -70,6 +71,8 @@ class InfiniGenLayer(LogicalLayer):
         if self.cache.speculates:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
             self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev, max_rows=self.max_rows)
+        self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
+        self.transfer = self.cache.transfer_for(dev)
         self.scratch = Scratch(dev)
         self.host_scratch = Scratch("cpu", pin=on_gpu)
         self.is_initialized = True
@@ -78,7 +81,7 @@ class InfiniGenLayer(LogicalLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        transfer = self.cache.transfer
+        transfer = self.transfer
         past, T = self.seen, key_states.shape[2]
         pending, self.pending = self.pending, None
         if pending is not None:
@@ -126,7 +129,7 @@ class InfiniGenLayer(LogicalLayer):
         """The new rows k, v (B, G, T, d) into the pool and their skewed channels into the partial key
         cache; a full pool overwrites the slot its eviction policy names (one per new token), and a
         prefill larger than the pool keeps its most recent tokens."""
-        transfer, past, T = self.cache.transfer, self.seen, k.shape[2]
+        transfer, past, T = self.transfer, self.seen, k.shape[2]
         limit = self.limit(past + T)
         if limit is not None and T == 1 and self.k.length + 1 > limit:
             slot = self.slots.victim()  # (B, G)
@@ -187,11 +190,13 @@ class InfiniGenCache(Cache):
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.pq_weight = self.pq_bias = None
-        if calibration is not None and calibration.pq_weight is not None:
-            self.pq_weight = calibration.pq_weight.to(device, dtype)
-            self.pq_bias = calibration.pq_bias.to(device, dtype)
+        if calibration is not None and calibration.pq_weight is not None:  # per layer, on its layer's device
+            devs = [a.q_proj.weight.device for a in self.arch.attns]
+            self.pq_weight = [w.to(dv, dtype) for w, dv in zip(calibration.pq_weight, devs)]
+            self.pq_bias = [b.to(dv, dtype) for b, dv in zip(calibration.pq_bias, devs)]
         install(model)
-        self.transfer = make_transfer(device)
+        self._transfers = {}
+        self.transfer = self.transfer_for(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers
         super().__init__(layers=[InfiniGenLayer(self, i) for i in range(L)])
         # Per layer, over decode steps: past entries fetched and fetchable (padding excluded), rows
@@ -207,6 +212,13 @@ class InfiniGenCache(Cache):
         self.track_recall = False
         self._recall = torch.zeros(L, device=device)
         self._recall_steps = [0] * L
+
+    def transfer_for(self, device: torch.device):
+        """The transfer engine of a compute device (one side stream per GPU)."""
+        device = torch.device(device)
+        if device not in self._transfers:
+            self._transfers[device] = make_transfer(device)
+        return self._transfers[device]
 
     # --- speculation, called from the pre-hook of layer l's attention ---------------------------------
 
@@ -239,9 +251,12 @@ class InfiniGenCache(Cache):
         target = self.layers[nxt]
         if not target.is_initialized:
             return
+        dev = target.device  # layer l's input, RoPE and mask go to layer l+1's device (device_map)
+        x = x.to(dev, non_blocking=True)
+        rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
         q = self.partial_query(nxt, x, rope)
         scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, slots)
-        keep = past_keep(attention_mask, target.seen)  # (B, 1, seen) over positions
+        keep = past_keep(attention_mask, target.seen, dev)  # (B, 1, seen) over positions
         if keep is not None and target.slots is not None and target.slots.evicted:
             B, G = scores.shape[:2]
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
@@ -254,8 +269,9 @@ class InfiniGenCache(Cache):
         B, G, m = idx.shape
         n = target.k.length
         nxt = target.layer_idx
-        self._fetched[nxt] += count.sum()
-        self._possible[nxt] += keep.sum() * (G // keep.shape[1]) if keep is not None else B * G * n
+        self._fetched[nxt] += count.sum().to(self._fetched.device)
+        self._possible[nxt] += (keep.sum() * (G // keep.shape[1])).to(self._possible.device) if keep is not None \
+            else B * G * n
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
@@ -263,7 +279,7 @@ class InfiniGenCache(Cache):
             target.slots.record(idx, count)
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
-        self.transfer.prefetch(target, idx, count)
+        target.transfer.prefetch(target, idx, count)
 
     def _count_dense(self, layer_idx: int) -> None:
         layer = self.layers[layer_idx]
@@ -280,7 +296,7 @@ class InfiniGenCache(Cache):
         layer = self.layers[layer_idx]
         if layer.slots is not None and layer.slots.evicted:
             return  # positions no longer match the slots: the diagnostic measures unevicted pools only
-        self.transfer.flush(layer)
+        layer.transfer.flush(layer)
         K = layer.k.valid().to(q.device)  # (B, G, n + 1, d)
         s = torch.matmul(q.float(), K.float().transpose(-1, -2)) * scaling  # (B, G, r, n + 1)
         if attention_mask is not None:
@@ -290,7 +306,7 @@ class InfiniGenCache(Cache):
         sel = layer.work_mask.squeeze(2)[..., 1:]  # (B, G, m) valid fetched slots (slot 0: the new token)
         got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
         mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
-        self._recall[layer_idx] += mass.mean()
+        self._recall[layer_idx] += mass.mean().to(self._recall.device)
         self._recall_steps[layer_idx] += 1
 
     # --- reporting -------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ def _add_model_args(p):
     p.add_argument("--model", default=None, help="hub id, checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs")
 
 
 def _fraction_list(text):
@@ -200,7 +201,7 @@ def _method_options(args) -> dict:
 def _load(args):
     from .models import load_model
 
-    return load_model(args.model, args.device, args.dtype)
+    return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None))
 
 
 def cmd_generate(args) -> dict:

@@ -107,8 +107,11 @@ def resolve_source(name: str | None) -> str:
     return name  # a hub id (resolved from the local hub cache, or downloaded where a network allows)
 
 
-def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None):
-    """(model, tokenizer) in eval mode: float32 on CPU, bfloat16/float16 on CUDA unless `dtype` says."""
+def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
+               device_map: str | dict | None = None):
+    """(model, tokenizer) in eval mode: float32 on CPU, bfloat16/float16 on CUDA unless `dtype` says.
+    `device_map` (e.g. "auto") spreads the layers over several GPUs with accelerate; the InfiniGen cache
+    then keeps each layer's partial keys and working set on that layer's device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -121,10 +124,13 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     check_supported(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa",
+                                                     device_map=device_map)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
-    model.to(dev).eval()
+    if device_map is None:
+        model.to(dev)
+    model.eval()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -18,14 +18,14 @@ class OffloadCache(InfiniGenCache):
 
     def __init__(self, model, **_):
         super().__init__(model)
-        self._all = None  # (idx, count) of the current step, shared by every layer
+        self._all = {}  # device -> (idx, count) of the current step, shared by every layer on that device
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
         if x.shape[1] != 1:
             return  # prefill attends over the prompt itself
         if layer_idx == 0:
-            self._all = None
+            self._all = {}
             self._fetch_all(0, attention_mask)
         if layer_idx + 1 < len(self.layers):
             self._fetch_all(layer_idx + 1, attention_mask)
@@ -35,13 +35,13 @@ class OffloadCache(InfiniGenCache):
         if not target.is_initialized:
             return
         B, G, n = target.k.batch, target.k.heads, target.k.length
-        keep = past_keep(attention_mask, n)
-        if self._all is None:  # every layer has the same past and mask within a step: order once
-            device = self._fetched.device
+        device = target.device
+        keep = past_keep(attention_mask, n, device)
+        if device not in self._all:  # every layer has the same past and mask within a step: order once
             if keep is None:
                 idx, count = torch.arange(n, device=device).expand(B, G, n), torch.full((B, G), n, device=device)
             else:  # valid positions first (in order), padding after: the working-set mask covers `count` slots
                 idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices.expand(B, G, n)
                 count = keep.sum(-1).expand(B, G)
-            self._all = (idx.contiguous(), count.contiguous())
-        self._prefetch(target, *self._all, keep, 0)
+            self._all[device] = (idx.contiguous(), count.contiguous())
+        self._prefetch(target, *self._all[device], keep, 0)
