@@ -1,1 +1,19 @@
-"""Benchmarks: task generators, the speed harness and (later) the accuracy harness."""
+"""Benchmarks: task generators, the speed and accuracy harnesses, and their shared report writing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_tables(result: dict, out: Path, stem: str, table: str) -> tuple[list[Path], object]:
+    """Write `stem`.json and `stem`.md under out; returns the paths and pyplot (headless) for the plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(table + "\n")
+    return [out / f"{stem}.json", out / f"{stem}.md"], plt

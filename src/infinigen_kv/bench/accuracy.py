@@ -13,7 +13,6 @@ Methods that do not depend on the budget (full, quant, hf-dynamic) run once (bud
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from ..baselines import make_cache
 from ..generation import generate
 from . import tasks as task_lib
+from . import write_tables
 
 TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval")
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
@@ -187,15 +187,7 @@ def markdown_table(result: dict) -> str:
 
 def write_reports(result: dict, out: Path) -> list[Path]:
     """accuracy.json, accuracy.md and one PNG per (task, metric): value vs budget, a line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(result, indent=2))
-    (out / "accuracy.md").write_text(markdown_table(result) + "\n")
-    written = [out / "accuracy.json", out / "accuracy.md"]
+    written, plt = write_tables(result, out, "accuracy", markdown_table(result))
     budgets = sorted({r["budget"] for r in result["rows"] if r["budget"] is not None})
     for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in result["rows"]):
         fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -3,7 +3,6 @@ as medians over repeats (see ../shared/docs/benchmarks.md: only ratios measured 
 
 from __future__ import annotations
 
-import json
 import sys
 import platform
 import statistics
@@ -16,6 +15,7 @@ import transformers
 from ..baselines import make_cache
 from ..generation import generate
 from ..report import bytes_read_per_step
+from . import write_tables
 from .tasks import passkey
 
 
@@ -160,15 +160,7 @@ def summarize(method, batch, prompt_len, new_tokens, runs, machine) -> dict:
 
 def write_reports(result: dict, out: Path) -> list[Path]:
     """speed.json, speed.md and one PNG per batch size: decode tokens/s vs prompt length, a line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speed.json").write_text(json.dumps(result, indent=2))
-    (out / "speed.md").write_text(markdown_table(result) + "\n")
-    written = [out / "speed.json", out / "speed.md"]
+    written, plt = write_tables(result, out, "speed", markdown_table(result))
     for B in dict.fromkeys(r["batch"] for r in result["rows"]):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for method in dict.fromkeys(r["method"] for r in result["rows"]):
