@@ -17,3 +17,12 @@ def write_tables(result: dict, out: Path, stem: str, table: str) -> tuple[list[P
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     (out / f"{stem}.md").write_text(table + "\n")
     return [out / f"{stem}.json", out / f"{stem}.md"], plt
+
+
+def save_plot(plt, fig, ax, path: Path) -> Path:
+    """Legend, layout, PNG at `path`, figure closed."""
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

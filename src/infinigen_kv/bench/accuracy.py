@@ -22,7 +22,7 @@ import torch
 from ..baselines import make_cache
 from ..generation import generate
 from . import tasks as task_lib
-from . import write_tables
+from . import save_plot, write_tables
 
 TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval")
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
@@ -206,10 +206,5 @@ def write_reports(result: dict, out: Path) -> list[Path]:
         ax.set_title(task)
         if budgets:
             ax.set_xticks(budgets)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"{task}-{metric}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_plot(plt, fig, ax, out / f"{task}-{metric}.png"))
     return written

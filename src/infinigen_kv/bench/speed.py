@@ -15,7 +15,7 @@ import transformers
 from ..baselines import make_cache
 from ..generation import generate
 from ..report import bytes_read_per_step
-from . import write_tables
+from . import save_plot, write_tables
 from .tasks import passkey
 
 
@@ -171,12 +171,7 @@ def write_reports(result: dict, out: Path) -> list[Path]:
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("decode tokens/s")
         ax.set_title(f"batch {B}, {result['machine']['device']}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"speed-batch{B}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_plot(plt, fig, ax, out / f"speed-batch{B}.png"))
     return written
 
 

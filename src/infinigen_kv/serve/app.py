@@ -47,11 +47,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"] if scope["path"] in PATHS else "other"
-        status = {}
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
                 self.counter.labels(path, str(message["status"])).inc()
             await send(message)
 
