@@ -15,8 +15,8 @@ from test_exactness import EXACT, step_logits
 def test_policies_pick_their_victims():
     s = Slots(1, 2, "cpu", "fifo")
     s.append(0, 5)  # positions 0..4 in slots 0..4
-    s.record(torch.tensor([[[4, 3, 0], [1, 2, 0]]]), torch.tensor([[3, 2]]))  # head 1: slot 0 padding only
-    s.record(torch.tensor([[[4, 0, 0], [1, 0, 0]]]), torch.tensor([[1, 1]]))
+    s.record(torch.tensor([[[4, 3, 0], [1, 2, 0]]]), torch.tensor([[[True, True, True], [True, True, False]]]))  # head 1: its slot 0 is padding
+    s.record(torch.tensor([[[4, 0, 0], [1, 0, 0]]]), torch.tensor([[[True, False, False], [True, False, False]]]))
     assert s.hits.valid()[0, :, :, 0].tolist() == [[1, 0, 0, 1, 2], [0, 2, 1, 0, 0]]
     assert s.victim().tolist() == [[0, 0]]  # fifo: the oldest position
     s.policy = "counter"
@@ -106,7 +106,8 @@ def test_victim_fetched_this_step_is_attended_not_the_new_token_twice(tiny_model
     def spy(k, v, *a, **kw):
         K, V = update(k, v, *a, **kw)
         if k.shape[2] == 1:
-            sets.append((K.clone(), layer.work_mask.clone()))
+            m = layer.work_mask  # None: every slot is real
+            sets.append((K.clone(), torch.ones(K.shape[0], K.shape[1], 1, K.shape[2], dtype=torch.bool) if m is None else m.clone()))
         return K, V
 
     layer.update = spy

@@ -10,37 +10,42 @@ def rows(*vals):
     return torch.tensor(vals, dtype=torch.float32)[:, None, None, :]
 
 
-def chosen(idx, count):
+def chosen(idx, real):
     """Selected positions per (b, g) as sets."""
     B, G, _ = idx.shape
-    return [[set(idx[b, g, : count[b, g]].tolist()) for g in range(G)] for b in range(B)]
+    real = torch.ones_like(idx, dtype=torch.bool) if real is None else real
+    return [[set(idx[b, g][real[b, g]].tolist()) for g in range(G)] for b in range(B)]
+
+
+def counts(idx, real):
+    return (torch.full(idx.shape[:2], idx.shape[-1]) if real is None else real.sum(-1)).tolist()
 
 
 def test_threshold_keeps_tokens_within_alpha_of_max():
     s = rows([10.0, 9.5, 7.1, 6.9, 0.0, 9.0])
-    idx, count = select(s, None, alpha=3.0, budget=1.0)
-    assert chosen(idx, count) == [[{0, 1, 2, 5}]]  # 6.9 is just outside 10 - 3
+    idx, real = select(s, None, alpha=3.0, budget=1.0)
+    assert chosen(idx, real) == [[{0, 1, 2, 5}]]  # 6.9 is just outside 10 - 3
 
 
 def test_budget_caps_to_the_highest():
     s = rows([10.0, 9.9, 9.8, 9.7, 9.6, 9.5, 9.4, 9.3, 9.2, 9.1])
-    idx, count = select(s, None, alpha=100.0, budget=0.3)
-    assert count.item() == 3 and chosen(idx, count) == [[{0, 1, 2}]]
-    idx, count = select(s, None, alpha=100.0, budget=1.0, max_num_kv=2)
-    assert chosen(idx, count) == [[{0, 1}]]
+    idx, real = select(s, None, alpha=100.0, budget=0.3)
+    assert counts(idx, real) == [[3]] and chosen(idx, real) == [[{0, 1, 2}]]
+    idx, real = select(s, None, alpha=100.0, budget=1.0, max_num_kv=2)
+    assert chosen(idx, real) == [[{0, 1}]]
     # the cap is ceil(budget x n), at least 1
-    idx, count = select(s, None, alpha=100.0, budget=0.01)
-    assert count.item() == 1
+    idx, real = select(s, None, alpha=100.0, budget=0.01)
+    assert counts(idx, real) == [[1]]
 
 
 def test_counts_are_per_sequence_and_head_and_padded():
     # B=2, G=2, r=1: four rows with different numbers of tokens within alpha
     s = torch.tensor([[[[5, 0, 0, 0, 0, 0]], [[5, 5, 5, 0, 0, 0]]],
                       [[[5, 5, 0, 0, 0, 0]], [[5, 5, 5, 5, 5, 0]]]], dtype=torch.float32)
-    idx, count = select(s, None, alpha=1.0, budget=1.0)
-    assert count.tolist() == [[1, 3], [2, 5]]
+    idx, real = select(s, None, alpha=1.0, budget=1.0)
+    assert counts(idx, real) == [[1, 3], [2, 5]]
     assert idx.shape == (2, 2, 5)  # padded to the largest count of the step
-    assert chosen(idx, count) == [[{0}, {0, 1, 2}], [{0, 1}, {0, 1, 2, 3, 4}]]
+    assert chosen(idx, real) == [[{0}, {0, 1, 2}], [{0, 1}, {0, 1, 2, 3, 4}]]
     # slots past a row's count hold real positions (finite pool rows, masked by the caller)
     assert ((idx >= 0) & (idx < 6)).all()
 
@@ -48,22 +53,22 @@ def test_counts_are_per_sequence_and_head_and_padded():
 def test_padding_positions_never_selected():
     s = rows([100.0, 100.0, 1.0, 2.0, 3.0], [100.0, 5.0, 4.0, 3.0, 2.0])
     keep = torch.tensor([[False, False, True, True, True], [True] * 5])[:, None, :]
-    idx, count = select(s, keep, alpha=1e9, budget=1.0)
-    sel = chosen(idx, count)
+    idx, real = select(s, keep, alpha=1e9, budget=1.0)
+    sel = chosen(idx, real)
     assert sel[0][0] == {2, 3, 4} and sel[1][0] == {0, 1, 2, 3, 4}
     # the budget counts valid tokens only: ceil(0.5 x 3) = 2 for the padded row
-    idx, count = select(s, keep, alpha=1e9, budget=0.5)
-    assert count[:, 0].tolist() == [2, 3]
-    assert chosen(idx, count)[0][0] == {3, 4}
+    idx, real = select(s, keep, alpha=1e9, budget=0.5)
+    assert [c[0] for c in counts(idx, real)] == [2, 3]
+    assert chosen(idx, real)[0][0] == {3, 4}
 
 
 def test_gqa_heads_combined_relative_to_each_head_max():
     # one KV head shared by r=2 query heads: head 0 likes token 0, head 1 (lower scale) likes token 3
     s = torch.tensor([[[[10.0, 0.0, 0.0, 0.0], [1.0, 0.5, 0.0, 2.0]]]])
-    idx, count = select(s, None, alpha=0.6, budget=1.0, combine="max")
-    assert chosen(idx, count) == [[{0, 3}]]  # each head's favourite is kept despite the scale gap
-    idx, count = select(s, None, alpha=0.6, budget=1.0, combine="mean")
-    assert count.item() >= 1
+    idx, real = select(s, None, alpha=0.6, budget=1.0, combine="max")
+    assert chosen(idx, real) == [[{0, 3}]]  # each head's favourite is kept despite the scale gap
+    idx, real = select(s, None, alpha=0.6, budget=1.0, combine="mean")
+    assert counts(idx, real)[0][0] >= 1
 
 
 def test_approx_scores_shapes_and_scale():

@@ -27,8 +27,7 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     """query (B, H, q, d); key/value (B, G, k, d). Returns (B, q, H, d) and no weights."""
     cache = kwargs.pop("infinigen_cache", None)
     layer = cache.layers[module.layer_idx] if cache is not None else None
-    mask = layer.work_mask if layer is not None else None
-    if mask is None:
+    if layer is None or not layer.working:
         if getattr(layer, "needs_probs", False) and query.shape[2] > 1:  # H2O scores the prefill
             layer.add_prefill_scores(query, key, attention_mask, scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -38,10 +37,10 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     if getattr(layer, "needs_probs", False):  # H2O accumulates the weights: explicit softmax
         s = torch.matmul(q, key.transpose(-1, -2)) * scaling  # (B, G, r, m)
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")).float(), dim=-1)
+        p = torch.softmax(s.masked_fill(~layer.work_mask, float("-inf")).float(), dim=-1)
         layer.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # (B, G, r, d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=layer.work_mask, scale=scaling)  # (B, G, r, d)
     if getattr(cache, "track_recall", False):
         cache.record_recall(module.layer_idx, q, attention_mask, scaling)
     return out.reshape(B, 1, H, d), None

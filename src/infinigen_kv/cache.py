@@ -45,7 +45,8 @@ class InfiniGenLayer(LogicalLayer):
         # Without speculation (offload) every layer lives in the pool.
         self.dense = layer_idx == 0 and cache.speculates
         self.pending = None  # selection for this step, set by the previous layer's speculation
-        self.work_mask = None  # (B, G, 1, m + 1) mask of the working set returned by the last update
+        self.working = False  # the last update returned a fetched working set (not the whole layer)
+        self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
         self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
         self.unflushed = self.copied = self.consumed = None  # CUDA-path state (see transfer.py)
         self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
@@ -93,21 +94,21 @@ class InfiniGenLayer(LogicalLayer):
             # a full pool: fetch before the new token overwrites a victim, which may be among the selected
             self.new_slot = None
             K, V, self.work_mask = transfer.fetch(self, pending, key_states, value_states)
-            self.selection = pending[0]
+            self.selection, self.working = pending[0], True
             self.store(key_states, value_states)
             self.seen += T
             return K, V
         self.store(key_states, value_states)
         self.seen += T
         if pending is None or T > 1:
-            self.work_mask = None
+            self.work_mask, self.working = None, False
             if past == 0:
                 return key_states, value_states  # prefill: attend over the prompt itself
             if key_states.shape[2] == 1:
                 self.cache._count_dense(self.layer_idx)
             return transfer.dense(self)
         K, V, self.work_mask = transfer.fetch(self, pending, key_states, value_states)
-        self.selection = pending[0]
+        self.selection, self.working = pending[0], True
         return K, V
 
     def limit(self, seen: int) -> int | None:
@@ -161,6 +162,7 @@ class InfiniGenLayer(LogicalLayer):
                 if buf is not None:
                     buf.reset()
         self.pending = self.work_mask = self.selection = None
+        self.working = False
         self.unflushed = self.copied = self.consumed = None
 
     @property
@@ -261,25 +263,25 @@ class InfiniGenCache(Cache):
             B, G = scores.shape[:2]
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = self.config
-        idx, count = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
-        self._prefetch(target, idx, count, keep, target.partial.width * target.partial.data.element_size())
+        idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
+        self._prefetch(target, idx, real, keep, target.partial.width * target.partial.data.element_size())
 
-    def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, count: torch.Tensor, keep, partial_row: int):
-        """Account for the fetch of idx (B, G, m) (first `count` real) and start it."""
+    def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, real, keep, partial_row: int):
+        """Account for the fetch of idx (B, G, m) (the slots where real is True; None: all) and start it."""
         B, G, m = idx.shape
         n = target.k.length
         nxt = target.layer_idx
-        self._fetched[nxt] += count.sum().to(self._fetched.device)
+        self._fetched[nxt] += real.sum().to(self._fetched.device) if real is not None else B * G * m
         self._possible[nxt] += (keep.sum() * (G // keep.shape[1])).to(self._possible.device) if keep is not None \
             else B * G * n
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
         if target.slots is not None:
-            target.slots.record(idx, count)
+            target.slots.record(idx, real)
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
-        target.transfer.prefetch(target, idx, count)
+        target.transfer.prefetch(target, idx, real)
 
     def _count_dense(self, layer_idx: int) -> None:
         layer = self.layers[layer_idx]
@@ -303,7 +305,7 @@ class InfiniGenCache(Cache):
             m = attention_mask[:, :, -1:, :]  # (B, 1, 1, n + 1)
             s = s.masked_fill(~m if m.dtype == torch.bool else m != 0, float("-inf"))
         p = torch.softmax(s, dim=-1)
-        sel = layer.work_mask.squeeze(2)[..., 1:]  # (B, G, m) valid fetched slots (slot 0: the new token)
+        sel = layer.work_mask.squeeze(2)[..., 1:] if layer.work_mask is not None else 1.0  # (B, G, m) real slots
         got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
         mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
         self._recall[layer_idx] += mass.mean().to(self._recall.device)

@@ -11,6 +11,10 @@ class LogicalLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    # The attention function attends over what update() returned with `work_mask` (B, G or 1, 1, m) when
+    # `working` is set (None: all of it), and with transformers' own mask otherwise.
+    working = False
+    work_mask = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0

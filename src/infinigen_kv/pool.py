@@ -138,11 +138,15 @@ class Slots:
             buf.drop_front(k)
         self.evicted += k
 
-    def record(self, idx: torch.Tensor, count: torch.Tensor) -> None:
-        """The prefetch of this step fetched slots idx (B, G, m), the first count (B, G) of them real."""
+    def record(self, idx: torch.Tensor, real: torch.Tensor | None) -> None:
+        """The prefetch of this step fetched slots idx (B, G, m), those where real (B, G, m) is True (None:
+        all of them)."""
         self.step += 1
-        real = torch.arange(idx.shape[-1], device=idx.device) < count.unsqueeze(-1)  # (B, G, m)
         hits, last = self.hits.valid()[..., 0], self.last.valid()[..., 0]  # (B, G, S) views
+        if real is None:
+            hits.scatter_add_(-1, idx, torch.ones_like(idx))
+            last.scatter_(-1, idx, self.step)
+            return
         hits.scatter_add_(-1, idx, real.long())
         last.scatter_(-1, idx, torch.where(real, self.step, last.gather(-1, idx)))
 

@@ -28,19 +28,19 @@ def select(
     budget: float,
     max_num_kv: int | None = None,
     combine: str = "max",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tokens to fetch per (sequence, KV head).
 
     scores (B, G, r, n): approximate logits per query head. keep (B, 1, n) bool or None: False marks
     positions that may not be attended (left padding, masked tokens); they are never selected.
     Each head's logits are taken relative to its own maximum (a token within alpha of it has a softmax
-    weight of at least e^-alpha of the head's largest), then the r heads of a group are combined:
+    weight of at least e^-alpha of the largest), then the r heads of a group are combined:
     "max" keeps a token any head wants, "mean" averages the heads' relative logits. A token is selected
     when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length)
-    (and `max_num_kv`), keeping the highest.
-    Returns idx (B, G, k) int64, best first, and count (B, G) >= 1: the first `count` slots of a row are
-    its selection. k = the largest count of the step; the slots after a row's count hold its next-best
-    positions (real rows of the pool) and must be masked by the caller.
+    (and `max_num_kv`), keeping the highest, and keeps at least its best token.
+    Returns idx (B, G, k) int64 in no particular order and real (B, G, k) bool, the slots of idx that
+    are selected, or None when all are (every row at the step's largest count k, the common case once
+    the cap binds: attention then needs no mask). Unselected slots hold real pool positions.
     """
     n = scores.shape[-1]
     if keep is not None:
@@ -56,7 +56,15 @@ def select(
         if max_num_kv:
             cap.clamp_(max=max_num_kv)
         count = torch.minimum(count, cap)
-    count.clamp_(min=1)  # "mean" can leave a row empty; attention needs something to attend to
-    k = int(count.max())  # the one host sync of the step: it sizes the transfer
+    lo, k = torch.stack(torch.aminmax(count)).tolist()  # the one host sync of the step: it sizes the transfer
+    k = max(k, 1)
+    if lo == k:  # every row takes its top k: no order, no mask
+        return rel.topk(k, dim=-1, sorted=False).indices, None
+    if keep is None:
+        # One cap: a row under k has fewer than k tokens within alpha, all of them among its top k, so
+        # the value says which slots are real (plus its best token, for a "mean" row with none).
+        vals, idx = rel.topk(k, dim=-1, sorted=False)
+        return idx, (vals > -alpha) | (vals == vals.amax(-1, keepdim=True))
+    # Per-sequence caps may cut a row below its tokens within alpha: rank order decides.
     idx = rel.topk(k, dim=-1, sorted=True).indices  # (B, G, k), best first
-    return idx, count
+    return idx, torch.arange(k, device=idx.device) < count.clamp(min=1).unsqueeze(-1)

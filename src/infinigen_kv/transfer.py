@@ -16,15 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
-_SLOTS = {}
-
-
-def work_mask(count: torch.Tensor, m: int) -> torch.Tensor:
-    """Mask of a working set [new token, m fetched slots] whose first count slots are real: (B, G, 1, m + 1)."""
-    slots = _SLOTS.get(count.device)
-    if slots is None or slots.numel() < m + 1:
-        slots = _SLOTS[count.device] = torch.arange(max(2 * (m + 1), 4096), device=count.device)
-    return (slots[: m + 1] <= count.unsqueeze(-1)).unsqueeze(2)
+def work_mask(real: torch.Tensor | None) -> torch.Tensor | None:
+    """Mask (B, G, 1, m + 1) of a working set [new token, m fetched slots] from which fetched slots are
+    real (B, G, m); None when all of them are (attention then runs unmasked)."""
+    if real is None:
+        return None
+    return torch.cat([real.new_ones(real.shape[:2] + (1,)), real], dim=-1).unsqueeze(2)
 
 
 class Scratch:
@@ -48,11 +45,11 @@ class Scratch:
 class DirectTransfer:
     """CPU: gather the selected rows and the new token's row straight into the working set."""
 
-    def prefetch(self, layer, idx: torch.Tensor, count: torch.Tensor) -> None:
-        layer.pending = (idx, count)
+    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None) -> None:
+        layer.pending = (idx, real)
 
     def ready(self, layer, pending):
-        """-> (idx, count, fetched rows or None) once the prefetch of `layer` is complete."""
+        """-> (idx, real, fetched rows or None) once the prefetch of `layer` is complete."""
         return pending[0], pending[1], None
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
@@ -67,14 +64,14 @@ class DirectTransfer:
     def fetch(self, layer, ready, k_new: torch.Tensor, v_new: torch.Tensor):
         """-> K, V (B, G, m + 1, d): [new token, fetched rows], and their mask (B, G, 1, m + 1).
         The pool already holds the new token; one index_select per tensor takes all of it."""
-        idx, count, _ = ready
+        idx, real, _ = ready
         B, G, m = idx.shape
         if layer.new_slot is None:  # a full pool, before the new token overwrites a victim: gather, then join
             K = layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
             V = layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
             torch.cat([k_new, layer.k.gather(idx)], dim=2, out=K)
             torch.cat([v_new, layer.v.gather(idx)], dim=2, out=V)
-            return K, V, work_mask(count, m)
+            return K, V, work_mask(real)
         base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
         new = layer.new_slot if isinstance(layer.new_slot, int) else layer.new_slot.unsqueeze(-1)
@@ -82,7 +79,7 @@ class DirectTransfer:
         torch.add(idx, base, out=rows[:, :, 1:])
         K = layer.k.gather_flat(rows, out=layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype))
         V = layer.v.gather_flat(rows, out=layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype))
-        return K, V, work_mask(count, m)
+        return K, V, work_mask(real)
 
     def dense(self, layer):
         return layer.k.valid(), layer.v.valid()
@@ -104,13 +101,13 @@ class CudaTransfer:
         self.stream = torch.cuda.Stream(device=self.device)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
 
-    def prefetch(self, layer, idx: torch.Tensor, count: torch.Tensor) -> None:
+    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None) -> None:
         B, G, m = idx.shape
         idx_host = layer.host_scratch.get("idx", (B, G, m), idx.dtype)
         idx_host.copy_(idx, non_blocking=True)
         selected = torch.cuda.Event()
         selected.record()  # on the compute stream, after the selection and the index copy
-        layer.pending = (self.worker.submit(self._gather_copy, layer, idx_host, selected), idx, count)
+        layer.pending = (self.worker.submit(self._gather_copy, layer, idx_host, selected), idx, real)
 
     def _gather_copy(self, layer, idx_host, selected):
         selected.synchronize()  # the indices are on the host
@@ -133,10 +130,10 @@ class CudaTransfer:
         return dk, dv, done
 
     def ready(self, layer, pending):
-        future, idx, count = pending
+        future, idx, real = pending
         dk, dv, done = future.result()  # CPU-side wait for the worker (normally finished already)
         torch.cuda.current_stream(self.device).wait_event(done)  # the GPU waits on this copy only
-        return idx, count, (dk, dv)
+        return idx, real, (dk, dv)
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """New rows into the pool. A decode row goes device -> contiguous pinned staging asynchronously
@@ -180,13 +177,13 @@ class CudaTransfer:
         layer.unflushed = None
 
     def fetch(self, layer, ready, k_new, v_new):
-        idx, count, (dk, dv) = ready
+        idx, real, (dk, dv) = ready
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows], as on the direct path
         V = torch.cat([v_new, dv], dim=2)
         consumed = torch.cuda.Event()
         consumed.record()
         layer.consumed = consumed
-        return K, V, work_mask(count, idx.shape[-1])
+        return K, V, work_mask(real)
 
     def dense(self, layer):
         """A whole layer on the device (dense layers live there already; others only on the rare

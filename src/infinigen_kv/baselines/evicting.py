@@ -28,6 +28,10 @@ class EvictingLayer(LogicalLayer):
         self.work_mask = None
         self.compact_due = False
 
+    @property
+    def working(self) -> bool:
+        return self.work_mask is not None  # decode: the kept slots, masked
+
     def lazy_initialization(self, key_states, value_states) -> None:
         B, G, _, d = key_states.shape
         dev = key_states.device

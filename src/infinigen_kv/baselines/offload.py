@@ -18,7 +18,7 @@ class OffloadCache(InfiniGenCache):
 
     def __init__(self, model, **_):
         super().__init__(model)
-        self._all = {}  # device -> (idx, count) of the current step, shared by every layer on that device
+        self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
@@ -38,10 +38,7 @@ class OffloadCache(InfiniGenCache):
         device = target.device
         keep = past_keep(attention_mask, n, device)
         if device not in self._all:  # every layer has the same past and mask within a step: order once
-            if keep is None:
-                idx, count = torch.arange(n, device=device).expand(B, G, n), torch.full((B, G), n, device=device)
-            else:  # valid positions first (in order), padding after: the working-set mask covers `count` slots
-                idx = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices.expand(B, G, n)
-                count = keep.sum(-1).expand(B, G)
-            self._all[device] = (idx.contiguous(), count.contiguous())
+            idx = torch.arange(n, device=device).expand(B, G, n).contiguous()
+            real = None if keep is None else keep.expand(B, G, n).contiguous()  # padding fetched, masked
+            self._all[device] = (idx, real)
         self._prefetch(target, *self._all[device], keep, 0)
