@@ -136,3 +136,33 @@ def test_device_map_per_layer_devices(tmp_path):
     for i, layer in enumerate(cache.layers):
         assert layer.device == model.model.layers[i].self_attn.q_proj.weight.device
         assert layer.transfer is cache.transfer_for(layer.device)
+
+
+@pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
+def test_prompt_larger_than_the_pool(tiny_models, eviction):
+    """A prompt that overflows the pool: fifo keeps its most recent tokens; lru/counter (no fetch statistics
+    yet) keep those the prompt's last query scores highest by the layer's own partial keys, the last token
+    always among them."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(40, 33))
+    cache = ig.make_cache("infinigen", model, capacity=0.5, eviction=eviction)
+    seen = {}
+    for layer in cache.layers[1:]:
+        keep = layer.prefill_keep
+
+        def spy(k, n, layer=layer, keep=keep):
+            seen[layer.layer_idx] = out = keep(k, n)
+            return out
+
+        layer.prefill_keep = spy
+    ig.generate(model, ids, mask, cache=cache, max_new_tokens=1)  # the prompt only
+    for layer in cache.layers[1:]:
+        assert layer.slots.evicted == 20 and layer.k.length == 20
+        first = layer.slots.pos.valid()[..., 0]  # (B, G, 20) positions the 40-token prompt left in the pool
+        if eviction == "fifo":
+            assert layer.layer_idx not in seen and (first == torch.arange(20, 40)).all()
+        else:
+            assert (first == seen[layer.layer_idx]).all()
+            assert (first[..., -1] == 39).all() and (first.diff(dim=-1) > 0).all()
+            assert not (first == torch.arange(20, 40)).all()  # chosen by score, not simply the most recent
+            assert (first[1] >= 7).all()  # the second prompt's 7 left-padding positions are never kept

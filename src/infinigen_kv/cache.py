@@ -53,6 +53,7 @@ class InfiniGenLayer(LogicalLayer):
         self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
         self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
         self.new_slot = None  # where the last token went: an int (appended) or (B, G) (overwrote a victim)
+        self.prefill_query = None  # (x, rope, keep) of a prompt's last position, when a prefill may overflow
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
@@ -139,16 +140,38 @@ class InfiniGenLayer(LogicalLayer):
             self.slots.replace(slot, past)
             self.new_slot = slot
             return
+        pos = None
         if limit is not None and self.k.length + T > limit:  # only a first prefill gets here (see update)
             drop = self.k.length + T - limit
-            k, v, past, T = k[:, :, drop:], v[:, :, drop:], past + drop, T - drop
+            if self.slots.policy == "fifo" or self.prefill_query is None:
+                k, v, past, T = k[:, :, drop:], v[:, :, drop:], past + drop, T - drop  # the most recent
+            else:
+                pos = self.prefill_keep(k, T - drop)  # (B, G, kept) positions within the prompt, in order
+                k, v = (t.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])) for t in (k, v))
+                pos, T = pos + past, T - drop
             self.slots.evicted += drop
+        self.prefill_query = None
         transfer.write(self, k, v)
         if self.partial is not None:
             self.partial.append(torch.matmul(k, self.skew_p))  # (B, G, T, p)
         if self.slots is not None:
-            self.slots.append(past, T)
+            self.slots.append(past, T, pos)
         self.new_slot = self.k.length - 1
+
+    def prefill_keep(self, k: torch.Tensor, n: int) -> torch.Tensor:
+        """The n prompt tokens a pool too small for its prompt keeps under lru/counter, which have no
+        fetch statistics yet: those the prompt's last query attends most by the speculation's own partial
+        scores (the tokens the first decode steps will fetch; attention sinks among them). k (B, G, T, d)
+        -> positions (B, G, n), ascending."""
+        x, rope, keep = self.prefill_query
+        q = self.cache.partial_query(self.layer_idx, x, rope)  # (B, G, r, p)
+        scores = approx_scores(q, torch.matmul(k, self.skew_p), self.cache.arch.score_scale)  # (B, G, r, T)
+        if keep is not None:
+            scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))  # padding goes first
+        rel = scores - scores.amax(dim=-1, keepdim=True)
+        rel = rel.amax(dim=2) if self.cache.config.gqa_combine == "max" else rel.mean(dim=2)  # (B, G, T)
+        rel[..., -1] = float("inf")  # the last token is always kept (it is the next step's neighbour)
+        return rel.topk(n, dim=-1, sorted=False).indices.sort(dim=-1).values
 
     def get_seq_length(self) -> int:
         return self.seen if self.is_initialized else 0
@@ -161,7 +184,7 @@ class InfiniGenLayer(LogicalLayer):
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
                     buf.reset()
-        self.pending = self.work_mask = self.selection = None
+        self.pending = self.work_mask = self.selection = self.prefill_query = None
         self.working = False
         self.unflushed = self.copied = self.consumed = None
 
@@ -197,6 +220,7 @@ class InfiniGenCache(Cache):
             self.pq_weight = [w.to(dv, dtype) for w, dv in zip(calibration.pq_weight, devs)]
             self.pq_bias = [b.to(dv, dtype) for b, dv in zip(calibration.pq_bias, devs)]
         install(model)
+        self._limited = self.speculates and (self.config.capacity is not None or self.config.capacity_bytes is not None)
         self._transfers = {}
         self.transfer = self.transfer_for(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers
@@ -242,8 +266,13 @@ class InfiniGenCache(Cache):
         recall 0.1-0.4 where later layers get 0.9+): layer 0 speculates nothing and layer 1 speculates
         itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
         """
-        if x.shape[1] != 1 or layer_idx == 0:
-            return  # prefill: everything is attended; layer 0: see above
+        if x.shape[1] != 1:  # prefill: everything is attended
+            if self._limited and layer_idx > 0:  # keep what the pool may need to choose from, if it overflows
+                last = tuple(t[:, -1:] for t in rope) if rope is not None else None
+                self.layers[layer_idx].prefill_query = (x[:, -1:], last, past_keep(attention_mask, x.shape[1]))
+            return
+        if layer_idx == 0:
+            return  # layer 0: see above
         if layer_idx == 1:
             self._speculate(1, x, rope, attention_mask)
         if layer_idx + 1 < len(self.layers):

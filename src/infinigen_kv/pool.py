@@ -125,10 +125,13 @@ class Slots:
         self.step = 0
         self.evicted = 0  # entries evicted so far per (sequence, head)
 
-    def append(self, start: int, T: int) -> None:
-        """T new tokens at logical positions start..start+T-1, in new slots at the end."""
+    def append(self, start: int, T: int, pos: torch.Tensor | None = None) -> None:
+        """T new tokens at logical positions start..start+T-1 (or pos (B, G, T)), in new slots at the end."""
         B, G = self.pos.batch, self.pos.heads
-        pos = torch.arange(start, start + T, device=self.pos.device).view(1, 1, T, 1).expand(B, G, T, 1)
+        if pos is None:
+            pos = torch.arange(start, start + T, device=self.pos.device).view(1, 1, T, 1).expand(B, G, T, 1)
+        else:
+            pos = pos.unsqueeze(-1).to(self.pos.device)
         self.pos.append(pos)
         self.hits.append(torch.zeros_like(pos))
         self.last.append(torch.full_like(pos, -1))
