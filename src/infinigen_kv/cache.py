@@ -23,7 +23,7 @@ from .calibrate import Calibration, load_or_calibrate
 from .config import InfiniGenConfig
 from .layer import LogicalLayer
 from .pool import RowBuffer, Slots
-from .speculate import approx_scores, select
+from .speculate import approx_scores, relative, select
 from .transfer import Scratch, make_transfer
 
 
@@ -166,10 +166,7 @@ class InfiniGenLayer(LogicalLayer):
         x, rope, keep = self.prefill_query
         q = self.cache.partial_query(self.layer_idx, x, rope)  # (B, G, r, p)
         scores = approx_scores(q, torch.matmul(k, self.skew_p), self.cache.arch.score_scale)  # (B, G, r, T)
-        if keep is not None:
-            scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))  # padding goes first
-        rel = scores - scores.amax(dim=-1, keepdim=True)
-        rel = rel.amax(dim=2) if self.cache.config.gqa_combine == "max" else rel.mean(dim=2)  # (B, G, T)
+        rel = relative(scores, keep, self.cache.config.gqa_combine)  # (B, G, T), padding at -inf
         rel[..., -1] = float("inf")  # the last token is always kept (it is the next step's neighbour)
         return rel.topk(n, dim=-1, sorted=False).indices.sort(dim=-1).values
 

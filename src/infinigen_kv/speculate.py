@@ -21,6 +21,15 @@ def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float
     return s * scale if scale != 1.0 else s
 
 
+def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "max") -> torch.Tensor:
+    """scores (B, G, r, n) -> (B, G, n): each head's logits relative to its own maximum (0 at the max,
+    -inf where keep (B, 1, n) is False), the r heads of a group combined by "max" or "mean"."""
+    if keep is not None:
+        scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))
+    rel = scores - scores.amax(dim=-1, keepdim=True)  # (B, G, r, n), each head's max at 0
+    return rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)
+
+
 def select(
     scores: torch.Tensor,
     keep: torch.Tensor | None,
@@ -43,10 +52,7 @@ def select(
     the cap binds: attention then needs no mask). Unselected slots hold real pool positions.
     """
     n = scores.shape[-1]
-    if keep is not None:
-        scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))
-    rel = scores - scores.amax(dim=-1, keepdim=True)  # (B, G, r, n), each head's max at 0
-    rel = rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)  # (B, G, n)
+    rel = relative(scores, keep, combine)  # (B, G, n)
     count = (rel > -alpha).sum(-1)  # (B, G)
     if keep is None:  # one cap for all rows: plain integers, no tensor ops
         cap = max(1, math.ceil(n * budget))
