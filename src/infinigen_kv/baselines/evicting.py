@@ -27,6 +27,7 @@ class EvictingLayer(LogicalLayer):
         self.cache, self.layer_idx = cache, layer_idx
         self.work_mask = None
         self.compact_due = False
+        self.steps = self.bytes_read = 0  # decode steps, and the KV bytes their attention read (the kept slots)
 
     @property
     def working(self) -> bool:
@@ -103,6 +104,8 @@ class EvictingLayer(LogicalLayer):
         m = self.k.length
         slots = torch.arange(m, device=slot.device)
         self.work_mask = (slots < self.kept.view(-1, 1)).view(B, 1, 1, m)  # (B, 1, 1, m): same for all heads
+        self.steps += 1
+        self.bytes_read += (self.k.valid().numel() + self.v.valid().numel()) * self.k.data.element_size()
         return self.k.valid(), self.v.valid()
 
     def _victims(self, cap: torch.Tensor) -> torch.Tensor:
@@ -163,5 +166,7 @@ class EvictingCache(Cache):
         layers = [l for l in self.layers if l.is_initialized]
         kept = sum(int(l.kept.sum()) for l in layers)
         seen = sum(int(l.n_valid.sum()) for l in layers)
-        return {"fetched_fraction": kept / seen if seen else 1.0, "pool_bytes": sum(l.nbytes for l in layers)}
+        steps = max((l.steps for l in layers), default=0)
+        return {"fetched_fraction": kept / seen if seen else 1.0, "pool_bytes": sum(l.nbytes for l in layers),
+                "decode_steps": steps, "kv_bytes_per_step": sum(l.bytes_read for l in layers) // max(steps, 1)}
 
