@@ -98,12 +98,6 @@ class RowBuffer:
         rows = (slot.unsqueeze(-1).to(self.device) + self.row_base()).view(-1)
         self.data.view(-1, self.width).index_copy_(0, rows, x.reshape(-1, self.width).to(self.device))
 
-    def drop_front(self, k: int) -> None:
-        """Forget the first k valid rows (the oldest), moving the others to the front."""
-        keep = self.length - k
-        self.data[:, :, :keep] = self.data[:, :, k : self.length].clone()
-        self.length = keep
-
     def reset(self) -> None:
         self.length = 0
 
@@ -135,11 +129,6 @@ class Slots:
         self.pos.append(pos)
         self.hits.append(torch.zeros_like(pos))
         self.last.append(torch.full_like(pos, -1))
-
-    def drop_front(self, k: int) -> None:
-        for buf in (self.pos, self.hits, self.last):
-            buf.drop_front(k)
-        self.evicted += k
 
     def record(self, idx: torch.Tensor, real: torch.Tensor | None) -> None:
         """The prefetch of this step fetched slots idx (B, G, m), those where real (B, G, m) is True (None:
