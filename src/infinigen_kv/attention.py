@@ -6,7 +6,9 @@ forward pre-hook on every layer's self_attn.
   as the `infinigen_cache` keyword.
 - The attention function attends over the fetched working set with its per-(sequence, KV head) mask
   when the cache's layer has one, and is plain transformers sdpa otherwise, so a model with these
-  hooks behaves exactly as before with any other cache.
+  hooks behaves exactly as before with any other cache. On CPU, with the kernels of kernels/cpu.cpp,
+  a decode step attends in one pass: over InfiniGen's chosen rows where they lie in the pool (the layer's
+  `fused` selection), or over a whole cache (`dense_kernel` layers: full, InfiniGen's layer 0).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import kernels
 from .adapters import get_arch
 
 NAME = "infinigen"
@@ -27,29 +30,66 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     """query (B, H, q, d); key/value (B, G, k, d). Returns (B, q, H, d) and no weights."""
     cache = kwargs.pop("infinigen_cache", None)
     layer = cache.layers[module.layer_idx] if cache is not None else None
+    B, H, T, d = query.shape
+    G = key.shape[1]
     if layer is None or not layer.working:
-        if getattr(layer, "needs_probs", False) and query.shape[2] > 1:  # H2O scores the prefill
+        if getattr(layer, "needs_probs", False) and T > 1:  # H2O scores the prefill
             layer.add_prefill_scores(query, key, attention_mask, scaling)
+        if T == 1 and getattr(layer, "dense_kernel", False):
+            out = _dense_kernel(layer, query, key, attention_mask, scaling)
+            if out is not None:
+                return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    B, H, _, d = query.shape
-    G = key.shape[1]
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
-    if getattr(layer, "needs_probs", False):  # H2O accumulates the weights: explicit softmax
+    fused = getattr(layer, "fused", None)
+    if fused is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
+        idx, count, new = fused
+        out = kernels.cpu().attend(q.float().contiguous(), key, value, idx, count,
+                                   new if isinstance(new, torch.Tensor) else None,
+                                   new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype)
+    elif getattr(layer, "needs_probs", False):  # H2O accumulates the weights: explicit softmax
         s = torch.matmul(q, key.transpose(-1, -2)) * scaling  # (B, G, r, m)
         p = torch.softmax(s.masked_fill(~layer.work_mask, float("-inf")).float(), dim=-1)
         layer.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=layer.work_mask, scale=scaling)  # (B, G, r, d)
+    else:
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=layer.work_mask, scale=scaling)  # (B, G, r, d)
     if getattr(cache, "track_recall", False):
         cache.record_recall(module.layer_idx, q, attention_mask, scaling)
     return out.reshape(B, 1, H, d), None
 
 
+def _scale(scaling, d: int) -> float:
+    return float(scaling) if scaling is not None else d**-0.5
+
+
+def _dense_kernel(layer, query, key, attention_mask, scaling):
+    """A decode query over a whole CPU cache (full, InfiniGen's dense layer 0) with the CPU kernel, reading
+    the K/V buffers in place; None when the kernel does not apply (other device, no kernel, a copy)."""
+    buf_k, buf_v = layer.k.data, layer.v.data  # (B, G, capacity, d): the rows [0, n) are the cache
+    n = key.shape[2]
+    if (query.device.type != "cpu" or buf_k.device.type != "cpu" or key.data_ptr() != buf_k.data_ptr()
+            or n != layer.k.length or not buf_k.is_contiguous()):
+        return None
+    kern = kernels.cpu()
+    if kern is None:
+        return None
+    B, H, _, d = query.shape
+    G = key.shape[1]
+    keep = None
+    if attention_mask is not None:
+        m = attention_mask[:, :, -1:, :n]  # (B, 1, 1, n)
+        keep = (m if m.dtype == torch.bool else m == 0).reshape(B, 1, n).contiguous()
+    q = query.reshape(B, G, H // G, d).float().contiguous()
+    out = kern.attend(q, buf_k, buf_v, None, None, None, -1, keep, n, _scale(scaling, d), query.dtype)
+    return out.reshape(B, 1, H, d)
+
+
 def _pre_hook(module, args, kwargs):
     cache = kwargs.get("past_key_values")
     speculate = getattr(cache, "before_attention", None)
-    if speculate is None:
+    if speculate is None:  # not one of our caches
         return None
     speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
               kwargs.get("attention_mask"))

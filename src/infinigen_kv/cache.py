@@ -23,7 +23,8 @@ from .calibrate import Calibration, load_or_calibrate
 from .config import InfiniGenConfig
 from .layer import LogicalLayer
 from .pool import RowBuffer, Slots
-from .speculate import approx_scores, relative, select
+from . import kernels
+from .speculate import approx_scores, counted, fetch_cap, relative, row_caps, select
 from .transfer import Scratch, make_transfer
 
 
@@ -38,6 +39,8 @@ def past_keep(attention_mask, n: int, device=None):
 
 
 class InfiniGenLayer(LogicalLayer):
+    dense_kernel = True  # a dense decode step (layer 0) attends in place with the CPU kernel (attention.py)
+
     def __init__(self, cache: "InfiniGenCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
@@ -48,6 +51,7 @@ class InfiniGenLayer(LogicalLayer):
         self.working = False  # the last update returned a fetched working set (not the whole layer)
         self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
         self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
+        self.fused = None  # (idx, count, new slot) when attention reads the chosen rows in place (CPU kernel)
         self.unflushed = self.copied = self.consumed = None  # CUDA-path state (see transfer.py)
         self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
         self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
@@ -86,6 +90,7 @@ class InfiniGenLayer(LogicalLayer):
         transfer = self.transfer
         past, T = self.seen, key_states.shape[2]
         pending, self.pending = self.pending, None
+        self.fused = None
         if pending is not None:
             pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
         if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
@@ -181,7 +186,7 @@ class InfiniGenLayer(LogicalLayer):
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
                     buf.reset()
-        self.pending = self.work_mask = self.selection = self.prefill_query = None
+        self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = None
         self.working = False
         self.unflushed = self.copied = self.consumed = None
 
@@ -282,32 +287,51 @@ class InfiniGenCache(Cache):
         dev = target.device  # layer l's input, RoPE and mask go to layer l+1's device (device_map)
         x = x.to(dev, non_blocking=True)
         rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
-        q = self.partial_query(nxt, x, rope)
-        scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, slots)
+        q = self.partial_query(nxt, x, rope)  # (B, G, r, p)
+        n = target.partial.length  # slots
         keep = past_keep(attention_mask, target.seen, dev)  # (B, 1, seen) over positions
         if keep is not None and target.slots is not None and target.slots.evicted:
-            B, G = scores.shape[:2]
+            B, G = q.shape[:2]
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = self.config
+        kern = kernels.cpu() if dev.type == "cpu" else None
+        if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
+            k = fetch_cap(n, c.budget, c.max_num_kv)  # known on the host: the step's fetch size
+            caps = None
+            if keep is not None:  # per row: budget x its valid length
+                keep = keep.contiguous()
+                caps = row_caps(keep, c.budget, c.max_num_kv).expand(q.shape[0], q.shape[1]).contiguous()  # (B, G)
+            idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
+                                        self.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
+            self._prefetch(target, idx, None, keep, target.partial.width * target.partial.data.element_size(),
+                           count)
+            return
+        scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, slots)
         idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
         self._prefetch(target, idx, real, keep, target.partial.width * target.partial.data.element_size())
 
-    def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, real, keep, partial_row: int):
-        """Account for the fetch of idx (B, G, m) (the slots where real is True; None: all) and start it."""
+    def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, real, keep, partial_row: int, count=None):
+        """Account for the fetch of idx (B, G, m) and start it: the slots where real (B, G, m) is True, or
+        the first count (B, G) of each row, or all of them when both are None."""
         B, G, m = idx.shape
         n = target.k.length
         nxt = target.layer_idx
-        self._fetched[nxt] += real.sum().to(self._fetched.device) if real is not None else B * G * m
+        if count is not None:
+            self._fetched[nxt] += count.sum().to(self._fetched.device)
+        else:
+            self._fetched[nxt] += real.sum().to(self._fetched.device) if real is not None else B * G * m
         self._possible[nxt] += (keep.sum() * (G // keep.shape[1])).to(self._possible.device) if keep is not None \
             else B * G * n
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
+        if count is not None and (target.slots is not None or target.transfer.needs_mask):
+            real = counted(count, m)
         if target.slots is not None:
             target.slots.record(idx, real)
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
-        target.transfer.prefetch(target, idx, real)
+        target.transfer.prefetch(target, idx, real, count)
 
     def _count_dense(self, layer_idx: int) -> None:
         layer = self.layers[layer_idx]
@@ -332,6 +356,8 @@ class InfiniGenCache(Cache):
             s = s.masked_fill(~m if m.dtype == torch.bool else m != 0, float("-inf"))
         p = torch.softmax(s, dim=-1)
         sel = layer.work_mask.squeeze(2)[..., 1:] if layer.work_mask is not None else 1.0  # (B, G, m) real slots
+        if layer.fused is not None and layer.fused[1] is not None:
+            sel = counted(layer.fused[1], layer.selection.shape[-1]).to(p.dtype)
         got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
         mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
         self._recall[layer_idx] += mass.mean().to(self._recall.device)

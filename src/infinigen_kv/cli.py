@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import InfiniGenConfig
+from .config import DEFAULT_BUDGET, InfiniGenConfig
 
 
 class CLIError(Exception):
@@ -102,7 +102,7 @@ def _add_method_args(p, single_method=True, budget_list=False):
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score")
     p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation")
     if budget_list:
-        p.add_argument("--budget", type=_fraction_list, default=[0.2], help="budgets in (0, 1], e.g. 0.05,0.1,0.2")
+        p.add_argument("--budget", type=_fraction_list, default=[DEFAULT_BUDGET], help=f"budgets in (0, 1], e.g. 0.05,0.1,0.2 (default {DEFAULT_BUDGET})")
     else:
         p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")

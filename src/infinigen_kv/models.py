@@ -107,6 +107,33 @@ def resolve_source(name: str | None) -> str:
     return name  # a hub id (resolved from the local hub cache, or downloaded where a network allows)
 
 
+def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward, with decode-sized inputs computed as (W x^T)^T."""
+    rows = x.numel() // x.shape[-1]
+    if not (2 <= rows <= SMALL_BATCH) or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()  # (rows, out)
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], -1)
+
+
+SMALL_BATCH = 32  # rows up to which the transposed product wins (measured: batch 2-32)
+
+
+def fast_cpu_linears(model) -> None:
+    """Decode steps of a batch (2-32 rows) through a linear layer are matrix-vector-like products that the
+    CPU BLAS serves far better as W @ x^T than as x @ W^T: on the dev machine (AMD EPYC, MKL) the 211
+    matrices of the default model take 44 ms instead of 90 ms at batch 4 and 50 instead of 79 at batch 8;
+    one row (gemv) and prefills are unchanged. Same arithmetic, another summation order. Idempotent."""
+    import types
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and not getattr(module, "_infinigen_fast", False):
+            module.forward = types.MethodType(_small_batch_linear, module)
+            module._infinigen_fast = True
+
+
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                device_map: str | dict | None = None):
     """(model, tokenizer) in eval mode: float32 on CPU, bfloat16/float16 on CUDA unless `dtype` says.
@@ -131,6 +158,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     if device_map is None:
         model.to(dev)
     model.eval()
+    if dev.type == "cpu" and device_map is None:
+        fast_cpu_linears(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -45,7 +45,9 @@ class RowBuffer:
         """Make room for `rows` rows in total, keeping the contents."""
         if rows <= self.capacity:
             return
-        capacity = max(rows, self.capacity + max(CHUNK, self.capacity // 2))
+        # room to grow past `rows` too: a prefill's buffers then serve the decode steps after it without a
+        # copy of the whole buffer at step 1
+        capacity = max(rows + CHUNK, self.capacity + max(CHUNK, self.capacity // 2))
         capacity = -(-capacity // CHUNK) * CHUNK
         if self.max_rows is not None:
             if rows > self.max_rows:

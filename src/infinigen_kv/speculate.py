@@ -30,6 +30,24 @@ def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "ma
     return rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)
 
 
+def fetch_cap(n: int, budget: float, max_num_kv: int | None) -> int:
+    """Most entries a row of n may fetch: ceil(budget x n), at most max_num_kv, at least 1 (host integers:
+    this sizes a step's fetch without looking at the scores)."""
+    cap = max(1, math.ceil(n * budget))
+    return min(cap, max_num_kv) if max_num_kv else cap
+
+
+def row_caps(keep: torch.Tensor, budget: float, max_num_kv: int | None) -> torch.Tensor:
+    """Per-row caps from keep (B, 1 or G, n): ceil(budget x valid length), in [1, max_num_kv]: (B, 1 or G)."""
+    cap = torch.ceil(keep.sum(-1, dtype=torch.float64) * budget).clamp_(min=1).long()  # float64: as fetch_cap
+    return cap.clamp_(max=max_num_kv) if max_num_kv else cap
+
+
+def counted(count: torch.Tensor, m: int) -> torch.Tensor:
+    """(B, G, m) bool: the first count (B, G) slots of each row."""
+    return torch.arange(m, device=count.device) < count.unsqueeze(-1)
+
+
 def select(
     scores: torch.Tensor,
     keep: torch.Tensor | None,
@@ -55,13 +73,9 @@ def select(
     rel = relative(scores, keep, combine)  # (B, G, n)
     count = (rel > -alpha).sum(-1)  # (B, G)
     if keep is None:  # one cap for all rows: plain integers, no tensor ops
-        cap = max(1, math.ceil(n * budget))
-        count.clamp_(max=min(cap, max_num_kv) if max_num_kv else cap)
+        count.clamp_(max=fetch_cap(n, budget, max_num_kv))
     else:  # per sequence: budget x its valid (unpadded) length
-        cap = torch.ceil(keep.sum(-1) * budget).clamp_(min=1).long()  # (B, 1)
-        if max_num_kv:
-            cap.clamp_(max=max_num_kv)
-        count = torch.minimum(count, cap)
+        count = torch.minimum(count, row_caps(keep, budget, max_num_kv))
     lo, k = torch.stack(torch.aminmax(count)).tolist()  # the one host sync of the step: it sizes the transfer
     k = max(k, 1)
     if lo == k:  # every row takes its top k: no order, no mask
@@ -73,4 +87,4 @@ def select(
         return idx, (vals > -alpha) | (vals == vals.amax(-1, keepdim=True))
     # Per-sequence caps may cut a row below its tokens within alpha: rank order decides.
     idx = rel.topk(k, dim=-1, sorted=True).indices  # (B, G, k), best first
-    return idx, torch.arange(k, device=idx.device) < count.clamp(min=1).unsqueeze(-1)
+    return idx, counted(count.clamp(min=1), k)

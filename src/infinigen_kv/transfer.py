@@ -15,6 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import kernels
+from .speculate import counted
+
 
 def work_mask(real: torch.Tensor | None) -> torch.Tensor | None:
     """Mask (B, G, 1, m + 1) of a working set [new token, m fetched slots] from which fetched slots are
@@ -43,14 +46,18 @@ class Scratch:
 
 
 class DirectTransfer:
-    """CPU: gather the selected rows and the new token's row straight into the working set."""
+    """CPU: attention reads the selected rows where they lie in the pool (the CPU kernel), or gathers them
+    and the new token's row straight into the working set in one index_select (no kernel, or a full pool
+    whose new token is about to overwrite a selected victim)."""
 
-    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None) -> None:
-        layer.pending = (idx, real)
+    needs_mask = False  # a selection may come as counts (B, G): the first count slots of each row are real
+
+    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None, count: torch.Tensor | None = None) -> None:
+        layer.pending = (idx, real, count)
 
     def ready(self, layer, pending):
-        """-> (idx, real, fetched rows or None) once the prefetch of `layer` is complete."""
-        return pending[0], pending[1], None
+        """-> (idx, real, count) once the prefetch of `layer` is complete (at once: nothing is in flight)."""
+        return pending
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """New rows into the pool: appended, or one decode row over slots slot (B, G) of a full pool."""
@@ -62,16 +69,22 @@ class DirectTransfer:
             layer.v.put(slot, v)
 
     def fetch(self, layer, ready, k_new: torch.Tensor, v_new: torch.Tensor):
-        """-> K, V (B, G, m + 1, d): [new token, fetched rows], and their mask (B, G, 1, m + 1).
-        The pool already holds the new token; one index_select per tensor takes all of it."""
-        idx, real, _ = ready
+        """-> K, V and their mask for attention: the whole pool buffers with `layer.fused` set (the kernel
+        reads [new token, chosen rows] in place), or a gathered working set (B, G, m + 1, d) with its mask
+        (B, G, 1, m + 1)."""
+        idx, real, count = ready
         B, G, m = idx.shape
+        if count is not None and real is None:
+            real = counted(count, m)
         if layer.new_slot is None:  # a full pool, before the new token overwrites a victim: gather, then join
             K = layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
             V = layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
             torch.cat([k_new, layer.k.gather(idx)], dim=2, out=K)
             torch.cat([v_new, layer.v.gather(idx)], dim=2, out=V)
             return K, V, work_mask(real)
+        if layer.cache.speculates and (count is not None or real is None) and kernels.cpu() is not None:
+            layer.fused = (idx, count, layer.new_slot)
+            return layer.k.data, layer.v.data, None
         base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
         new = layer.new_slot if isinstance(layer.new_slot, int) else layer.new_slot.unsqueeze(-1)
@@ -96,12 +109,14 @@ class CudaTransfer:
     its staging buffers need no lock, only the events below.
     """
 
+    needs_mask = True  # selections come as masks
+
     def __init__(self, device):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
 
-    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None) -> None:
+    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None, count=None) -> None:
         B, G, m = idx.shape
         idx_host = layer.host_scratch.get("idx", (B, G, m), idx.dtype)
         idx_host.copy_(idx, non_blocking=True)

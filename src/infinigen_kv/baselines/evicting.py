@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..attention import install
-from ..config import check_fraction
+from ..config import DEFAULT_BUDGET, check_fraction
 from ..layer import LogicalLayer
 from ..pool import RowBuffer
 
@@ -146,7 +146,7 @@ class EvictingLayer(LogicalLayer):
 class EvictingCache(Cache):
     layer_class = EvictingLayer
 
-    def __init__(self, model, budget: float = 0.2, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, **_):
         check_fraction("budget", budget)
         self.budget = budget
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook

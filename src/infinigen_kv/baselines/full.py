@@ -8,11 +8,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..adapters import UnsupportedModelError
+from ..attention import install
 from ..layer import LogicalLayer, read_stats
 from ..pool import RowBuffer
 
 
 class FullLayer(LogicalLayer):
+    dense_kernel = True  # on CPU a decode step attends in place with the CPU kernel (attention.py)
+
     def __init__(self):
         super().__init__()
         self.k = self.v = None
@@ -58,8 +62,15 @@ class FullCache(Cache):
         n = model.config.num_hidden_layers if model is not None else 0
         if model is not None:
             super().__init__(layers=[FullLayer() for _ in range(n)])
+            try:
+                install(model)  # the same attention function as every method here (the CPU kernel in decode)
+            except UnsupportedModelError:
+                pass  # any other model: transformers' own attention
         else:
             super().__init__(layer_class_to_replicate=FullLayer)
+
+    def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
+        """Nothing to speculate: the hook only hands this cache to the attention function."""
 
     @property
     def stats(self) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DEFAULT_BUDGET
 from .evicting import EvictingCache, EvictingLayer
 
 QUERY_CHUNK = 256  # prefill queries scored at a time: bounds the (B, G, r, chunk, n) score tensor
@@ -41,12 +42,12 @@ class H2OLayer(EvictingLayer):
 
 
 class H2OCache(EvictingCache):
-    """`H2OCache(model, budget=0.2, recent_ratio=0.5)`."""
+    """`H2OCache(model, budget=0.1, recent_ratio=0.5)`."""
 
     method = "h2o"
     layer_class = H2OLayer
 
-    def __init__(self, model, budget: float = 0.2, recent_ratio: float = 0.5, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, recent_ratio: float = 0.5, **_):
         if not 0.0 <= recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
         self.recent_ratio = recent_ratio

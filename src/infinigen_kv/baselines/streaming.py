@@ -3,7 +3,7 @@ plus the most recent tokens, within the budget; the oldest non-sink entry is evi
 
 from __future__ import annotations
 
-
+from ..config import DEFAULT_BUDGET
 from .evicting import EvictingCache, EvictingLayer
 
 
@@ -14,12 +14,12 @@ class StreamingLayer(EvictingLayer):
 
 
 class StreamingCache(EvictingCache):
-    """`StreamingCache(model, budget=0.2, sink_tokens=4)`."""
+    """`StreamingCache(model, budget=0.1, sink_tokens=4)`."""
 
     method = "streaming"
     layer_class = StreamingLayer
 
-    def __init__(self, model, budget: float = 0.2, sink_tokens: int = 4, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, sink_tokens: int = 4, **_):
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
         self.sink_tokens = sink_tokens

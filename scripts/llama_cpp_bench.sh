@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# llama.cpp on the same machine, same GGUF, same thread count: the reference a CPU user would pick.
+# A reference, not a dependency: builds llama.cpp from the source inside the llama-cpp-python sdist (PyPI),
+# then measures decode tok/s at batch 1 for context depths 1k/4k/8k (llama-bench -d) and batches 4 and 8
+# at 4k (llama-batched-bench), with the default model's GGUF (Q4_1) and an F16 copy of it, F16 KV cache.
+#
+#   bash scripts/llama_cpp_bench.sh [OUT_DIR=results/llamacpp] [THREADS=2]
+#
+# Needs cmake and a C++ compiler. Takes ~10 minutes to build on 2 cores, then ~10 minutes to measure.
+set -euo pipefail
+OUT=${1:-results/llamacpp}
+THREADS=${2:-2}
+PY=${PYTHON:-.venv/bin/python}
+WORK=${LLAMA_WORK:-$HOME/.cache/infinigen_kv/llama.cpp}
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+mkdir -p "$OUT" "$WORK"
+OUT=$(cd "$OUT" && pwd)
+
+SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+if [ ! -d "$SRC" ]; then
+  "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK" -q
+  tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
+fi
+BUILD="$SRC/build"
+if [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
+  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >"$OUT/cmake.log" 2>&1
+  cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench llama-quantize >"$OUT/build.log" 2>&1
+fi
+BIN="$BUILD/bin"
+
+Q41=$("$PY" -c "from infinigen_kv.models import default_gguf; print(default_gguf())")
+F16="$WORK/$(basename "${Q41%.gguf}").F16.gguf"
+[ -f "$F16" ] || "$BIN/llama-quantize" --allow-requantize "$Q41" "$F16" F16 >"$OUT/quantize.log" 2>&1
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, threads $THREADS"
+  echo "llama.cpp: from llama-cpp-python $VERSION ($(cd "$SRC" && git describe --tags 2>/dev/null || echo vendored))"
+} >"$OUT/machine.txt"
+cat "$OUT/machine.txt"
+
+for W in Q4_1:"$Q41" F16:"$F16"; do
+  name=${W%%:*}; model=${W#*:}
+  echo "== $name: batch 1, 32 new tokens at depth 1k/4k/8k (llama-bench)"
+  "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -o md | tee "$OUT/bench-$name.md"
+  echo "== $name: batch 4 and 8 x 4,096-token prompts, 32 new tokens each (llama-batched-bench)"
+  "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c 36000 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4,8 \
+    2>"$OUT/batched-$name.log" | tee "$OUT/batched-$name.md"
+done

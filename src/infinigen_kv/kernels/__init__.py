@@ -1,0 +1,62 @@
+"""The CPU kernels of the decode step (cpu.cpp), built on first use with the machine's compiler.
+
+`cpu()` returns the compiled module, or None where it cannot be built (no C++ compiler) or is switched
+off with INFINIGEN_KERNELS=0; callers then take the plain-PyTorch path, which computes the same thing.
+The build is cached by torch under ~/.cache/torch_extensions, keyed by the CPU's instruction set (the
+code is compiled for the machine it runs on), so it happens once per machine (~40 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+_SRC = Path(__file__).with_name("cpu.cpp")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fopenmp"]
+_module = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    """A short hash of the CPU's feature flags: a build for one instruction set is never loaded on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((flags + _SRC.read_text()).encode()).hexdigest()[:10]
+
+
+def enabled() -> bool:
+    return os.environ.get("INFINIGEN_KERNELS", "1") != "0"
+
+
+def cpu():
+    """The compiled kernels (speculate, attend), or None."""
+    global _module, _tried
+    if _tried or not enabled():
+        return _module if enabled() else None
+    _tried = True
+    try:
+        from torch.utils.cpp_extension import load
+
+        print("infinigen: building the CPU kernels (once per machine) ...", file=sys.stderr, flush=True) \
+            if not _built() else None
+        _module = load(name=f"infinigen_cpu_{_cpu_key()}", sources=[str(_SRC)], extra_cflags=_FLAGS,
+                       extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, headers or ninja: the PyTorch path serves
+        warnings.warn(f"infinigen: CPU kernels unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                      "using the slower PyTorch path", stacklevel=2)
+        _module = None
+    return _module
+
+
+def _built() -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    d = Path(_get_build_directory(f"infinigen_cpu_{_cpu_key()}", verbose=False))
+    return any(d.glob("*.so"))

@@ -1,0 +1,411 @@
+// CPU kernels of the decode step, one pass over the bytes each needs.
+//
+// speculate: approximate scores of every pooled token from the partial query and partial keys, each
+//   head's logits relative to its maximum, the heads of a KV group combined, the tokens within alpha
+//   counted and capped, and the chosen slots written out. One read of the partial keys.
+// attend: attention of a decode query over the chosen rows of the pool (or all of them), gathering
+//   each K/V row where it lies: online softmax in float32, no copy of the working set.
+//
+// Shapes: B sequences, G KV heads, r query heads per KV head, p partial channels, d head size,
+// cap rows allocated per (sequence, head) in the pool, n valid rows.
+// Storage may be float32, bfloat16 or float16; arithmetic is float32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int BLOCK = 64;  // tokens scored together in attend
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, p + i, 2);
+  uint32_t w = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(at::BFloat16* p, int64_t i, float x) { p[i] = at::BFloat16(x); }
+inline void store(at::Half* p, int64_t i, float x) { p[i] = at::Half(x); }
+
+// q . k over N channels (N > 0: known at compile time, fully unrolled and vectorized; N == 0: n at run time)
+template <int N, typename T>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t n) {
+  const int64_t len = N > 0 ? N : n;
+  float s = 0.f;
+  for (int64_t i = 0; i < len; ++i) s += q[i] * load(k, i);
+  return s;
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * int64_t(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// exp(x) for x <= 0 (softmax after the max is subtracted), vectorizable: 2^(x log2 e) split into an
+// integer power (exponent bits) and a degree-5 polynomial on [-0.5, 0.5]; relative error ~2e-7.
+// Very negative x (and -inf) give 0.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  float t = x * 1.4426950408889634f;
+  float fi = std::nearbyint(t);
+  float f = t - fi;
+  float p = 1.3333558e-3f;
+  p = p * f + 9.6180375e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  int32_t e = int32_t(fi) + 127;
+  e = e < 1 ? 0 : e;
+  uint32_t bits = uint32_t(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// max of x[0, n): eight independent lanes (a single running max is a chain of dependent compares that the
+// compiler does not vectorize without -ffinite-math-only)
+inline float max_of(const float* x, int64_t n) {
+  float m8[8] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8)
+    for (int j = 0; j < 8; ++j) m8[j] = m8[j] > x[t + j] ? m8[j] : x[t + j];
+  float m = NEG_INF;
+  for (int j = 0; j < 8; ++j) m = std::max(m, m8[j]);
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// speculate
+
+// floats -> unsigned integers of the same order
+inline uint32_t order_key(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+template <typename T, int P>
+void speculate_impl(const float* q, const T* kp, const bool* keep, int64_t keep_heads, const int64_t* caps,
+                    int64_t B, int64_t G, int64_t r, int64_t p, int64_t cap, int64_t n, float scale,
+                    float alpha, int64_t k, bool mean, int64_t* idx_out, int64_t* count_out) {
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(r * n), rel(n), qs(r * p);
+    std::vector<uint32_t> keys(n);
+    std::vector<float> mx(r);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / G, g = row % G;
+      for (int64_t i = 0; i < r * p; ++i) qs[i] = q[row * r * p + i] * scale;
+      const T* kr = kp + row * cap * p;
+      const bool* kb = keep ? keep + (b * keep_heads + (keep_heads > 1 ? g : 0)) * n : nullptr;
+      // scores: one read of each token's partial key row for all r heads of the group
+      for (int64_t t = 0; t < n; ++t) {
+        const T* kt = kr + t * p;
+        for (int64_t h = 0; h < r; ++h) s[h * n + t] = dot<P>(qs.data() + h * p, kt, p);
+      }
+      for (int64_t h = 0; h < r; ++h) {
+        float* sh = s.data() + h * n;
+        if (kb)
+          for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
+        mx[h] = max_of(sh, n);
+      }
+      // each head's logits relative to its max, the group's heads combined
+      for (int64_t t = 0; t < n; ++t) rel[t] = mean ? 0.f : NEG_INF;
+      for (int64_t h = 0; h < r; ++h) {
+        const float* sh = s.data() + h * n;
+        const float m = mx[h];
+        if (mean) {
+          for (int64_t t = 0; t < n; ++t) rel[t] += (sh[t] - m) / float(r);
+        } else {
+          for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
+        }
+      }
+      int64_t within = 0;
+      for (int64_t t = 0; t < n; ++t) within += rel[t] > -alpha;
+      int64_t c = std::min(within, k);
+      if (caps) c = std::min(c, caps[row]);
+      int64_t* out = idx_out + row * k;
+      if (c <= 0) {  // keep at least the row's best token
+        c = 1;
+        out[0] = std::max_element(rel.begin(), rel.end()) - rel.begin();
+      } else if (c == within) {  // the cap does not bind: every token within alpha, in position order
+        int64_t j = 0;
+        for (int64_t t = 0; t < n; ++t)
+          if (rel[t] > -alpha) out[j++] = t;
+      } else {  // the cap binds: the c highest, above the c-th largest value found by bisection
+        for (int64_t t = 0; t < n; ++t) keys[t] = order_key(rel[t]);
+        uint64_t lo = order_key(-alpha), hi = uint64_t(order_key(0.f)) + 1;  // count(keys >= lo) >= c
+        while (hi - lo > 1) {  // ~30 vectorized counting passes: cheaper than a selection sort's branches
+          const uint32_t mid = uint32_t((lo + hi) / 2);
+          int64_t above = 0;
+          for (int64_t t = 0; t < n; ++t) above += keys[t] >= mid;
+          (above >= c ? lo : hi) = mid;
+        }
+        const uint32_t thr = uint32_t(lo);  // the key of the c-th largest value
+        int64_t j = 0;
+        for (int64_t t = 0; t < n && j < c; ++t)
+          if (keys[t] > thr) out[j++] = t;
+        for (int64_t t = 0; t < n && j < c; ++t)  // ties at the threshold, oldest first
+          if (keys[t] == thr) out[j++] = t;
+      }
+      for (int64_t j = c; j < k; ++j) out[j] = out[0];  // unused slots: a real row, masked by count
+      count_out[row] = c;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// attend
+
+template <typename T, typename O, int D>
+void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int64_t m, const int64_t* count,
+                 const int64_t* new_rows, int64_t new_row, const bool* keep, int64_t keep_heads, int64_t n,
+                 int64_t B, int64_t G, int64_t r, int64_t d, int64_t cap, float scale, O* out) {
+  // Rows of (b, g): the new token's row first (when new_row >= 0 or new_rows), then idx[:count] (or 0..n-1).
+  const int64_t rows = B * G;
+  const bool has_new = new_rows != nullptr || new_row >= 0;
+  const int64_t max_tokens = (idx ? m : n) + (has_new ? 1 : 0);
+  const int64_t threads = at::get_num_threads();
+  // split each row's tokens so that every thread has work (flash-decoding), blocks of >= 256 tokens
+  int64_t splits = std::max<int64_t>(1, (2 * threads + rows - 1) / rows);
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, max_tokens / 256));
+  const int64_t items = rows * splits;
+  std::vector<float> part_m(items * r), part_l(items * r), part_acc(items * r * d);
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(r * BLOCK);
+    std::vector<int64_t> blk(BLOCK);
+    std::vector<char> mask(BLOCK);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / splits, sp = item % splits;
+      const int64_t b = row / G, g = row % G;
+      const int64_t ntok = (idx ? std::min(m, count ? count[row] : m) : n) + (has_new ? 1 : 0);
+      const int64_t per = (ntok + splits - 1) / splits;
+      const int64_t t0 = sp * per, t1 = std::min(ntok, t0 + per);
+      const float* qr = q + row * r * d;
+      const T* Kr = K + row * cap * d;
+      const T* Vr = V + row * cap * d;
+      const bool* kb = keep ? keep + (b * keep_heads + (keep_heads > 1 ? g : 0)) * n : nullptr;
+      float* M = part_m.data() + item * r;
+      float* L = part_l.data() + item * r;
+      float* A = part_acc.data() + item * r * d;
+      std::fill(M, M + r, NEG_INF);
+      std::fill(L, L + r, 0.f);
+      std::fill(A, A + r * d, 0.f);
+      for (int64_t tb = t0; tb < t1; tb += BLOCK) {
+        const int64_t nb = std::min<int64_t>(BLOCK, t1 - tb);
+        for (int64_t j = 0; j < nb; ++j) {
+          int64_t t = tb + j;
+          int64_t pos;
+          bool ok = true;
+          if (has_new && t == 0) {
+            pos = new_rows ? new_rows[row] : new_row;
+          } else {
+            int64_t u = has_new ? t - 1 : t;
+            pos = idx ? idx[row * m + u] : u;
+            if (!idx && kb) ok = kb[u];
+          }
+          blk[j] = pos;
+          mask[j] = ok;
+          if (idx) {  // scattered rows: ask for all of the block's K and V lines at once (memory-level parallelism)
+            prefetch_row(Kr + pos * d, d);
+            prefetch_row(Vr + pos * d, d);
+          }
+        }
+        for (int64_t j = 0; j < nb; ++j) {
+          const T* kt = Kr + blk[j] * d;
+          for (int64_t h = 0; h < r; ++h) s[h * BLOCK + j] = mask[j] ? dot<D>(qr + h * d, kt, d) * scale : NEG_INF;
+        }
+        for (int64_t h = 0; h < r; ++h) {
+          float* sh = s.data() + h * BLOCK;
+          const float mnew = std::max(M[h], max_of(sh, nb));
+          if (mnew == NEG_INF) {  // nothing attendable yet
+            for (int64_t j = 0; j < nb; ++j) sh[j] = 0.f;
+            continue;
+          }
+          const float corr = exp_neg(M[h] - mnew);
+          float l = 0.f;
+          for (int64_t j = 0; j < nb; ++j) {
+            sh[j] = exp_neg(sh[j] - mnew);
+            l += sh[j];
+          }
+          L[h] = L[h] * corr + l;
+          M[h] = mnew;
+          if (corr != 1.f) {
+            float* a = A + h * d;
+            for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+          }
+        }
+        for (int64_t j = 0; j < nb; ++j) {
+          const T* vt = Vr + blk[j] * d;
+          for (int64_t h = 0; h < r; ++h) {
+            const float w = s[h * BLOCK + j];
+            float* a = A + h * d;
+            for (int64_t i = 0; i < (D > 0 ? D : d); ++i) a[i] += w * load(vt, i);
+          }
+        }
+      }
+    }
+  });
+
+  // merge the splits of each row
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t h = 0; h < r; ++h) {
+      float mx = NEG_INF;
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_m[(row * splits + sp) * r + h]);
+      float l = 0.f;
+      std::vector<float> acc(d, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t it = row * splits + sp;
+        const float mi = part_m[it * r + h];
+        if (mi == NEG_INF) continue;
+        const float w = exp_neg(mi - mx);
+        l += w * part_l[it * r + h];
+        const float* a = part_acc.data() + (it * r + h) * d;
+        for (int64_t i = 0; i < d; ++i) acc[i] += w * a[i];
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      O* o = out + (row * r + h) * d;
+      for (int64_t i = 0; i < d; ++i) store(o, i, acc[i] * inv);
+    }
+  }
+}
+
+void check_cpu_contig(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Head sizes and partial widths compiled for fixed sizes (the common ones); others run with sizes at run time.
+template <typename F>
+void dispatch_size(int64_t n, F&& f) {
+  switch (n) {
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    default: f(std::integral_constant<int, 0>{});
+  }
+}
+
+template <typename F>
+void dispatch_storage(at::ScalarType st, F&& f) {
+  if (st == at::kFloat) f(float{});
+  else if (st == at::kBFloat16) f(at::BFloat16{});
+  else if (st == at::kHalf) f(at::Half{});
+  else TORCH_CHECK(false, "unsupported storage dtype ", st);
+}
+
+}  // namespace
+
+// q (B, G, r, p) float32; kp (B, G, cap, p) partial keys; keep (B, 1 or G, n) bool or None; caps (B, G) int64 or None.
+// Returns idx (B, G, k) int64 (slots [count, k) repeat slot 0) and count (B, G) int64.
+std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::optional<at::Tensor> keep,
+                                  c10::optional<at::Tensor> caps, double scale, double alpha, int64_t k,
+                                  bool mean) {
+  check_cpu_contig(q, "q");
+  check_cpu_contig(kp, "kp");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  const int64_t B = q.size(0), G = q.size(1), r = q.size(2), p = q.size(3), cap = kp.size(2);
+  TORCH_CHECK(kp.size(0) == B && kp.size(1) == G && kp.size(3) == p && n <= cap && k >= 1, "bad shapes");
+  const bool* keep_p = nullptr;
+  int64_t keep_heads = 1;
+  if (keep.has_value()) {
+    check_cpu_contig(*keep, "keep");
+    TORCH_CHECK(keep->scalar_type() == at::kBool && keep->size(0) == B && keep->size(2) == n, "bad keep");
+    keep_p = keep->data_ptr<bool>();
+    keep_heads = keep->size(1);
+  }
+  const int64_t* caps_p = nullptr;
+  if (caps.has_value()) {
+    check_cpu_contig(*caps, "caps");
+    caps_p = caps->data_ptr<int64_t>();
+  }
+  auto idx = at::empty({B, G, k}, q.options().dtype(at::kLong));
+  auto count = at::empty({B, G}, q.options().dtype(at::kLong));
+  dispatch_storage(kp.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_size(p, [&](auto size) {
+    speculate_impl<T, decltype(size)::value>(q.data_ptr<float>(), reinterpret_cast<const T*>(kp.data_ptr()), keep_p, keep_heads, caps_p,
+                      B, G, r, p, cap, n, float(scale), float(alpha), k, mean, idx.data_ptr<int64_t>(),
+                      count.data_ptr<int64_t>());
+    });
+  });
+  return {idx, count};
+}
+
+// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage; idx (B, G, m) slots or None (slots 0..n-1,
+// masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot first: new_rows
+// (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
+at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Tensor> idx,
+                  c10::optional<at::Tensor> count, c10::optional<at::Tensor> new_rows, int64_t new_row,
+                  c10::optional<at::Tensor> keep, int64_t n, double scale, at::ScalarType out_dtype) {
+  check_cpu_contig(q, "q");
+  check_cpu_contig(K, "K");
+  check_cpu_contig(V, "V");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  TORCH_CHECK(K.scalar_type() == V.scalar_type() && K.sizes() == V.sizes(), "K and V differ");
+  const int64_t B = q.size(0), G = q.size(1), r = q.size(2), d = q.size(3), cap = K.size(2);
+  TORCH_CHECK(K.size(0) == B && K.size(1) == G && K.size(3) == d, "bad shapes");
+  const int64_t* idx_p = nullptr;
+  int64_t m = 0;
+  if (idx.has_value()) {
+    check_cpu_contig(*idx, "idx");
+    idx_p = idx->data_ptr<int64_t>();
+    m = idx->size(2);
+  } else {
+    TORCH_CHECK(n <= cap, "n exceeds the pool");
+  }
+  const int64_t* count_p = nullptr;
+  if (count.has_value()) {
+    check_cpu_contig(*count, "count");
+    count_p = count->data_ptr<int64_t>();
+  }
+  const int64_t* new_p = nullptr;
+  if (new_rows.has_value()) {
+    check_cpu_contig(*new_rows, "new_rows");
+    new_p = new_rows->data_ptr<int64_t>();
+  }
+  const bool* keep_p = nullptr;
+  int64_t keep_heads = 1;
+  if (keep.has_value()) {
+    check_cpu_contig(*keep, "keep");
+    TORCH_CHECK(keep->scalar_type() == at::kBool && keep->size(2) == n, "bad keep");
+    keep_p = keep->data_ptr<bool>();
+    keep_heads = keep->size(1);
+  }
+  auto out = at::empty({B, G, r, d}, q.options().dtype(out_dtype));
+  dispatch_storage(K.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_storage(out_dtype, [&](auto otag) {
+      using O = decltype(otag);
+      dispatch_size(d, [&](auto size) {
+      attend_impl<T, O, decltype(size)::value>(q.data_ptr<float>(), reinterpret_cast<const T*>(K.data_ptr()),
+                        reinterpret_cast<const T*>(V.data_ptr()), idx_p, m, count_p, new_p, new_row, keep_p,
+                        keep_heads, n, B, G, r, d, cap, float(scale), reinterpret_cast<O*>(out.data_ptr()));
+      });
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
+  mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
+}

@@ -1,0 +1,100 @@
+"""The CPU kernels (kernels/cpu.cpp) against plain PyTorch, and the decode path with and without them."""
+
+import math
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv import kernels
+from infinigen_kv.speculate import relative
+from conftest import KINDS, left_padded_batch
+from test_exactness import step_logits
+
+K = kernels.cpu()
+pytestmark = pytest.mark.skipif(K is None, reason="CPU kernels could not be built (no C++ compiler)")
+
+
+def reference_attention(q, Kp, Vp, rows, scale):
+    """q (r, d) over the pool rows `rows` of one (sequence, head): (r, d)."""
+    k, v = Kp[rows].float(), Vp[rows].float()
+    return torch.softmax(q @ k.T * scale, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 40])  # a compiled size and a run-time one
+def test_attend_selected_rows(dtype, d):
+    torch.manual_seed(0)
+    B, G, r, cap, n, m = 2, 3, 3, 700, 600, 300
+    q = torch.randn(B, G, r, d)
+    Kp, Vp = torch.randn(B, G, cap, d).to(dtype), torch.randn(B, G, cap, d).to(dtype)
+    idx = torch.randint(0, n, (B, G, m))
+    count = torch.randint(1, m + 1, (B, G))
+    new = torch.randint(0, n, (B, G))
+    out = K.attend(q, Kp, Vp, idx, count, new, -1, None, 0, 0.125, torch.float32)
+    for b in range(B):
+        for g in range(G):
+            rows = torch.cat([new[b, g : g + 1], idx[b, g, : count[b, g]]])
+            torch.testing.assert_close(out[b, g], reference_attention(q[b, g], Kp[b, g], Vp[b, g], rows, 0.125),
+                                       rtol=1e-5, atol=1e-5)
+    # the new token as one slot for all rows, all m slots real
+    out = K.attend(q, Kp, Vp, idx, None, None, n, None, 0, 0.125, torch.float32)
+    rows = torch.cat([torch.tensor([n]), idx[1, 2]])
+    torch.testing.assert_close(out[1, 2], reference_attention(q[1, 2], Kp[1, 2], Vp[1, 2], rows, 0.125),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_dense_with_mask(dtype):
+    torch.manual_seed(1)
+    B, G, r, d, cap, n = 2, 2, 4, 64, 1100, 1000  # long enough to be split across threads
+    q = torch.randn(B, G, r, d)
+    Kp, Vp = torch.randn(B, G, cap, d).to(dtype), torch.randn(B, G, cap, d).to(dtype)
+    keep = torch.rand(B, 1, n) > 0.3
+    out = K.attend(q, Kp, Vp, None, None, None, -1, keep, n, 0.1, dtype)
+    s = (q @ Kp[:, :, :n].float().transpose(-1, -2) * 0.1).masked_fill(~keep.unsqueeze(2), float("-inf"))
+    ref = torch.softmax(s, -1) @ Vp[:, :, :n].float()
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("combine", ["max", "mean"])
+@pytest.mark.parametrize("alpha,k", [(3.0, 60), (3.0, 5000), (50.0, 25)])  # cap binds or not
+def test_speculate_matches_threshold_and_cap(combine, alpha, k):
+    torch.manual_seed(2)
+    B, G, r, p, cap, n = 2, 3, 3, 32, 600, 500
+    q = torch.randn(B, G, r, p)
+    kp = torch.randn(B, G, cap, p)
+    keep = torch.rand(B, 1, n) > 0.2
+    caps = torch.tensor([[40], [1000]]).expand(B, G).contiguous()  # sequence 0 capped lower
+    idx, count = K.speculate(q, kp, n, keep, caps, 0.125, alpha, k,
+                             combine == "mean")
+    rel = relative(q @ kp[:, :, :n].transpose(-1, -2) * 0.125, keep, combine)  # (B, G, n)
+    within = (rel > -alpha).sum(-1)
+    expect = torch.minimum(torch.minimum(within, caps), torch.tensor(k)).clamp(min=1)
+    assert torch.equal(count, expect)
+    for b in range(B):
+        for g in range(G):
+            c = int(count[b, g])
+            chosen = idx[b, g, :c]
+            assert len(set(chosen.tolist())) == c and bool(keep[b, 0, chosen].all())
+            assert math.isclose(rel[b, g, chosen].min().item(), rel[b, g].topk(c).values.min().item(), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
+    """Through the kernels and through the PyTorch path: the same selections and logits at a budget that
+    binds (padded batch, every architecture); the full cache too."""
+    model = tiny_models[kind]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("INFINIGEN_KERNELS", flag)
+        cache = ig.make_cache("infinigen", model, alpha=4.0, budget=0.3)
+        runs[flag] = (step_logits(model, cache, ids, mask), step_logits(model, ig.make_cache("full", model), ids, mask),
+                      cache.stats["fetched_fraction_per_layer"])
+    (ig_k, full_k, frac_k), (ig_t, full_t, frac_t) = runs["1"], runs["0"]
+    torch.testing.assert_close(full_k, full_t, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ig_k, ig_t, atol=1e-4, rtol=1e-4)
+    assert frac_k == pytest.approx(frac_t) and min(frac_k[1:]) < 0.5  # same fetches, and the budget binds
