@@ -1,5 +1,6 @@
 """RowBuffer: chunked growth keeps contents; gather returns the right rows."""
 
+import pytest
 import torch
 
 from infinigen_kv.pool import CHUNK, RowBuffer
@@ -43,3 +44,29 @@ def test_reset_empties():
     buf.append(torch.ones(1, 1, 5, 2))
     buf.reset()
     assert buf.length == 0 and buf.valid().shape == (1, 1, 0, 2)
+
+
+def test_worker_writes_inference_tensors():
+    """The CUDA prefetch worker writes into pool tensors made under inference mode in the caller's thread
+    (ig.generate): it must run under inference mode too. The mechanism, reproduced on CPU with a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infinigen_kv.transfer import submit_inference
+
+    with torch.inference_mode():
+        pool = torch.zeros(4, 8)
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            worker.submit(pool[1].copy_, torch.ones(8)).result()  # what the worker did before
+        submit_inference(worker, pool[1].copy_, torch.ones(8)).result()
+    assert pool[1].sum() == 8
+
+
+def test_prefill_leaves_room_for_decode():
+    """A prompt sized exactly to a chunk multiple must not make decode step 1 copy the whole buffer."""
+    buf = RowBuffer(2, 3, 4, torch.float32, "cpu")
+    buf.append(torch.randn(2, 3, 4096, 4))
+    data = buf.data
+    for _ in range(CHUNK):
+        buf.append(torch.randn(2, 3, 1, 4))
+    assert buf.data is data  # no reallocation in the first CHUNK decode steps

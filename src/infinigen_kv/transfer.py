@@ -101,6 +101,18 @@ class DirectTransfer:
         """Nothing in flight on the direct path."""
 
 
+def submit_inference(executor, fn, *args):
+    """executor.submit(fn, *args) with fn under torch.inference_mode() in the worker thread: inference mode
+    is per thread, and the pool tensors made under it in the caller's (ig.generate) may only be written
+    in place under it ("Inplace update to inference tensor outside InferenceMode" otherwise)."""
+
+    def run():
+        with torch.inference_mode():
+            return fn(*args)
+
+    return executor.submit(run)
+
+
 class CudaTransfer:
     """GPU compute, pinned host pool: async index copy, worker-thread gather, side-stream H2D copy.
 
@@ -110,6 +122,11 @@ class CudaTransfer:
     """
 
     needs_mask = True  # selections come as masks
+
+    def compute_stream(self):
+        """The stream this device's layers compute on (with device_map, not necessarily the current
+        device's): every event of a layer is recorded there."""
+        return torch.cuda.current_stream(self.device)
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -121,8 +138,8 @@ class CudaTransfer:
         idx_host = layer.host_scratch.get("idx", (B, G, m), idx.dtype)
         idx_host.copy_(idx, non_blocking=True)
         selected = torch.cuda.Event()
-        selected.record()  # on the compute stream, after the selection and the index copy
-        layer.pending = (self.worker.submit(self._gather_copy, layer, idx_host, selected), idx, real)
+        selected.record(self.compute_stream())  # after the selection and the index copy
+        layer.pending = (submit_inference(self.worker, self._gather_copy, layer, idx_host, selected), idx, real)
 
     def _gather_copy(self, layer, idx_host, selected):
         selected.synchronize()  # the indices are on the host
@@ -174,7 +191,7 @@ class CudaTransfer:
             target = layer.host_scratch.get("slot", slot.shape, slot.dtype)
             target.copy_(slot, non_blocking=True)
         written = torch.cuda.Event()
-        written.record()
+        written.record(self.compute_stream())
         layer.unflushed = (written, sk, sv, target)
 
     @staticmethod
@@ -196,7 +213,7 @@ class CudaTransfer:
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows], as on the direct path
         V = torch.cat([v_new, dv], dim=2)
         consumed = torch.cuda.Event()
-        consumed.record()
+        consumed.record(self.compute_stream())
         layer.consumed = consumed
         return K, V, work_mask(real)
 
