@@ -1,5 +1,5 @@
 """Where a decode step's time goes: wall time per step for `full` and `infinigen`, and InfiniGen's parts
-(speculation, update/gather, attention) summed over the layers of a step.
+(speculation with its partial query and kernel, update, attention) summed over the layers of a step.
 
     python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8]
 """
@@ -7,11 +7,13 @@
 import argparse
 import collections
 import time
+import types
 
 import torch
 
 import infinigen_kv as ig
 from infinigen_kv import attention as attention_mod
+from infinigen_kv import kernels
 from infinigen_kv import cache as cache_mod
 from infinigen_kv.bench.speed import prompts
 
@@ -47,9 +49,14 @@ def main():
         ig.generate(model, ids, mask, cache=caches[method], max_new_tokens=2, stop_at_eos=False)
     timed(cache_mod.InfiniGenCache, "before_attention", "speculation (pre-hooks)")
     timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
-    timed(cache_mod, "approx_scores", "  approximate scores")
-    timed(cache_mod, "select", "  selection (threshold, cap, topk)")
-    timed(cache_mod.InfiniGenLayer, "update", "update (pool append + gather)")
+    timed(cache_mod, "approx_scores", "  approximate scores (PyTorch path)")
+    timed(cache_mod, "select", "  selection (PyTorch path)")
+    kern = kernels.cpu()
+    if kern is not None:  # the compiled module's functions, wrapped on a stand-in object
+        kernels._module = types.SimpleNamespace(speculate=kern.speculate, attend=kern.attend)
+        timed(kernels._module, "speculate", "  speculate kernel (scores, count, selection)")
+        timed(kernels._module, "attend", "attention kernel (all layers, full's too)")
+    timed(cache_mod.InfiniGenLayer, "update", "update (pool append, fetch)")
     timed(attention_mod, "infinigen_attention", "attention")
     attention_mod.register()  # re-register the wrapped attention function
     x = torch.full((B, 1), 100)

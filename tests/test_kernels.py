@@ -98,3 +98,31 @@ def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     torch.testing.assert_close(full_k, full_t, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ig_k, ig_t, atol=1e-4, rtol=1e-4)
     assert frac_k == pytest.approx(frac_t) and min(frac_k[1:]) < 0.5  # same fetches, and the budget binds
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_linear_bf16(rows):
+    torch.manual_seed(3)
+    W = torch.randn(50, 37).bfloat16()  # an input width that is not a multiple of 8
+    x, bias = torch.randn(rows, 37), torch.randn(50)
+    torch.testing.assert_close(K.linear_bf16(x, W, bias), torch.nn.functional.linear(x, W.float(), bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row (the kernel), two (W x^T)
+def test_bf16_weights_model_matches_rounded_weights(tiny_models, lengths):
+    """--dtype bf16-weights: decode through the kernel equals the model with its weights rounded to bfloat16."""
+    import copy
+
+    from infinigen_kv.models import fast_cpu_linears
+
+    ref = copy.deepcopy(tiny_models["qwen2"])  # biases too
+    fast = copy.deepcopy(ref)
+    fast_cpu_linears(fast, weights="bfloat16")
+    with torch.no_grad():
+        for module in ref.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(module.weight.bfloat16())
+    ids, mask = left_padded_batch(lengths=lengths)
+    torch.testing.assert_close(step_logits(fast, ig.make_cache("full", fast), ids, mask),
+                               step_logits(ref, ig.make_cache("full", ref), ids, mask), atol=1e-4, rtol=1e-4)

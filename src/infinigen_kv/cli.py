@@ -84,7 +84,8 @@ def _int_list(text):
 def _add_model_args(p):
     p.add_argument("--model", default=None, help="hub id, checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
+                   "weights) (default: float32 on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs")
 
 

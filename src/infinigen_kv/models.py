@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .adapters import check_supported
 from .calibrate import cache_dir
 
@@ -47,9 +48,14 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+BF16_WEIGHTS = "bf16-weights"  # float32 compute and KV cache, linear weights in bfloat16 (CPU)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == BF16_WEIGHTS:
+        return torch.float32
     if dtype in (None, "", "auto"):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -57,7 +63,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if dtype not in table:
-        raise ModelLoadError(f"unknown dtype {dtype!r}: choose from {', '.join(table)}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}: choose from {', '.join(table)}, {BF16_WEIGHTS}")
     return table[dtype]
 
 
@@ -108,9 +114,17 @@ def resolve_source(name: str | None) -> str:
 
 
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward, with decode-sized inputs computed as (W x^T)^T."""
+    """nn.Linear.forward, with decode-sized inputs (2-32 rows) computed as (W x^T)^T, and one row by the
+    bfloat16-weight kernel when the layer has a bfloat16 copy of its weight."""
     rows = x.numel() // x.shape[-1]
-    if not (2 <= rows <= SMALL_BATCH) or x.device.type != "cpu":
+    if rows > SMALL_BATCH or x.device.type != "cpu":
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    w16 = getattr(self, "weight_bf16", None)
+    if (w16 is not None and rows <= BF16_KERNEL_ROWS and x.dtype == torch.float32
+            and (kern := kernels.cpu()) is not None):
+        y = kern.linear_bf16(x.reshape(rows, -1).contiguous(), w16, self.bias)
+        return y.reshape(*x.shape[:-1], -1)
+    if rows < 2:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()  # (rows, out)
     if self.bias is not None:
@@ -118,18 +132,32 @@ def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], -1)
 
 
-SMALL_BATCH = 32  # rows up to which the transposed product wins (measured: batch 2-32)
+SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32)
+# rows up to which the bfloat16-weight kernel beats W x^T in float32: one (211 matrices: 14 ms against 53 ms
+# at one row; 125 ms against 42 ms at 4 rows before its per-row loop, and still slower end to end after)
+BF16_KERNEL_ROWS = 1
 
 
-def fast_cpu_linears(model) -> None:
-    """Decode steps of a batch (2-32 rows) through a linear layer are matrix-vector-like products that the
-    CPU BLAS serves far better as W @ x^T than as x @ W^T: on the dev machine (AMD EPYC, MKL) the 211
-    matrices of the default model take 44 ms instead of 90 ms at batch 4 and 50 instead of 79 at batch 8;
-    one row (gemv) and prefills are unchanged. Same arithmetic, another summation order. Idempotent."""
+def fast_cpu_linears(model, weights: str = "float32") -> None:
+    """Decode steps through a float32 model's linear layers on CPU. A few rows (a decode step of a batch)
+    are a matrix-vector-like product that the CPU BLAS serves far better as W @ x^T than as x @ W^T: on the
+    dev machine (AMD EPYC, MKL) the 211 matrices of the default model take 44 ms instead of 90 ms at batch 4
+    and 50 instead of 79 at batch 8; one row (gemv) and prefills are unchanged.
+
+    weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): every linear weight is rounded to
+    bfloat16 values (kept in float32 for prefill and batched products, so every path sees the same weights)
+    and a bfloat16 copy serves one-row decode steps through the `linear_bf16` kernel, which reads half the
+    bytes. Activations, norms and the KV cache stay float32. Idempotent."""
     import types
 
     for module in model.modules():
-        if type(module) is torch.nn.Linear and not getattr(module, "_infinigen_fast", False):
+        if type(module) is not torch.nn.Linear:
+            continue
+        if weights == "bfloat16" and getattr(module, "weight_bf16", None) is None and module.weight.dtype == torch.float32:
+            with torch.no_grad():
+                module.weight.copy_(module.weight.to(torch.bfloat16))  # tied weights are rounded once, alike
+            module.weight_bf16 = module.weight.detach().to(torch.bfloat16)
+        if not getattr(module, "_infinigen_fast", False):
             module.forward = types.MethodType(_small_batch_linear, module)
             module._infinigen_fast = True
 
@@ -159,7 +187,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         model.to(dev)
     model.eval()
     if dev.type == "cpu" and device_map is None:
-        fast_cpu_linears(model)
+        fast_cpu_linears(model, weights="bfloat16" if dtype == BF16_WEIGHTS else "float32")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
