@@ -325,10 +325,8 @@ class InfiniGenCache(Cache):
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
-        if count is not None and (target.slots is not None or target.transfer.needs_mask):
-            real = counted(count, m)
         if target.slots is not None:
-            target.slots.record(idx, real)
+            target.slots.record(idx, counted(count, m) if count is not None else real)
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
         target.transfer.prefetch(target, idx, real, count)

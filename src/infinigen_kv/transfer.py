@@ -50,8 +50,6 @@ class DirectTransfer:
     and the new token's row straight into the working set in one index_select (no kernel, or a full pool
     whose new token is about to overwrite a selected victim)."""
 
-    needs_mask = False  # a selection may come as counts (B, G): the first count slots of each row are real
-
     def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None, count: torch.Tensor | None = None) -> None:
         layer.pending = (idx, real, count)
 
@@ -72,9 +70,13 @@ class DirectTransfer:
         """-> K, V and their mask for attention: the whole pool buffers with `layer.fused` set (the kernel
         reads [new token, chosen rows] in place), or a gathered working set (B, G, m + 1, d) with its mask
         (B, G, 1, m + 1)."""
-        idx, real, count = ready
+        idx, real, count = ready  # count (B, G): the first count slots of each row are real (CPU kernel)
         B, G, m = idx.shape
-        if count is not None and real is None:
+        if layer.cache.speculates and layer.new_slot is not None and (count is not None or real is None) \
+                and kernels.cpu() is not None:
+            layer.fused = (idx, count, layer.new_slot)
+            return layer.k.data, layer.v.data, None
+        if count is not None:
             real = counted(count, m)
         if layer.new_slot is None:  # a full pool, before the new token overwrites a victim: gather, then join
             K = layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
@@ -82,9 +84,6 @@ class DirectTransfer:
             torch.cat([k_new, layer.k.gather(idx)], dim=2, out=K)
             torch.cat([v_new, layer.v.gather(idx)], dim=2, out=V)
             return K, V, work_mask(real)
-        if layer.cache.speculates and (count is not None or real is None) and kernels.cpu() is not None:
-            layer.fused = (idx, count, layer.new_slot)
-            return layer.k.data, layer.v.data, None
         base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
         rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
         new = layer.new_slot if isinstance(layer.new_slot, int) else layer.new_slot.unsqueeze(-1)
@@ -121,17 +120,15 @@ class CudaTransfer:
     its staging buffers need no lock, only the events below.
     """
 
-    needs_mask = True  # selections come as masks
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
 
     def compute_stream(self):
         """The stream this device's layers compute on (with device_map, not necessarily the current
         device's): every event of a layer is recorded there."""
         return torch.cuda.current_stream(self.device)
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
 
     def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None, count=None) -> None:
         B, G, m = idx.shape

@@ -36,23 +36,28 @@ def enabled() -> bool:
 
 
 def cpu():
-    """The compiled kernels (speculate, attend), or None."""
+    """The compiled kernels (speculate, attend, linear_bf16), or None."""
     global _module, _tried
-    if _tried or not enabled():
-        return _module if enabled() else None
-    _tried = True
+    if not enabled():
+        return None
+    if not _tried:
+        _tried = True
+        _module = _build()
+    return _module
+
+
+def _build():
     try:
         from torch.utils.cpp_extension import load
 
-        print("infinigen: building the CPU kernels (once per machine) ...", file=sys.stderr, flush=True) \
-            if not _built() else None
-        _module = load(name=f"infinigen_cpu_{_cpu_key()}", sources=[str(_SRC)], extra_cflags=_FLAGS,
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        if not _built():
+            print("infinigen: building the CPU kernels (once per machine) ...", file=sys.stderr, flush=True)
+        return load(name=f"infinigen_cpu_{_cpu_key()}", sources=[str(_SRC)], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, headers or ninja: the PyTorch path serves
         warnings.warn(f"infinigen: CPU kernels unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                      "using the slower PyTorch path", stacklevel=2)
-        _module = None
-    return _module
+                      "using the slower PyTorch path", stacklevel=3)
+        return None
 
 
 def _built() -> bool:
