@@ -100,29 +100,62 @@ def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     assert frac_k == pytest.approx(frac_t) and min(frac_k[1:]) < 0.5  # same fetches, and the budget binds
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_linear_bf16(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13])  # every block size (8, 4, 2, 1) and their tails
+@pytest.mark.parametrize("width", [37, 64])  # an input width that is not a multiple of 8, and one that is
+def test_linear(rows, dtype, width):
     torch.manual_seed(3)
-    W = torch.randn(50, 37).bfloat16()  # an input width that is not a multiple of 8
-    x, bias = torch.randn(rows, 37), torch.randn(50)
-    torch.testing.assert_close(K.linear_bf16(x, W, bias), torch.nn.functional.linear(x, W.float(), bias),
-                               rtol=1e-5, atol=1e-5)
+    W = torch.randn(50, width).to(dtype)
+    x, bias = torch.randn(rows, width), torch.randn(50)
+    expect = torch.nn.functional.linear(x, W.float(), bias)
+    torch.testing.assert_close(K.linear(x, W, bias), expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(K.linear(x, W, None), expect - bias, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row (the kernel), two (W x^T)
-def test_bf16_weights_model_matches_rounded_weights(tiny_models, lengths):
-    """--dtype bf16-weights: decode through the kernel equals the model with its weights rounded to bfloat16."""
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row, two
+def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
+    """Decode through the `linear` kernel equals the plain model (--dtype bf16-weights: with its weights
+    rounded to bfloat16)."""
     import copy
 
     from infinigen_kv.models import fast_cpu_linears
 
     ref = copy.deepcopy(tiny_models["qwen2"])  # biases too
     fast = copy.deepcopy(ref)
-    fast_cpu_linears(fast, weights="bfloat16")
+    fast_cpu_linears(fast, weights=weights)
     with torch.no_grad():
         for module in ref.modules():
-            if type(module) is torch.nn.Linear:
+            if type(module) is torch.nn.Linear and weights == "bfloat16":
                 module.weight.copy_(module.weight.bfloat16())
     ids, mask = left_padded_batch(lengths=lengths)
     torch.testing.assert_close(step_logits(fast, ig.make_cache("full", fast), ids, mask),
                                step_logits(ref, ig.make_cache("full", ref), ids, mask), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
+    """The partial query through the kernel (only the q_proj rows of P and their RoPE partners; the folded
+    weights without RoPE) equals the full query's skewed channels."""
+    import copy
+
+    from infinigen_kv.models import fast_cpu_linears
+
+    model = copy.deepcopy(tiny_models[kind])
+    fast_cpu_linears(model, weights=weights)
+    cache = ig.make_cache("infinigen", model)
+    assert (cache.pq_rows is not None) == cache.arch.rope  # tiny RoPE models calibrate unskewed ("auto")
+    torch.manual_seed(4)
+    B, D, d = 3, cache.arch.hidden_size, cache.arch.head_dim
+    x = torch.randn(B, 1, D)
+    angle = torch.randn(B, 1, d // 2).repeat(1, 1, 2)
+    rope = (angle.cos(), angle.sin()) if cache.arch.rope else None
+    with torch.no_grad():
+        for layer in (1, len(cache.layers) - 1):
+            cache.layers[layer].skew_p = cache.skew_partial[layer]
+            got = cache.partial_query(layer, x, rope)
+            monkeypatch.setattr(kernels, "cpu", lambda: None)
+            expect = cache.partial_query(layer, x, rope)
+            monkeypatch.undo()
+            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)

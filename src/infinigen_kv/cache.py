@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import get_arch
 from .attention import install
-from .calibrate import Calibration, load_or_calibrate
+from .calibrate import Calibration, load_or_calibrate, rope_channels
 from .config import InfiniGenConfig
 from .layer import LogicalLayer
 from .pool import RowBuffer, Slots
@@ -76,7 +76,8 @@ class InfiniGenLayer(LogicalLayer):
         self.skew_p = self.partial = None
         if self.cache.speculates:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
-            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], dtype, dev, max_rows=self.max_rows)
+            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype), dev,
+                                     max_rows=self.max_rows)
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
         self.transfer = self.cache.transfer_for(dev)
         self.scratch = Scratch(dev)
@@ -170,7 +171,8 @@ class InfiniGenLayer(LogicalLayer):
         -> positions (B, G, n), ascending."""
         x, rope, keep = self.prefill_query
         q = self.cache.partial_query(self.layer_idx, x, rope)  # (B, G, r, p)
-        scores = approx_scores(q, torch.matmul(k, self.skew_p), self.cache.arch.score_scale)  # (B, G, r, T)
+        kp = torch.matmul(k, self.skew_p).to(self.partial.dtype)  # as the partial key cache would store them
+        scores = approx_scores(q, kp, self.cache.arch.score_scale)  # (B, G, r, T)
         rel = relative(scores, keep, self.cache.config.gqa_combine)  # (B, G, T), padding at -inf
         rel[..., -1] = float("inf")  # the last token is always kept (it is the next step's neighbour)
         return rel.topk(n, dim=-1, sorted=False).indices.sort(dim=-1).values
@@ -221,6 +223,12 @@ class InfiniGenCache(Cache):
             devs = [a.q_proj.weight.device for a in self.arch.attns]
             self.pq_weight = [w.to(dv, dtype) for w, dv in zip(calibration.pq_weight, devs)]
             self.pq_bias = [b.to(dv, dtype) for b, dv in zip(calibration.pq_bias, devs)]
+        # RoPE models with raw (unskewed) channels: the CPU kernel computes the partial query from the q_proj
+        # rows of P and their RoPE partners only, per layer (G, c) and P (G, p)
+        self.pq_rows = self.pq_channels = None
+        if calibration is not None and self.arch.rope and calibration.unskewed:
+            self.pq_rows = list(rope_channels(calibration.channels, self.arch.head_dim))
+            self.pq_channels = [c.contiguous() for c in calibration.channels]
         install(model)
         self._limited = self.speculates and (self.config.capacity is not None or self.config.capacity_bytes is not None)
         self._transfers = {}
@@ -241,6 +249,10 @@ class InfiniGenCache(Cache):
         self._recall = torch.zeros(L, device=device)
         self._recall_steps = [0] * L
 
+    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Storage of the partial key cache for a model computing in `dtype` (config.partial_dtype)."""
+        return torch.bfloat16 if self.config.partial_dtype == "auto" and dtype == torch.float32 else dtype
+
     def transfer_for(self, device: torch.device):
         """The transfer engine of a compute device (one side stream per GPU)."""
         device = torch.device(device)
@@ -254,9 +266,20 @@ class InfiniGenCache(Cache):
         """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p)."""
         a = self.arch
         B = x.shape[0]
+        kern = kernels.cpu() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         if self.pq_weight is not None:  # no RoPE: A_P folded into the partial query weights
-            q = F.linear(x, self.pq_weight[layer], self.pq_bias[layer])  # (B, 1, H*p)
+            if kern is not None:
+                q = kern.linear(x.reshape(B, -1), self.pq_weight[layer], self.pq_bias[layer])
+            else:
+                q = F.linear(x, self.pq_weight[layer], self.pq_bias[layer])  # (B, 1, H*p)
             return q.view(B, a.num_kv_heads, a.group, -1)
+        if kern is not None and self.pq_rows is not None and rope is not None:  # raw channels: only their rows
+            proj = a.attns[layer].q_proj
+            w16 = getattr(proj, "weight_bf16", None)  # the weight decode steps use (--dtype bf16-weights)
+            cos, sin = (t.reshape(B, -1).float().contiguous() for t in rope)  # (B, d)
+            x = x.contiguous()
+            return kern.partial_query(x.reshape(B, -1), w16 if w16 is not None else proj.weight, proj.bias,
+                                      self.pq_rows[layer], self.pq_channels[layer], cos, sin, a.group)
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return torch.matmul(q, self.layers[layer].skew_p.unsqueeze(0))  # (B, G, r, p)
 

@@ -44,6 +44,12 @@ class Calibration:
         idx = self.channels.unsqueeze(2).expand(L, G, d, self.channels.shape[-1])
         return torch.gather(self.skew, 3, idx)
 
+    @property
+    def unskewed(self) -> bool:
+        """A is the identity for every (layer, KV head): the partial channels are raw q/k channels."""
+        d = self.skew.shape[-1]
+        return bool(torch.equal(self.skew, torch.eye(d, dtype=self.skew.dtype).expand_as(self.skew)))
+
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +249,15 @@ def partial_query_weights(arch: Arch, skew: torch.Tensor, channels: torch.Tensor
         ws.append(torch.einsum("hdp,hdD->hpD", AP, W).reshape(-1, W.shape[-1]) * arch.q_scale)
         bs.append(torch.einsum("hdp,hd->hp", AP, b).reshape(-1) * arch.q_scale)
     return torch.stack(ws), torch.stack(bs)
+
+
+def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
+    """The query channels an unskewed RoPE partial query needs: per (layer, KV head) the partial channels P and
+    their rotate-half partners (c +- d/2), padded by repeating one: (L, G, c) int64 with c <= 2p."""
+    half = d // 2
+    need = [[sorted(set(P.tolist()) | {(ch + half) % d for ch in P.tolist()}) for P in layer] for layer in channels]
+    c = max(len(s) for layer in need for s in layer)
+    return torch.tensor([[s + s[:1] * (c - len(s)) for s in layer] for layer in need], dtype=torch.long)
 
 
 def calibrate(

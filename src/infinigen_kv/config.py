@@ -51,6 +51,10 @@ class InfiniGenConfig:
     # skew: "svd" (the paper's skewing matrices), "none" (raw channels), or "auto": "none" for RoPE
     # models, where it measured better, and "svd" for models without RoPE (OPT).
     skew: str = "auto"
+    # partial_dtype: storage of the partial key cache, which only ranks tokens: "auto" = bfloat16 for a
+    # float32 model (half the bytes the speculation reads each step; the scores are still computed in
+    # float32) and the model's own dtype otherwise; "model" = always the model's dtype.
+    partial_dtype: str = "auto"
 
     def __post_init__(self):
         check_fraction("budget", self.budget)
@@ -69,6 +73,8 @@ class InfiniGenConfig:
             raise ConfigError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
         if self.eviction not in ("fifo", "lru", "counter"):
             raise ConfigError(f"eviction must be 'fifo', 'lru' or 'counter', got {self.eviction!r}")
+        if self.partial_dtype not in ("auto", "model"):
+            raise ConfigError(f"partial_dtype must be 'auto' or 'model', got {self.partial_dtype!r}")
         if self.channel_rule not in ("q", "qk"):
             raise ConfigError(f"channel_rule must be 'q' or 'qk', got {self.channel_rule!r}")
 

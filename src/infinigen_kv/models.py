@@ -114,15 +114,14 @@ def resolve_source(name: str | None) -> str:
 
 
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward, with decode-sized inputs (2-32 rows) computed as (W x^T)^T, and one row by the
-    bfloat16-weight kernel when the layer has a bfloat16 copy of its weight."""
+    """nn.Linear.forward, with decode-sized inputs (a few rows) through the `linear` kernel (its bfloat16
+    copy of the weight when the layer has one) or computed as (W x^T)^T; prefills unchanged."""
     rows = x.numel() // x.shape[-1]
-    if rows > SMALL_BATCH or x.device.type != "cpu":
+    if rows > SMALL_BATCH or x.device.type != "cpu" or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     w16 = getattr(self, "weight_bf16", None)
-    if (w16 is not None and rows <= BF16_KERNEL_ROWS and x.dtype == torch.float32
-            and (kern := kernels.cpu()) is not None):
-        y = kern.linear_bf16(x.reshape(rows, -1).contiguous(), w16, self.bias)
+    if rows <= (KERNEL_ROWS_BF16 if w16 is not None else KERNEL_ROWS) and (kern := kernels.cpu()) is not None:
+        y = kern.linear(x.reshape(rows, -1).contiguous(), w16 if w16 is not None else self.weight, self.bias)
         return y.reshape(*x.shape[:-1], -1)
     if rows < 2:
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -133,21 +132,23 @@ def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
 
 
 SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32)
-# rows up to which the bfloat16-weight kernel beats W x^T in float32: one (211 matrices: 14 ms against 53 ms
-# at one row; 125 ms against 42 ms at 4 rows before its per-row loop, and still slower end to end after)
-BF16_KERNEL_ROWS = 1
+# Rows up to which the `linear` kernel beats the BLAS (dev machine, AMD EPYC, the default model's 211 matrices,
+# cold): float32 20 / 23 / 26 ms against 38 / 26 / 43 at 1 / 4 / 8 rows, even at 16; bfloat16 weights 10 / 12 /
+# 20 ms, 46 against 56 at 16 rows.
+KERNEL_ROWS = 8
+KERNEL_ROWS_BF16 = 16
 
 
 def fast_cpu_linears(model, weights: str = "float32") -> None:
     """Decode steps through a float32 model's linear layers on CPU. A few rows (a decode step of a batch)
-    are a matrix-vector-like product that the CPU BLAS serves far better as W @ x^T than as x @ W^T: on the
-    dev machine (AMD EPYC, MKL) the 211 matrices of the default model take 44 ms instead of 90 ms at batch 4
-    and 50 instead of 79 at batch 8; one row (gemv) and prefills are unchanged.
+    are bound by reading the weights, which the CPU BLAS does at half the machine's bandwidth on these
+    shapes: up to KERNEL_ROWS rows go through the `linear` kernel (one streamed read of each weight row for
+    all rows), up to SMALL_BATCH as W @ x^T; prefills are unchanged.
 
     weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): every linear weight is rounded to
-    bfloat16 values (kept in float32 for prefill and batched products, so every path sees the same weights)
-    and a bfloat16 copy serves one-row decode steps through the `linear_bf16` kernel, which reads half the
-    bytes. Activations, norms and the KV cache stay float32. Idempotent."""
+    bfloat16 values (kept in float32 for prefill and larger batches, so every path sees the same weights)
+    and a bfloat16 copy serves decode steps through the kernel, which reads half the bytes. Activations,
+    norms and the KV cache stay float32. Idempotent."""
     import types
 
     for module in model.modules():

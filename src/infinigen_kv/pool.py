@@ -98,7 +98,7 @@ class RowBuffer:
     def put(self, slot: torch.Tensor, x: torch.Tensor) -> None:
         """Overwrite one row per (sequence, head): x (B, G, 1, width) at slots slot (B, G)."""
         rows = (slot.unsqueeze(-1).to(self.device) + self.row_base()).view(-1)
-        self.data.view(-1, self.width).index_copy_(0, rows, x.reshape(-1, self.width).to(self.device))
+        self.data.view(-1, self.width).index_copy_(0, rows, x.reshape(-1, self.width).to(self.device, self.dtype))
 
     def reset(self) -> None:
         self.length = 0

@@ -36,7 +36,7 @@ def enabled() -> bool:
 
 
 def cpu():
-    """The compiled kernels (speculate, attend, linear_bf16), or None."""
+    """The compiled kernels (speculate, attend, linear), or None."""
     global _module, _tried
     if not enabled():
         return None

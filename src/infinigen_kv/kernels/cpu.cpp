@@ -21,6 +21,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -49,6 +53,29 @@ inline float dot(const float* __restrict q, const T* __restrict k, int64_t n) {
   for (int64_t i = 0; i < len; ++i) s += q[i] * load(k, i);
   return s;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define IG_AVX2 1
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {  // 8 bfloat16 -> float32: the bits shifted into the high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::BFloat16* w) { return load8(reinterpret_cast<const uint16_t*>(w)); }
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// the 8 sums of a[0..7]'s lanes, as one vector [sum a0, ..., sum a7]
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // s0123: lanes 0-3 the sums of a0..a3's low halves, lanes 4-7 of their high halves; likewise s4567
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
 
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
@@ -115,7 +142,26 @@ void speculate_impl(const float* q, const T* kp, const bool* keep, int64_t keep_
       const T* kr = kp + row * cap * p;
       const bool* kb = keep ? keep + (b * keep_heads + (keep_heads > 1 ? g : 0)) * n : nullptr;
       // scores: one read of each token's partial key row for all r heads of the group
-      for (int64_t t = 0; t < n; ++t) {
+      int64_t t0 = 0;
+#ifdef IG_AVX2
+      if constexpr (P > 0 && P % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>)) {
+        // 8 tokens at a time: per head, 8 dot products reduced into one vector of scores (no per-token
+        // horizontal sum); the 8 rows stay in L1 for the group's other heads
+        for (; t0 + 8 <= n; t0 += 8) {
+          const T* kt = kr + t0 * p;
+          prefetch_row(kt + 32 * p, 8 * p);  // four blocks ahead
+          for (int64_t h = 0; h < r; ++h) {
+            const float* qh = qs.data() + h * p;
+            __m256 acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kt + j * p));
+            for (int c = 8; c < P; c += 8)
+              for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(kt + j * p + c), acc[j]);
+            _mm256_storeu_ps(s.data() + h * n + t0, hsum8(acc));
+          }
+        }
+      }
+#endif
+      for (int64_t t = t0; t < n; ++t) {
         const T* kt = kr + t * p;
         for (int64_t h = 0; h < r; ++h) s[h * n + t] = dot<P>(qs.data() + h * p, kt, p);
       }
@@ -151,13 +197,14 @@ void speculate_impl(const float* q, const T* kp, const bool* keep, int64_t keep_
       } else {  // the cap binds: the c highest, above the c-th largest value found by bisection
         for (int64_t t = 0; t < n; ++t) keys[t] = order_key(rel[t]);
         uint64_t lo = order_key(-alpha), hi = uint64_t(order_key(0.f)) + 1;  // count(keys >= lo) >= c
-        while (hi - lo > 1) {  // ~30 vectorized counting passes: cheaper than a selection sort's branches
+        while (hi - lo > 1) {  // vectorized counting passes: cheaper than a selection sort's branches
           const uint32_t mid = uint32_t((lo + hi) / 2);
-          int64_t above = 0;
+          int32_t above = 0;
           for (int64_t t = 0; t < n; ++t) above += keys[t] >= mid;
           (above >= c ? lo : hi) = mid;
+          if (above == c) break;  // exactly c at or above lo: no need to narrow down to the c-th value
         }
-        const uint32_t thr = uint32_t(lo);  // the key of the c-th largest value
+        const uint32_t thr = uint32_t(lo);  // keys > thr number fewer than c; with those == thr, at least c
         int64_t j = 0;
         for (int64_t t = 0; t < n && j < c; ++t)
           if (keys[t] > thr) out[j++] = t;
@@ -288,9 +335,10 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_bf16: y (R, out) = x (R, in) W^T + bias for a few rows R (a decode step), W stored as bfloat16.
-// Each weight row is read from memory once for all R rows: the step reads half the bytes of float32
-// weights and needs no conversion of the whole matrix.
+// linear: y (R, out) = x (R, in) W^T + bias for a few rows R (a decode step), W float32 or bfloat16.
+// A decode step's linears are bound by reading W: each weight row is streamed from memory once for all R
+// rows (blocks of up to 4 rows share each load; further blocks find the row in L1). The CPU BLAS reaches
+// 10-20 GB/s on these shapes with cold weights; this loop runs near the machine's read bandwidth.
 
 inline float bf16_bits(uint16_t b) {
   uint32_t w = uint32_t(b) << 16;
@@ -298,24 +346,101 @@ inline float bf16_bits(uint16_t b) {
   std::memcpy(&f, &w, 4);
   return f;
 }
+inline float wload(const float* w, int64_t i) { return w[i]; }
+inline float wload(const uint16_t* w, int64_t i) { return bf16_bits(w[i]); }
 
-template <int RB>
-inline void rows_times_weight(const uint16_t* __restrict w, const float* __restrict x, int64_t in, float* y,
-                              int64_t ldy) {
-  float acc[RB][8] = {};
+
+// y[b * ldy] = x[b] . w for the RB rows of x starting at x (row stride in)
+template <int RB, typename W>
+inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t in, float* y, int64_t ldy) {
   int64_t i = 0;
-  for (; i + 8 <= in; i += 8) {
-    float wf[8];
-    for (int j = 0; j < 8; ++j) wf[j] = bf16_bits(w[i + j]);
-    for (int b = 0; b < RB; ++b)
-      for (int j = 0; j < 8; ++j) acc[b][j] += wf[j] * x[b * in + i + j];
+  float sum[RB] = {};
+#ifdef IG_AVX2
+  constexpr int U = RB >= 8 ? 1 : 2;  // independent chains per row: 2 x RB accumulators fit the 16 registers up to 4 rows
+  __m256 acc[RB][U];
+  for (int b = 0; b < RB; ++b)
+    for (int u = 0; u < U; ++u) acc[b][u] = _mm256_setzero_ps();
+  for (; i + 8 * U <= in; i += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8(w + i + 8 * u);
+      for (int b = 0; b < RB; ++b) acc[b][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * in + i + 8 * u), acc[b][u]);
+    }
   }
   for (int b = 0; b < RB; ++b) {
-    float sum = 0.f;
-    for (int j = 0; j < 8; ++j) sum += acc[b][j];
-    for (int64_t t = i; t < in; ++t) sum += bf16_bits(w[t]) * x[b * in + t];
-    y[b * ldy] = sum;
+    __m256 a = acc[b][0];
+    for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[b][u]);
+    sum[b] = hsum(a);
   }
+#endif
+  for (; i < in; ++i) {
+    const float wi = wload(w, i);
+    for (int b = 0; b < RB; ++b) sum[b] += wi * x[b * in + i];
+  }
+  for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
+}
+
+template <typename W>
+void linear_impl(const float* x, const W* wp, const float* bias, int64_t R, int64_t in, int64_t out, float* y) {
+  at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      const W* w = wp + o * in;
+      int64_t b = 0;
+      for (; b + 8 <= R; b += 8) rows_dot<8>(w, x + b * in, in, y + b * out + o, out);
+      if (R - b >= 4) {
+        rows_dot<4>(w, x + b * in, in, y + b * out + o, out);
+        b += 4;
+      }
+      for (; b + 4 <= R; b += 4) rows_dot<4>(w, x + b * in, in, y + b * out + o, out);
+      if (R - b >= 2) {
+        rows_dot<2>(w, x + b * in, in, y + b * out + o, out);
+        b += 2;
+      }
+      if (b < R) rows_dot<1>(w, x + b * in, in, y + b * out + o, out);
+      if (bias)
+        for (int64_t j = 0; j < R; ++j) y[j * out + o] += bias[o];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// partial_query: the partial query of a RoPE model with unskewed channels, from only the q_proj rows it
+// needs: per KV head g, the channels S_g = P_g and their rotate-half partners (c +- d/2). For query head h
+// (group g = h / r): y[c] = x . W[h d + c] (+ bias) for c in S_g, then after RoPE
+//   q[c] = y[c] cos[c] + (c < d/2 ? -y[c + d/2] : y[c - d/2]) sin[c]   for c in P_g.
+
+template <typename W>
+void partial_query_impl(const float* x, const W* wp, const float* bias, const int64_t* S, int64_t c,
+                        const int64_t* P, int64_t p, const float* cos, const float* sin, int64_t B, int64_t G,
+                        int64_t r, int64_t d, int64_t D, float* out) {
+  const int64_t H = G * r, half = d / 2;
+  std::vector<float> y(B * H * d, 0.f);  // (B, H, d): the needed channels of each head's query
+  at::parallel_for(0, H * c, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / c, ch = S[(h / r) * c + i % c];
+      const W* w = wp + (h * d + ch) * D;
+      float* yo = y.data() + h * d + ch;  // row b at yo + b * H * d
+      int64_t b = 0;
+      for (; b + 4 <= B; b += 4) rows_dot<4>(w, x + b * D, D, yo + b * H * d, H * d);
+      for (; b < B; ++b) rows_dot<1>(w, x + b * D, D, yo + b * H * d, H * d);
+      if (bias)
+        for (int64_t j = 0; j < B; ++j) yo[j * H * d] += bias[h * d + ch];
+    }
+  });
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* yh = y.data() + (b * H + h) * d;
+      const int64_t* Pg = P + (h / r) * p;
+      float* o = out + (b * H + h) * p;  // (B, G, r, p) == (B, H, p)
+      for (int64_t t = 0; t < p; ++t) {
+        const int64_t ch = Pg[t];
+        if (!cos) {
+          o[t] = yh[ch];
+          continue;
+        }
+        const float partner = ch < half ? -yh[ch + half] : yh[ch - half];
+        o[t] = yh[ch] * cos[b * d + ch] + partner * sin[b * d + ch];
+      }
+    }
 }
 
 void check_cpu_contig(const at::Tensor& t, const char* name) {
@@ -436,31 +561,76 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
   return out;
 }
 
-// x (R, in) float32, W (out, in) bfloat16, bias (out) float32 or None -> (R, out) float32
-at::Tensor linear_bf16(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias) {
+// x (R, in) float32, W (out, in) float32 or bfloat16, bias (out) float32 or None -> (R, out) float32
+at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && W.scalar_type() == at::kBFloat16, "x float32, W bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16, "W must be float32 or bfloat16");
   const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
-  TORCH_CHECK(W.size(1) == in, "bad shapes");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && W.size(1) == in, "bad shapes");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_cpu_contig(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, "bias must be float32 (out)");
+    bp = bias->data_ptr<float>();
+  }
   auto y = at::empty({R, out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(W.data_ptr());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint16_t* w = wp + o * in;
-      // one row at a time: the weight row stays in L1 for rows 2..R (blocks of 4 rows measured slower:
-      // the compiler spills their accumulators)
-      for (int64_t b = 0; b < R; ++b) rows_times_weight<1>(w, xp + b * in, in, yp + b * out + o, out);
-    }
-  });
-  if (bias.has_value()) y.add_(*bias);
+  if (W.scalar_type() == at::kFloat)
+    linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, R, in, out, y.data_ptr<float>());
+  else
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, R, in, out,
+                y.data_ptr<float>());
   return y;
 }
 
+// x (B, D) float32; W (H d, D) q_proj weight, float32 or bfloat16; bias (H d) or None; S (G, c) channels to
+// compute per KV head (P and their RoPE partners; repeats allowed); P (G, p) partial channels; cos, sin (B, d)
+// float32 or None (no RoPE: S = P). Returns the partial query (B, G, r, p) float32.
+at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, at::Tensor S, at::Tensor P,
+                         c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, int64_t r) {
+  for (auto* t : {&x, &W, &S, &P}) check_cpu_contig(*t, "partial_query input");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16, "W must be float32 or bfloat16");
+  TORCH_CHECK(S.scalar_type() == at::kLong && P.scalar_type() == at::kLong, "S and P must be int64");
+  const int64_t B = x.size(0), D = x.size(1), G = S.size(0), c = S.size(1), p = P.size(1), H = G * r;
+  TORCH_CHECK(W.size(0) % H == 0 && W.size(1) == D && P.size(0) == G, "bad shapes");
+  const int64_t d = W.size(0) / H;
+  for (auto* t : {&S, &P})
+    for (int64_t i = 0; i < t->numel(); ++i) {
+      const int64_t ch = t->data_ptr<int64_t>()[i];
+      TORCH_CHECK(ch >= 0 && ch < d, "channel ", ch, " out of range [0, ", d, ")");
+    }
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_cpu_contig(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == H * d, "bias must be float32 (H d)");
+    bp = bias->data_ptr<float>();
+  }
+  const float *cp = nullptr, *sp = nullptr;
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
+  if (cos.has_value()) {
+    check_cpu_contig(*cos, "cos");
+    check_cpu_contig(*sin, "sin");
+    TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->numel() == B * d &&
+                sin->numel() == B * d, "cos, sin must be float32 (B, d)");
+    cp = cos->data_ptr<float>();
+    sp = sin->data_ptr<float>();
+  }
+  auto out = at::empty({B, G, r, p}, x.options());
+  if (W.scalar_type() == at::kFloat)
+    partial_query_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(),
+                       p, cp, sp, B, G, r, d, D, out.data_ptr<float>());
+  else
+    partial_query_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp,
+                       S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(), p, cp, sp, B, G, r, d, D,
+                       out.data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear_bf16", &linear_bf16, "few-row linear layer with bfloat16 weights");
+  mod.def("linear", &linear, "few-row linear layer, float32 or bfloat16 weights");
+  mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
 }
