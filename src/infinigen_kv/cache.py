@@ -241,6 +241,7 @@ class InfiniGenCache(Cache):
         self._possible = torch.zeros(L, device=device)
         self._rows = [0] * L
         self._steps = [0] * L
+        self._keep_memo = None  # (key, keep, caps) of the current decode step (_step_keep)
         self._rows_moved = 0  # padded rows gathered (what the transfer actually moves)
         self._kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
         # Diagnostic (off by default, costs a full attention per layer): share of the true attention
@@ -312,18 +313,18 @@ class InfiniGenCache(Cache):
         rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
         q = self.partial_query(nxt, x, rope)  # (B, G, r, p)
         n = target.partial.length  # slots
-        keep = past_keep(attention_mask, target.seen, dev)  # (B, 1, seen) over positions
-        if keep is not None and target.slots is not None and target.slots.evicted:
-            B, G = q.shape[:2]
+        B, G = q.shape[:2]
+        evicted = target.slots is not None and target.slots.evicted
+        keep, caps = self._step_keep(attention_mask, target.seen, dev, B, G, not evicted)
+        if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = self.config
         kern = kernels.cpu() if dev.type == "cpu" else None
         if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
             k = fetch_cap(n, c.budget, c.max_num_kv)  # known on the host: the step's fetch size
-            caps = None
-            if keep is not None:  # per row: budget x its valid length
+            if keep is not None and caps is None:  # per row: budget x its valid length
                 keep = keep.contiguous()
-                caps = row_caps(keep, c.budget, c.max_num_kv).expand(q.shape[0], q.shape[1]).contiguous()  # (B, G)
+                caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()  # (B, G)
             idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
                                         self.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
             self._prefetch(target, idx, None, keep, target.partial.width * target.partial.data.element_size(),
@@ -332,6 +333,21 @@ class InfiniGenCache(Cache):
         scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, slots)
         idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
         self._prefetch(target, idx, real, keep, target.partial.width * target.partial.data.element_size())
+
+    def _step_keep(self, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool):
+        """keep (B, 1, seen) of the step's mask (see past_keep) and, if with_caps, the per-row caps (B, G)
+        of the CPU kernel: the same for every layer of a decode step, so computed once per step."""
+        key = (None if attention_mask is None else attention_mask.data_ptr(), seen, dev, B, G)
+        if self._keep_memo is not None and self._keep_memo[0] == key:
+            return self._keep_memo[1], self._keep_memo[2] if with_caps else None
+        keep = past_keep(attention_mask, seen, dev)
+        caps = None
+        if keep is not None:
+            keep = keep.contiguous()
+            c = self.config
+            caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()
+        self._keep_memo = (key, keep, caps)
+        return keep, caps if with_caps else None
 
     def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, real, keep, partial_row: int, count=None):
         """Account for the fetch of idx (B, G, m) and start it: the slots where real (B, G, m) is True, or
@@ -418,3 +434,4 @@ class InfiniGenCache(Cache):
         self._rows = [0] * len(self.layers)
         self._steps = [0] * len(self.layers)
         self._rows_moved = 0
+        self._keep_memo = None

@@ -75,6 +75,9 @@ inline __m256 hsum8(const __m256* a) {
   // s0123: lanes 0-3 the sums of a0..a3's low halves, lanes 4-7 of their high halves; likewise s4567
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
+// rows of N (compile-time) elements of T that the vector paths handle: float32 or bfloat16, N a multiple of 8
+template <typename T, int N>
+constexpr bool SIMD_ROWS = N > 0 && N % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>);
 #endif
 
 template <typename T>
@@ -144,7 +147,7 @@ void speculate_impl(const float* q, const T* kp, const bool* keep, int64_t keep_
       // scores: one read of each token's partial key row for all r heads of the group
       int64_t t0 = 0;
 #ifdef IG_AVX2
-      if constexpr (P > 0 && P % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>)) {
+      if constexpr (SIMD_ROWS<T, P>) {
         // 8 tokens at a time: per head, 8 dot products reduced into one vector of scores (no per-token
         // horizontal sum); the 8 rows stay in L1 for the group's other heads
         for (; t0 + 8 <= n; t0 += 8) {
@@ -275,7 +278,25 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             prefetch_row(Vr + pos * d, d);
           }
         }
-        for (int64_t j = 0; j < nb; ++j) {
+        int64_t j0 = 0;
+#ifdef IG_AVX2
+        if constexpr (SIMD_ROWS<T, D>) {  // 8 tokens at a time per head: no per-token horizontal sum
+          for (; j0 + 8 <= nb; j0 += 8)
+            for (int64_t h = 0; h < r; ++h) {
+              const float* qh = qr + h * D;
+              __m256 acc[8];
+              for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(Kr + blk[j0 + j] * D));
+              for (int c = 8; c < D; c += 8)
+                for (int j = 0; j < 8; ++j)
+                  acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(Kr + blk[j0 + j] * D + c), acc[j]);
+              _mm256_storeu_ps(s.data() + h * BLOCK + j0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+            }
+          for (int64_t j = 0; j < j0; ++j)
+            if (!mask[j])
+              for (int64_t h = 0; h < r; ++h) s[h * BLOCK + j] = NEG_INF;
+        }
+#endif
+        for (int64_t j = j0; j < nb; ++j) {
           const T* kt = Kr + blk[j] * d;
           for (int64_t h = 0; h < r; ++h) s[h * BLOCK + j] = mask[j] ? dot<D>(qr + h * d, kt, d) * scale : NEG_INF;
         }
@@ -299,6 +320,24 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             for (int64_t i = 0; i < d; ++i) a[i] *= corr;
           }
         }
+#ifdef IG_AVX2
+        if constexpr (SIMD_ROWS<T, D>) {  // per head, up to 64 output channels held in registers over the block
+          constexpr int C = D / 8 < 8 ? D / 8 : 8;
+          for (int64_t h = 0; h < r; ++h)
+            for (int i0 = 0; i0 < D; i0 += 8 * C) {
+              float* a = A + h * D + i0;
+              __m256 acc[C];
+              for (int u = 0; u < C; ++u) acc[u] = _mm256_loadu_ps(a + 8 * u);
+              for (int64_t j = 0; j < nb; ++j) {
+                const __m256 w = _mm256_set1_ps(s[h * BLOCK + j]);
+                const T* vt = Vr + blk[j] * D + i0;
+                for (int u = 0; u < C; ++u) acc[u] = _mm256_fmadd_ps(w, load8(vt + 8 * u), acc[u]);
+              }
+              for (int u = 0; u < C; ++u) _mm256_storeu_ps(a + 8 * u, acc[u]);
+            }
+          continue;
+        }
+#endif
         for (int64_t j = 0; j < nb; ++j) {
           const T* vt = Vr + blk[j] * d;
           for (int64_t h = 0; h < r; ++h) {
