@@ -6,6 +6,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.bench.tasks import passkey
 from infinigen_kv.calibrate import cache_dir
+from infinigen_kv.models import model_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +22,7 @@ def test_default_model_loads_from_converted_checkpoint(smollm):
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3
     assert next(model.parameters()).dtype == torch.float32
+    assert model_dtype(model) == "bf16-weights"  # the CPU default: float32 compute, bfloat16 linear weights
     converted = list((cache_dir() / "models").glob("SmolLM2-135M-Instruct*/model.safetensors"))
     assert converted, "the GGUF was not converted to a cached safetensors checkpoint"
     assert tok.padding_side == "left"

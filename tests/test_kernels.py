@@ -150,9 +150,9 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     B, D, d = 3, cache.arch.hidden_size, cache.arch.head_dim
     x = torch.randn(B, 1, D)
     angle = torch.randn(B, 1, d // 2).repeat(1, 1, 2)
-    rope = (angle.cos(), angle.sin()) if cache.arch.rope else None
+    ropes = [(angle.cos(), angle.sin()), (angle[:1].cos(), angle[:1].sin())] if cache.arch.rope else [None]
     with torch.no_grad():
-        for layer in (1, len(cache.layers) - 1):
+        for layer, rope in [(1, ropes[0]), (len(cache.layers) - 1, ropes[-1])]:  # RoPE per row, or one for all
             cache.layers[layer].skew_p = cache.skew_partial[layer]
             got = cache.partial_query(layer, x, rope)
             monkeypatch.setattr(kernels, "cpu", lambda: None)

@@ -277,7 +277,7 @@ class InfiniGenCache(Cache):
         if kern is not None and self.pq_rows is not None and rope is not None:  # raw channels: only their rows
             proj = a.attns[layer].q_proj
             w16 = getattr(proj, "weight_bf16", None)  # the weight decode steps use (--dtype bf16-weights)
-            cos, sin = (t.reshape(B, -1).float().contiguous() for t in rope)  # (B, d)
+            cos, sin = (t[:, -1].expand(B, -1).float().contiguous() for t in rope)  # (B or 1, 1, d) -> (B, d)
             x = x.contiguous()
             return kern.partial_query(x.reshape(B, -1), w16 if w16 is not None else proj.weight, proj.bias,
                                       self.pq_rows[layer], self.pq_channels[layer], cos, sin, a.group)

@@ -85,7 +85,7 @@ def _add_model_args(p):
     p.add_argument("--model", default=None, help="hub id, checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
-                   "weights) (default: float32 on CPU, bf16/fp16 on CUDA)")
+                   "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs")
 
 
@@ -208,6 +208,7 @@ def _load(args):
 def cmd_generate(args) -> dict:
     from .baselines import make_cache
     from .generation import generate
+    from .models import model_dtype
     from .report import bytes_read_per_step
 
     if args.prompt_file is not None:
@@ -240,7 +241,7 @@ def cmd_generate(args) -> dict:
         "method": args.method,
         "model": args.model or "SmolLM2-135M-Instruct",
         "device": str(device),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "dtype": model_dtype(model),
         "batch": args.batch,
         "prompt_tokens": n,
         "new_tokens": int(res.tokens.shape[1]),

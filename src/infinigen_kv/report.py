@@ -4,12 +4,15 @@ from __future__ import annotations
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the parameters (tied embeddings counted once: the LM head reads them every step)."""
+    """Bytes of the parameters a decode step reads (tied embeddings counted once: the LM head reads them
+    every step; a linear layer with a bfloat16 copy for decode, `--dtype bf16-weights`, at 2 bytes each)."""
+    decode_bytes = {m.weight.data_ptr(): m.weight_bf16.numel() * m.weight_bf16.element_size()
+                    for m in model.modules() if getattr(m, "weight_bf16", None) is not None}
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+            total += decode_bytes.get(p.data_ptr(), p.numel() * p.element_size())
     return total
 
 

@@ -14,6 +14,7 @@ import transformers
 
 from ..baselines import make_cache
 from ..generation import generate
+from ..models import model_dtype
 from ..report import bytes_read_per_step
 from . import save_plot, write_tables
 from .tasks import passkey
@@ -124,7 +125,7 @@ def run_speed(model, tokenizer, methods, batches, prompt_lens, new_tokens, repea
                           file=sys.stderr)
             for method in methods:
                 rows.append(summarize(method, B, n, new_tokens, runs[method], machine))
-    result = {"model": model_name or "SmolLM2-135M-Instruct", "machine": machine, "options": {
+    result = {"model": model_name or "SmolLM2-135M-Instruct", "dtype": model_dtype(model), "machine": machine, "options": {
         k: v for k, v in options.items() if k != "tokenizer"}, "rows": rows}
     if out:
         write_reports(result, Path(out))
