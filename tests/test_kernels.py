@@ -159,3 +159,19 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
             expect = cache.partial_query(layer, x, rope)
             monkeypatch.undo()
             torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_key_storage(tiny_models, monkeypatch):
+    """Partial keys in bfloat16 where the CPU kernel scores them ("auto"), in the model's dtype for "model"
+    and on the PyTorch path; budget 1.0 stays exact either way."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch()
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    for option, kernel, expect in [("auto", True, torch.bfloat16), ("model", True, torch.float32),
+                                   ("auto", False, torch.float32)]:
+        if not kernel:
+            monkeypatch.setattr(kernels, "cpu", lambda: None)
+        cache = ig.make_cache("infinigen", model, partial_dtype=option, budget=1.0, alpha=1e9)
+        torch.testing.assert_close(step_logits(model, cache, ids, mask), ref, atol=1e-4, rtol=1e-4)
+        assert cache.layers[1].partial.data.dtype == expect
+        monkeypatch.undo()

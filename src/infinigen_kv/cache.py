@@ -76,7 +76,7 @@ class InfiniGenLayer(LogicalLayer):
         self.skew_p = self.partial = None
         if self.cache.speculates:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
-            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype), dev,
+            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype, dev), dev,
                                      max_rows=self.max_rows)
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
         self.transfer = self.cache.transfer_for(dev)
@@ -250,9 +250,14 @@ class InfiniGenCache(Cache):
         self._recall = torch.zeros(L, device=device)
         self._recall_steps = [0] * L
 
-    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """Storage of the partial key cache for a model computing in `dtype` (config.partial_dtype)."""
-        return torch.bfloat16 if self.config.partial_dtype == "auto" and dtype == torch.float32 else dtype
+    def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """Storage of the partial key cache for a model computing in `dtype` on `device`: "auto" stores
+        bfloat16 where the CPU kernel scores it (half the bytes, scores still in float32); the PyTorch path
+        would have to convert the whole cache every step, so it keeps the model's dtype."""
+        if self.config.partial_dtype == "auto" and dtype == torch.float32 and device.type == "cpu" \
+                and kernels.cpu() is not None:
+            return torch.bfloat16
+        return dtype
 
     def transfer_for(self, device: torch.device):
         """The transfer engine of a compute device (one side stream per GPU)."""

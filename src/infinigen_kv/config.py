@@ -52,8 +52,9 @@ class InfiniGenConfig:
     # models, where it measured better, and "svd" for models without RoPE (OPT).
     skew: str = "auto"
     # partial_dtype: storage of the partial key cache, which only ranks tokens: "auto" = bfloat16 for a
-    # float32 model (half the bytes the speculation reads each step; the scores are still computed in
-    # float32) and the model's own dtype otherwise; "model" = always the model's dtype.
+    # float32 model on CPU with the compiled kernels (half the bytes the speculation reads each step; the
+    # scores are still computed in float32) and the model's own dtype otherwise; "model" = always the
+    # model's dtype.
     partial_dtype: str = "auto"
 
     def __post_init__(self):

@@ -27,7 +27,7 @@ def _hf_dynamic(model, **_):
 METHODS = {
     "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
                                "calibration_text", "channel_rule", "skew", "tokenizer", "capacity",
-                               "capacity_bytes", "eviction"}),
+                               "capacity_bytes", "eviction", "partial_dtype"}),
     "full": (FullCache, set()),
     "offload": (OffloadCache, set()),
     "quant": (QuantCache, {"bits"}),
