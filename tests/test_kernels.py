@@ -176,3 +176,14 @@ def test_partial_key_storage(tiny_models, monkeypatch):
         torch.testing.assert_close(step_logits(model, cache, ids, mask), ref, atol=1e-4, rtol=1e-4)
         assert cache.layers[1].partial.data.dtype == expect
         monkeypatch.undo()
+
+
+def test_bf16_weights_default(monkeypatch):
+    """Weight-only bfloat16 is the CPU default where the kernels can read it; float32 when asked or without them."""
+    from infinigen_kv.models import bf16_weights
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
+    assert not bf16_weights("float32", cpu) and not bf16_weights(None, cuda)
+    monkeypatch.setattr(kernels, "cpu", lambda: None)
+    assert not bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
