@@ -144,8 +144,8 @@ def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
 
 SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32)
 # Rows up to which the `linear` kernel beats the BLAS (dev machine, AMD EPYC, the default model's 211 matrices,
-# cold): float32 20 / 23 / 26 ms against 38 / 26 / 43 at 1 / 4 / 8 rows, even at 16; bfloat16 weights 10 / 12 /
-# 20 ms, 46 against 56 at 16 rows.
+# cold): float32 20 / 23 / 26 ms against 38 / 26 / 43 at 1 / 4 / 8 rows, level at 16 (54 ms); bfloat16 weights
+# 10 / 12 / 20 ms, 46 against 56 at 16 rows.
 KERNEL_ROWS = 8
 KERNEL_ROWS_BF16 = 16
 
