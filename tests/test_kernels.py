@@ -187,3 +187,20 @@ def test_bf16_weights_default(monkeypatch):
     assert not bf16_weights("float32", cpu) and not bf16_weights(None, cuda)
     monkeypatch.setattr(kernels, "cpu", lambda: None)
     assert not bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
+
+
+def test_weight_bytes_count_bf16_copies(tiny_models):
+    """The bytes model reads a linear layer's bfloat16 decode copy at 2 bytes per weight (bf16-weights)."""
+    import copy
+
+    from infinigen_kv.models import fast_cpu_linears, model_dtype
+    from infinigen_kv.report import weight_bytes
+
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    before = weight_bytes(model)
+    linear = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear
+                 and m.weight is not model.get_input_embeddings().weight)
+    fast_cpu_linears(model, weights="bfloat16")
+    assert model_dtype(model) == "bf16-weights"
+    tied = model.get_input_embeddings().weight is model.lm_head.weight
+    assert weight_bytes(model) == before - 2 * linear - (2 * model.lm_head.weight.numel() if tied else 0)

@@ -15,15 +15,10 @@ def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float
     """Approximate attention logits of each past token for each query head.
 
     q_partial (B, G, r, p): the skewed partial queries of the r query heads sharing a KV head.
-    k_partial (B, G, n, p): the partial key cache, maybe stored in a lower precision (bfloat16) than q. Returns
-    (B, G, r, n): float32 from float32 queries on CPU (as the CPU kernel computes them), else q's dtype.
+    k_partial (B, G, n, p): the partial key cache (maybe stored in bfloat16 for float32 queries: scored in
+    q's dtype, as the CPU kernel does). Returns (B, G, r, n).
     """
-    if k_partial.dtype != q_partial.dtype:
-        if q_partial.device.type == "cpu":
-            k_partial = k_partial.to(q_partial.dtype)
-        else:  # a GPU multiplies in the storage's dtype rather than copying the cache
-            q_partial = q_partial.to(k_partial.dtype)
-    s = torch.matmul(q_partial, k_partial.transpose(-1, -2))  # (B, G, r, n)
+    s = torch.matmul(q_partial, k_partial.to(q_partial.dtype).transpose(-1, -2))  # (B, G, r, n)
     return s * scale if scale != 1.0 else s
 
 
