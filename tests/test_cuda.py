@@ -66,3 +66,50 @@ def test_no_device_wide_synchronize_in_decode(gpu_model, monkeypatch):
         out = gpu_model(input_ids=torch.tensor([[5], [6]], device="cuda"), attention_mask=step_mask,
                         position_ids=pos, past_key_values=cache)
     assert torch.isfinite(out.logits).all()
+
+
+def test_transfer_owns_one_shared_staging_ring(gpu_model):
+    """Staging is one ring of pinned/device slots per device, not buffers per layer; nothing is held after
+    a run, and the pinned pools were sized once (no re-pinning inside decode)."""
+    ids, mask = left_padded_batch(lengths=(64, 50))
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
+    pools = {}
+
+    def on_step(i, _):
+        if i == 0:
+            pools.update({l.layer_idx: l.k.data.data_ptr() for l in cache.layers})
+
+    ig.generate(gpu_model, ids.cuda(), mask.cuda(), cache=cache, max_new_tokens=8, stop_at_eos=False,
+                on_step=on_step)
+    ring = cache.transfer.ring
+    assert len(ring.busy) == 3 and not any(ring.busy)
+    assert all(s.bufs["k"].is_pinned() for s in ring.host if "k" in s.bufs)
+    assert not any(hasattr(l, "host_scratch") or hasattr(l, "unflushed") for l in cache.layers)
+    assert pools == {l.layer_idx: l.k.data.data_ptr() for l in cache.layers}
+
+
+def test_prompt_lands_in_the_pinned_pool(gpu_model):
+    """A prompt's K/V reach the pinned pool through contiguous staging, landed by the worker: after a
+    flush the pool holds what the full cache holds."""
+    ids, mask = left_padded_batch(lengths=(64, 50))
+    ids, mask = ids.cuda(), mask.cuda()
+    full, cache = ig.make_cache("full", gpu_model), ig.make_cache("infinigen", gpu_model, budget=0.3)
+    with torch.inference_mode():
+        gpu_model(input_ids=ids, attention_mask=mask, past_key_values=full)
+        gpu_model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        for ref, layer in zip(full.layers[1:], cache.layers[1:]):
+            layer.transfer.flush(layer)
+            torch.testing.assert_close(layer.k.valid(), ref.k.valid().cpu())
+            torch.testing.assert_close(layer.v.valid(), ref.v.valid().cpu())
+
+
+def test_reset_mid_run_leaves_nothing_in_flight(gpu_model):
+    ids, mask = left_padded_batch(lengths=(64, 50))
+    ids, mask = ids.cuda(), mask.cuda()
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
+    ref = ig.generate(gpu_model, ids, mask, cache=ig.make_cache("infinigen", gpu_model, budget=0.3),
+                      max_new_tokens=6, stop_at_eos=False).tokens
+    ig.generate(gpu_model, ids, mask, cache=cache, max_new_tokens=3, stop_at_eos=False)
+    cache.reset()
+    assert torch.equal(ig.generate(gpu_model, ids, mask, cache=cache, max_new_tokens=6, stop_at_eos=False).tokens,
+                       ref)

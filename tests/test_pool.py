@@ -70,3 +70,55 @@ def test_prefill_leaves_room_for_decode():
     for _ in range(CHUNK):
         buf.append(torch.randn(2, 3, 1, 4))
     assert buf.data is data  # no reallocation in the first CHUNK decode steps
+
+
+def test_pinned_capacity_fills_the_power_of_two_block():
+    from infinigen_kv.pool import pinned_capacity
+
+    row = 4 * 3 * 64 * 2  # B x G x d x bf16
+    for rows in (1, 1000, 4096 + 64, 5000):
+        cap = pinned_capacity(rows, row)
+        block = 1 << (rows * row - 1).bit_length()
+        assert rows <= cap and cap * row <= block < (cap + 1) * row
+    assert pinned_capacity(5000, row, max_rows=5200) == 5200  # never past a byte limit
+
+
+@pytest.mark.parametrize("method", ["infinigen", "full", "offload"])
+def test_no_buffer_grows_inside_decode(tiny_models, method, monkeypatch):
+    """ig.generate sizes every buffer for prompt + new tokens before the prefill: no pool is re-allocated (on
+    a GPU: re-pinned, every layer at once) inside decode. Small chunks make the old growth show at step 9."""
+    import infinigen_kv as ig
+    from infinigen_kv import pool
+
+    monkeypatch.setattr(pool, "CHUNK", 8)
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 200, (2, 40))
+    cache = ig.make_cache(method, model, budget=0.3)
+    seen = {}
+
+    def buffers():
+        return [b.data for l in cache.layers for b in (l.k, l.v, getattr(l, "partial", None)) if b is not None]
+
+    def on_step(i, ids):
+        if i == 0:  # after the prefill, before the first decode step
+            seen["after_prefill"] = buffers()
+
+    ig.generate(model, ids, cache=cache, max_new_tokens=30, stop_at_eos=False, on_step=on_step)
+    assert all(a is b for a, b in zip(seen["after_prefill"], buffers()))
+    assert all(b.shape[2] == 70 for b in buffers())  # exactly prompt + new tokens
+
+
+def test_staging_ring_is_shared_in_turn_and_refuses_overrun():
+    """The CUDA path's staging slots are used in turn by every layer; a slot is held from its prefetch to
+    its layer's fetch, and more fetches in flight than slots is a bug that must not pass silently."""
+    from infinigen_kv.transfer import StagingRing
+
+    ring = StagingRing("cpu", slots=3, pin=False)
+    a, b = ring.acquire(), ring.acquire()  # layer 1 speculates itself and layer 2: two in flight
+    ring.release(a, "consumed-a")
+    c, d = ring.acquire(), ring.acquire()
+    assert (a, b, c, d) == (0, 1, 2, 0) and ring.consumed[a] == "consumed-a"
+    with pytest.raises(RuntimeError, match="overrun"):
+        ring.acquire()  # slot 1 is still held by its fetch: never overwrite it
+    ring.reset()  # a cache reused for a new prompt: nothing is in flight
+    assert ring.acquire() == 0

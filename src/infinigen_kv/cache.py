@@ -24,18 +24,9 @@ from .config import InfiniGenConfig
 from .layer import LogicalLayer
 from .pool import RowBuffer, Slots
 from . import kernels
-from .speculate import approx_scores, counted, fetch_cap, relative, row_caps, select
-from .transfer import Scratch, make_transfer
-
-
-def past_keep(attention_mask, n: int, device=None):
-    """(B, 1, n) bool of the past positions a decode token may attend (False: padding, user-masked), from
-    the step's mask (B, 1, 1, n + 1) (bool, or additive float with 0 = attend), on `device`; None when
-    there is none."""
-    if attention_mask is None:
-        return None
-    m = attention_mask[:, :, -1, :n].to(device or attention_mask.device, non_blocking=True)
-    return m if m.dtype == torch.bool else m == 0
+from .selection import Speculate, past_keep  # noqa: F401 (past_keep: part of this module's API)
+from .speculate import approx_scores, counted, relative
+from .transfer import Fetch, make_transfer
 
 
 class InfiniGenLayer(LogicalLayer):
@@ -44,15 +35,14 @@ class InfiniGenLayer(LogicalLayer):
     def __init__(self, cache: "InfiniGenCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        # Layer 0 has no previous layer to speculate from: it attends fully and lives on the device (InfiniGen).
-        # Without speculation (offload) every layer lives in the pool.
-        self.dense = layer_idx == 0 and cache.speculates
-        self.pending = None  # selection for this step, set by the previous layer's speculation
+        # A dense layer attends over all of its cache, which lives on the device (InfiniGen's layer 0: it has
+        # no previous layer to speculate from); every other layer lives in the pool.
+        self.dense = cache.selection.dense(layer_idx)
+        self.pending = None  # Fetch of this step, set by the previous layer's selection
         self.working = False  # the last update returned a fetched working set (not the whole layer)
         self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
         self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
         self.fused = None  # (idx, count, new slot) when attention reads the chosen rows in place (CPU kernel)
-        self.unflushed = self.copied = self.consumed = None  # CUDA-path state (see transfer.py)
         self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
         self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
         self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
@@ -66,7 +56,8 @@ class InfiniGenLayer(LogicalLayer):
         pool_dev = dev if (self.dense or not on_gpu) else torch.device("cpu")
         pin = pool_dev.type == "cpu" and on_gpu
         c = self.cache.config
-        if self.cache.speculates and not self.dense and (c.capacity is not None or c.capacity_bytes is not None):
+        calibrated = self.cache.selection.calibrated
+        if calibrated and not self.dense and (c.capacity is not None or c.capacity_bytes is not None):
             self.slots = Slots(B, G, dev, c.eviction)
             if c.capacity_bytes is not None:
                 row = G * (d + value_states.shape[-1]) * key_states.element_size()  # one token, all KV heads
@@ -74,14 +65,17 @@ class InfiniGenLayer(LogicalLayer):
         self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin, max_rows=self.max_rows)
         self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin, max_rows=self.max_rows)
         self.skew_p = self.partial = None
-        if self.cache.speculates:
+        if calibrated:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
             self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype, dev), dev,
                                      max_rows=self.max_rows)
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
         self.transfer = self.cache.transfer_for(dev)
-        self.scratch = Scratch(dev)
-        self.host_scratch = Scratch("cpu", pin=on_gpu)
+        if self.cache.reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
+            rows = self.limit(self.cache.reserved) or self.cache.reserved
+            for buf in (self.k, self.v, self.partial):
+                if buf is not None:
+                    buf.reserve(rows, room=False)
         self.is_initialized = True
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
@@ -97,25 +91,27 @@ class InfiniGenLayer(LogicalLayer):
         if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
             raise NotImplementedError("a pool that has evicted entries serves one decode token per step: "
                                       "make a new cache per prompt")
-        if pending is not None and T == 1 and self.evicts_next():
-            # a full pool: fetch before the new token overwrites a victim, which may be among the selected
-            self.new_slot = None
-            K, V, self.work_mask = transfer.fetch(self, pending, key_states, value_states)
-            self.selection, self.working = pending[0], True
+        if pending is None or T > 1:  # prefill, or a dense decode step
             self.store(key_states, value_states)
             self.seen += T
-            return K, V
-        self.store(key_states, value_states)
-        self.seen += T
-        if pending is None or T > 1:
             self.work_mask, self.working = None, False
             if past == 0:
                 return key_states, value_states  # prefill: attend over the prompt itself
-            if key_states.shape[2] == 1:
+            if T == 1:
                 self.cache._count_dense(self.layer_idx)
             return transfer.dense(self)
-        K, V, self.work_mask = transfer.fetch(self, pending, key_states, value_states)
-        self.selection, self.working = pending[0], True
+        # A decode step over the rows chosen one layer ahead: fetch them from the pool as the last step left
+        # it, then store the new token (on a full pool it may overwrite one of the chosen: read in place
+        # only when it is appended).
+        got = transfer.fetch(self, pending, key_states, value_states,
+                             in_place=self.cache.selection.in_place and not self.evicts_next())
+        self.store(key_states, value_states)
+        self.seen += 1
+        self.selection, self.working = pending.idx, True
+        if got is None:  # the CPU kernel reads [new token, chosen rows] where they lie in the pool
+            self.fused, self.work_mask = (pending.idx, pending.count, self.new_slot), None
+            return self.k.data, self.v.data
+        K, V, self.work_mask = got
         return K, V
 
     def limit(self, seen: int) -> int | None:
@@ -190,7 +186,6 @@ class InfiniGenLayer(LogicalLayer):
                     buf.reset()
         self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = None
         self.working = False
-        self.unflushed = self.copied = self.consumed = None
 
     @property
     def nbytes(self) -> int:
@@ -199,16 +194,17 @@ class InfiniGenLayer(LogicalLayer):
 
 class InfiniGenCache(Cache):
     """`InfiniGenCache(model, config)`: calibrates on first use (or loads the cached calibration) and
-    installs the speculation hooks and the attention function on the model (once per model)."""
+    installs the speculation hooks and the attention function on the model (once per model). `selection`
+    decides what each decode step fetches (default: InfiniGen's speculation; `FetchAll` for offload)."""
 
     method = "infinigen"
-    speculates = True  # False in subclasses that fetch every row (offload): no calibration, no partial keys
 
     def __init__(self, model, config: InfiniGenConfig | None = None, calibration: Calibration | None = None,
-                 tokenizer=None, **overrides):
+                 tokenizer=None, selection=None, **overrides):
         self.config = config or InfiniGenConfig(**overrides)
+        self.selection = selection if selection is not None else Speculate()
         self.arch = get_arch(model)
-        if not self.speculates:
+        if not self.selection.calibrated:
             calibration = None
         elif calibration is None:
             calibration = load_or_calibrate(model, self.config, tokenizer)
@@ -230,7 +226,10 @@ class InfiniGenCache(Cache):
             self.pq_rows = list(rope_channels(calibration.channels, self.arch.head_dim))
             self.pq_channels = [c.contiguous() for c in calibration.channels]
         install(model)
-        self._limited = self.speculates and (self.config.capacity is not None or self.config.capacity_bytes is not None)
+        # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
+        self.limited = self.selection.calibrated and (self.config.capacity is not None
+                                                      or self.config.capacity_bytes is not None)
+        self.reserved = 0  # rows every buffer reserves when it is made (reserve())
         self._transfers = {}
         self.transfer = self.transfer_for(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers
@@ -241,7 +240,6 @@ class InfiniGenCache(Cache):
         self._possible = torch.zeros(L, device=device)
         self._rows = [0] * L
         self._steps = [0] * L
-        self._keep_memo = None  # (key, keep, caps) of the current decode step (_step_keep)
         self._rows_moved = 0  # padded rows gathered (what the transfer actually moves)
         self._kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
         # Diagnostic (off by default, costs a full attention per layer): share of the true attention
@@ -249,6 +247,12 @@ class InfiniGenCache(Cache):
         self.track_recall = False
         self._recall = torch.zeros(L, device=device)
         self._recall_steps = [0] * L
+
+    def reserve(self, tokens: int) -> None:
+        """Size every buffer for `tokens` tokens per sequence (prompt + new tokens) when it is made, so that no
+        pool grows inside decode (a pinned pool's growth re-allocates and re-pins every layer at one step).
+        `ig.generate` calls it before the prefill; beyond it, buffers still grow in chunks."""
+        self.reserved = max(self.reserved, int(tokens))
 
     def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """Storage of the partial key cache for a model computing in `dtype` on `device`: "auto" stores
@@ -291,72 +295,14 @@ class InfiniGenCache(Cache):
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
-        """Called with layer l's attention input x (B, 1, D): speculate and prefetch layer l+1.
+        """Called from layer l's attention pre-hook with its input x (B, T, D): the selection strategy chooses
+        and prefetches what the next layer(s) fetch."""
+        self.selection.before_attention(self, layer_idx, x, rope, attention_mask)
 
-        Layer 0's input is the raw embedding, too unlike layer 1's to predict it (measured attention
-        recall 0.1-0.4 where later layers get 0.9+): layer 0 speculates nothing and layer 1 speculates
-        itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
-        """
-        if x.shape[1] != 1:  # prefill: everything is attended
-            if self._limited and layer_idx > 0:  # keep what the pool may need to choose from, if it overflows
-                last = tuple(t[:, -1:] for t in rope) if rope is not None else None
-                self.layers[layer_idx].prefill_query = (x[:, -1:], last, past_keep(attention_mask, x.shape[1]))
-            return
-        if layer_idx == 0:
-            return  # layer 0: see above
-        if layer_idx == 1:
-            self._speculate(1, x, rope, attention_mask)
-        if layer_idx + 1 < len(self.layers):
-            self._speculate(layer_idx + 1, x, rope, attention_mask)
-
-    def _speculate(self, nxt: int, x: torch.Tensor, rope, attention_mask) -> None:
-        target = self.layers[nxt]
-        if not target.is_initialized:
-            return
-        dev = target.device  # layer l's input, RoPE and mask go to layer l+1's device (device_map)
-        x = x.to(dev, non_blocking=True)
-        rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
-        q = self.partial_query(nxt, x, rope)  # (B, G, r, p)
-        n = target.partial.length  # slots
-        B, G = q.shape[:2]
-        evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self._step_keep(attention_mask, target.seen, dev, B, G, not evicted)
-        if keep is not None and evicted:
-            keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
-        c = self.config
-        kern = kernels.cpu() if dev.type == "cpu" else None
-        if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
-            k = fetch_cap(n, c.budget, c.max_num_kv)  # known on the host: the step's fetch size
-            if keep is not None and caps is None:  # per row: budget x its valid length
-                keep = keep.contiguous()
-                caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()  # (B, G)
-            idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
-                                        self.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
-            self._prefetch(target, idx, None, keep, target.partial.width * target.partial.data.element_size(),
-                           count)
-            return
-        scores = approx_scores(q, target.partial.valid(), self.arch.score_scale)  # (B, G, r, slots)
-        idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
-        self._prefetch(target, idx, real, keep, target.partial.width * target.partial.data.element_size())
-
-    def _step_keep(self, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool):
-        """keep (B, 1, seen) of the step's mask (see past_keep) and, if with_caps, the per-row caps (B, G)
-        of the CPU kernel: the same for every layer of a decode step, so computed once per step."""
-        key = (None if attention_mask is None else attention_mask.data_ptr(), seen, dev, B, G)
-        if self._keep_memo is not None and self._keep_memo[0] == key:
-            return self._keep_memo[1], self._keep_memo[2] if with_caps else None
-        keep = past_keep(attention_mask, seen, dev)
-        caps = None
-        if keep is not None:
-            keep = keep.contiguous()
-            c = self.config
-            caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()
-        self._keep_memo = (key, keep, caps)
-        return keep, caps if with_caps else None
-
-    def _prefetch(self, target: InfiniGenLayer, idx: torch.Tensor, real, keep, partial_row: int, count=None):
-        """Account for the fetch of idx (B, G, m) and start it: the slots where real (B, G, m) is True, or
-        the first count (B, G) of each row, or all of them when both are None."""
+    def prefetch(self, target: InfiniGenLayer, fetch: Fetch, keep, partial_row: int) -> None:
+        """Account for `fetch` (target's chosen slots; partial_row bytes of partial key per scored slot) and
+        start it."""
+        idx, real, count = fetch.idx, fetch.real, fetch.count
         B, G, m = idx.shape
         n = target.k.length
         nxt = target.layer_idx
@@ -370,10 +316,10 @@ class InfiniGenCache(Cache):
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
         if target.slots is not None:
-            target.slots.record(idx, counted(count, m) if count is not None else real)
+            target.slots.record(idx, fetch.real_mask())
         row = (target.k.width + target.v.width) * target.k.data.element_size()
         self._kv_bytes += B * G * (n * partial_row + (m + 1) * row)
-        target.transfer.prefetch(target, idx, real, count)
+        target.transfer.prefetch(target, fetch)
 
     def _count_dense(self, layer_idx: int) -> None:
         layer = self.layers[layer_idx]
@@ -433,10 +379,12 @@ class InfiniGenCache(Cache):
         }
 
     def reset(self):
+        for transfer in self._transfers.values():
+            transfer.reset()  # nothing in flight touches a pool from here on
         super().reset()
         self._fetched.zero_()
         self._possible.zero_()
         self._rows = [0] * len(self.layers)
         self._steps = [0] * len(self.layers)
         self._rows_moved = 0
-        self._keep_memo = None
+        self.selection.reset()

@@ -97,6 +97,8 @@ def generate(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=progress is None)
+    if hasattr(cache, "reserve"):  # our caches: buffers sized for the whole run, none grows inside decode
+        cache.reserve(n + max_new_tokens)
 
     _sync(device)
     t0 = time.perf_counter()

@@ -18,6 +18,13 @@ import torch
 CHUNK = 1024  # rows; growth is at least this and at least 50% of the current capacity
 
 
+def pinned_capacity(rows: int, row_bytes: int, max_rows: int | None = None) -> int:
+    """Rows to allocate for at least `rows` in pinned memory: PyTorch's pinned (caching host) allocator
+    rounds every block up to a power of two bytes, so take all of the block it will hand out."""
+    capacity = (1 << (rows * row_bytes - 1).bit_length()) // row_bytes
+    return min(capacity, max_rows) if max_rows is not None else capacity
+
+
 class RowBuffer:
     """A (B, G, capacity, width) tensor whose first `length` rows along dim 2 are valid."""
 
@@ -30,6 +37,9 @@ class RowBuffer:
         self.data = self._alloc(0)
 
     def _alloc(self, capacity: int) -> torch.Tensor:
+        if self.pin and capacity:
+            row = self.batch * self.heads * self.width * torch.empty((), dtype=self.dtype).element_size()
+            capacity = pinned_capacity(capacity, row, self.max_rows)
         shape = (self.batch, self.heads, capacity, self.width)
         return torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
@@ -41,14 +51,16 @@ class RowBuffer:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def reserve(self, rows: int) -> None:
-        """Make room for `rows` rows in total, keeping the contents."""
+    def reserve(self, rows: int, room: bool = True) -> None:
+        """Make room for `rows` rows in total, keeping the contents; with `room`, for growth past them too
+        (a prefill's buffers then serve the decode steps after it without a copy at step 1)."""
         if rows <= self.capacity:
             return
-        # room to grow past `rows` too: a prefill's buffers then serve the decode steps after it without a
-        # copy of the whole buffer at step 1
-        capacity = max(rows + CHUNK, self.capacity + max(CHUNK, self.capacity // 2))
-        capacity = -(-capacity // CHUNK) * CHUNK
+        if room:
+            capacity = max(rows + CHUNK, self.capacity + max(CHUNK, self.capacity // 2))
+            capacity = -(-capacity // CHUNK) * CHUNK
+        else:
+            capacity = rows
         if self.max_rows is not None:
             if rows > self.max_rows:
                 raise ValueError(f"{rows} rows asked of a buffer limited to {self.max_rows}")

@@ -1,17 +1,25 @@
-"""Moving the selected KV rows from the host pool to where attention runs.
+"""Moving KV rows between the host pool and where attention runs. A transfer engine owns all the state of
+the move (staging buffers, events, rows in flight); a cache layer holds only its pool and its selection.
 
-`DirectTransfer` (CPU compute): pool and compute share memory, there is nothing to hide, so the rows are
-gathered when the layer runs, in one index_select that also takes the new token's row.
+One order for every path, per decode step and layer: the chosen rows are fetched (gathered from the pool
+as it was after the previous step), then the new token is stored. The working set handed to attention is
+[new token, fetched rows].
+
+`DirectTransfer` (CPU compute): pool and compute share memory, there is nothing to hide. With the CPU
+kernel, attention reads the chosen rows where they lie in the pool; otherwise they are gathered when the
+layer runs into one scratch buffer shared by every layer (they run one after another).
 
 `CudaTransfer`: at layer l's speculation the indices go to the host (pinned, async); a worker thread
-waits for them, gathers the rows from the pinned pool into a pinned staging buffer and copies them to the
+waits for them, gathers the rows from the pinned pool into a pinned staging slot and copies them to the
 GPU on a side stream, recording an event. Layer l keeps computing meanwhile. Layer l+1 waits on that
-event only: never a device-wide synchronize.
+event only: never a device-wide synchronize. The staging slots form one small ring shared by all the
+layers of a device (at most two fetches are in flight). New rows go device -> contiguous pinned staging
+asynchronously and land in the pool on the worker, before that layer's next gather.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -45,17 +53,31 @@ class Scratch:
         return buf[:numel].view(shape)
 
 
+class Fetch:
+    """A layer's fetch of one decode step: slots idx (B, G, m), of which those where real (B, G, m) is True
+    are real, or the first count (B, G) of each row, or all when both are None; `rows` once in flight."""
+
+    __slots__ = ("idx", "real", "count", "rows")
+
+    def __init__(self, idx: torch.Tensor, real: torch.Tensor | None = None, count: torch.Tensor | None = None):
+        self.idx, self.real, self.count, self.rows = idx, real, count, None
+
+    def real_mask(self) -> torch.Tensor | None:
+        return counted(self.count, self.idx.shape[-1]) if self.count is not None else self.real
+
+
 class DirectTransfer:
-    """CPU: attention reads the selected rows where they lie in the pool (the CPU kernel), or gathers them
-    and the new token's row straight into the working set in one index_select (no kernel, or a full pool
-    whose new token is about to overwrite a selected victim)."""
+    """CPU: nothing in flight. `fetch` answers None where the kernel may read the chosen rows in place."""
 
-    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None, count: torch.Tensor | None = None) -> None:
-        layer.pending = (idx, real, count)
+    def __init__(self):
+        self.scratch = Scratch("cpu")  # the gathered working set, shared by all layers (sequential)
 
-    def ready(self, layer, pending):
-        """-> (idx, real, count) once the prefetch of `layer` is complete (at once: nothing is in flight)."""
-        return pending
+    def prefetch(self, layer, fetch: Fetch) -> None:
+        layer.pending = fetch
+
+    def ready(self, layer, fetch: Fetch) -> Fetch:
+        """`fetch` once the prefetch of `layer` is complete (at once: nothing is in flight)."""
+        return fetch
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """New rows into the pool: appended, or one decode row over slots slot (B, G) of a full pool."""
@@ -66,37 +88,26 @@ class DirectTransfer:
             layer.k.put(slot, k)
             layer.v.put(slot, v)
 
-    def fetch(self, layer, ready, k_new: torch.Tensor, v_new: torch.Tensor):
-        """-> K, V and their mask for attention: the whole pool buffers with `layer.fused` set (the kernel
-        reads [new token, chosen rows] in place), or a gathered working set (B, G, m + 1, d) with its mask
-        (B, G, 1, m + 1)."""
-        idx, real, count = ready  # count (B, G): the first count slots of each row are real (CPU kernel)
-        B, G, m = idx.shape
-        if layer.cache.speculates and layer.new_slot is not None and (count is not None or real is None) \
-                and kernels.cpu() is not None:
-            layer.fused = (idx, count, layer.new_slot)
-            return layer.k.data, layer.v.data, None
-        if count is not None:
-            real = counted(count, m)
-        if layer.new_slot is None:  # a full pool, before the new token overwrites a victim: gather, then join
-            K = layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
-            V = layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
-            torch.cat([k_new, layer.k.gather(idx)], dim=2, out=K)
-            torch.cat([v_new, layer.v.gather(idx)], dim=2, out=V)
-            return K, V, work_mask(real)
-        base = layer.k.row_base()  # K and V grow together: same capacity, same offsets
-        rows = layer.scratch.get("rows", (B, G, m + 1), idx.dtype)
-        new = layer.new_slot if isinstance(layer.new_slot, int) else layer.new_slot.unsqueeze(-1)
-        torch.add(base, new, out=rows[:, :, :1])  # the new token's row
-        torch.add(idx, base, out=rows[:, :, 1:])
-        K = layer.k.gather_flat(rows, out=layer.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype))
-        V = layer.v.gather_flat(rows, out=layer.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype))
-        return K, V, work_mask(real)
+    def fetch(self, layer, fetch: Fetch, k_new: torch.Tensor, v_new: torch.Tensor, in_place: bool):
+        """-> None when attention may read [new token, chosen rows] where they lie (in_place: the new token
+        will be appended, not written over a slot that may be chosen, and the CPU kernel is built); else
+        the working set K, V (B, G, m + 1, d) and its mask (B, G, 1, m + 1)."""
+        if in_place and (fetch.count is not None or fetch.real is None) and kernels.cpu() is not None:
+            return None
+        B, G, m = fetch.idx.shape
+        K = self.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
+        V = self.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
+        torch.cat([k_new.to(K.dtype), layer.k.gather(fetch.idx)], dim=2, out=K)
+        torch.cat([v_new.to(V.dtype), layer.v.gather(fetch.idx)], dim=2, out=V)
+        return K, V, work_mask(fetch.real_mask())
 
     def dense(self, layer):
         return layer.k.valid(), layer.v.valid()
 
     def flush(self, layer) -> None:
+        """Nothing in flight on the direct path."""
+
+    def reset(self) -> None:
         """Nothing in flight on the direct path."""
 
 
@@ -112,107 +123,181 @@ def submit_inference(executor, fn, *args):
     return executor.submit(run)
 
 
+class StagingRing:
+    """`slots` staging slots used in turn by the fetches of every layer of one device: a pinned host buffer
+    the worker gathers into, a device buffer the side stream copies to, and the events that say when each
+    may be overwritten (`copied`: the copy out of the host buffer is done; `consumed`: attention has read
+    the device buffer). A fetch holds its slot from its prefetch to its layer's fetch."""
+
+    def __init__(self, device, slots: int = 3, pin: bool = True):
+        self.host = [Scratch("cpu", pin=pin) for _ in range(slots)]
+        self.dev = [Scratch(device) for _ in range(slots)]
+        self.copied = [None] * slots
+        self.consumed = [None] * slots
+        self.busy = [False] * slots
+        self.next = 0
+
+    def acquire(self) -> int:
+        i = self.next
+        if self.busy[i]:  # the schedule keeps at most two fetches in flight: this is a bug, not a wait
+            raise RuntimeError(f"staging ring overrun: more than {len(self.busy)} fetches in flight")
+        self.busy[i] = True
+        self.next = (i + 1) % len(self.busy)
+        return i
+
+    def release(self, i: int, consumed) -> None:
+        self.consumed[i] = consumed
+        self.busy[i] = False
+
+    def reset(self) -> None:
+        self.busy = [False] * len(self.busy)
+        self.next = 0
+
+
 class CudaTransfer:
     """GPU compute, pinned host pool: async index copy, worker-thread gather, side-stream H2D copy.
 
-    Who touches a layer's pool when: the worker only between `prefetch` (in the previous layer's
-    pre-hook) and `ready` (in this layer's update); the main thread only after `ready`. So the pool and
-    its staging buffers need no lock, only the events below.
+    Who touches a layer's pool when: the worker between `prefetch` (in the previous layer's pre-hook) and
+    `ready` (in this layer's update), and when it lands staged rows (`flush`); the main thread after
+    `ready`, and only after a `flush` of that layer. So the pool needs no lock, only the events below.
     """
 
-    def __init__(self, device):
+    def __init__(self, device, slots: int = 3):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
+        self.ring = StagingRing(self.device, slots)
+        self.rows = {}  # layer index -> pinned Scratch of its staged decode row (B x G x d: tiny)
+        self.unflushed = {}  # layer index -> staged rows not yet in its pool: a landing Future, or a decode row
+        self.prefill = [Scratch("cpu", pin=True) for _ in range(2)]  # prompt K/V on their way to the pool
+        self.prefill_jobs = [None, None]
+        self.prefill_next = 0
 
     def compute_stream(self):
         """The stream this device's layers compute on (with device_map, not necessarily the current
         device's): every event of a layer is recorded there."""
         return torch.cuda.current_stream(self.device)
 
-    def prefetch(self, layer, idx: torch.Tensor, real: torch.Tensor | None, count=None) -> None:
-        B, G, m = idx.shape
-        idx_host = layer.host_scratch.get("idx", (B, G, m), idx.dtype)
-        idx_host.copy_(idx, non_blocking=True)
-        selected = torch.cuda.Event()
-        selected.record(self.compute_stream())  # after the selection and the index copy
-        layer.pending = (submit_inference(self.worker, self._gather_copy, layer, idx_host, selected), idx, real)
+    def _event(self, stream=None):
+        e = torch.cuda.Event()
+        e.record(stream if stream is not None else self.compute_stream())
+        return e
 
-    def _gather_copy(self, layer, idx_host, selected):
+    def prefetch(self, layer, fetch: Fetch) -> None:
+        B, G, m = fetch.idx.shape
+        slot = self.ring.acquire()
+        idx_host = self.ring.host[slot].get("idx", (B, G, m), fetch.idx.dtype)
+        idx_host.copy_(fetch.idx, non_blocking=True)
+        selected = self._event()  # after the selection and the index copy
+        fetch.rows = (slot, submit_inference(self.worker, self._gather_copy, layer, slot, idx_host, selected))
+        layer.pending = fetch
+
+    def _gather_copy(self, layer, slot: int, idx_host, selected):
+        """Worker thread: rows idx_host of `layer`'s pool -> pinned slot -> device slot (side stream)."""
         selected.synchronize()  # the indices are on the host
         self.flush(layer)  # the last step's new row is in the pool
-        if layer.copied is not None:
-            layer.copied.synchronize()  # the staging buffer's previous copy is done before we overwrite it
+        ring = self.ring
+        if ring.copied[slot] is not None:
+            ring.copied[slot].synchronize()  # the slot's previous copy is done before we overwrite it
         B, G, m = idx_host.shape
-        sk = layer.k.gather(idx_host, out=layer.host_scratch.get("k", (B, G, m, layer.k.width), layer.k.dtype))
-        sv = layer.v.gather(idx_host, out=layer.host_scratch.get("v", (B, G, m, layer.v.width), layer.v.dtype))
+        host = ring.host[slot]
+        sk = layer.k.gather(idx_host, out=host.get("k", (B, G, m, layer.k.width), layer.k.dtype))
+        sv = layer.v.gather(idx_host, out=host.get("v", (B, G, m, layer.v.width), layer.v.dtype))
         with torch.cuda.stream(self.stream):
-            if layer.consumed is not None:
-                self.stream.wait_event(layer.consumed)  # the device buffers were read by the last step
-            dk = layer.scratch.get("k", sk.shape, sk.dtype)
-            dv = layer.scratch.get("v", sv.shape, sv.dtype)
+            if ring.consumed[slot] is not None:
+                self.stream.wait_event(ring.consumed[slot])  # attention has read the slot's last rows
+            dk = ring.dev[slot].get("k", sk.shape, sk.dtype)
+            dv = ring.dev[slot].get("v", sv.shape, sv.dtype)
             dk.copy_(sk, non_blocking=True)
             dv.copy_(sv, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        layer.copied = done
+            done = self._event(self.stream)
+        ring.copied[slot] = done
         return dk, dv, done
 
-    def ready(self, layer, pending):
-        future, idx, real = pending
+    def ready(self, layer, fetch: Fetch) -> Fetch:
+        slot, future = fetch.rows
         dk, dv, done = future.result()  # CPU-side wait for the worker (normally finished already)
-        torch.cuda.current_stream(self.device).wait_event(done)  # the GPU waits on this copy only
-        return idx, real, (dk, dv)
+        self.compute_stream().wait_event(done)  # the GPU waits on this copy only
+        fetch.rows = (slot, dk, dv)
+        return fetch
+
+    def fetch(self, layer, fetch: Fetch, k_new, v_new, in_place: bool):
+        slot, dk, dv = fetch.rows
+        K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows]: the slot is free once this is done
+        V = torch.cat([v_new, dv], dim=2)
+        self.ring.release(slot, self._event())
+        fetch.rows = None
+        return K, V, work_mask(fetch.real_mask())
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
-        """New rows into the pool. A decode row goes device -> contiguous pinned staging asynchronously
-        (a strided pinned destination would make the copy blocking), with its target slots (B, G) when it
-        overwrites evicted entries; the worker moves it into the pool (`flush`) before its next gather of
-        this layer."""
-        if layer.k.device.type != "cpu" or k.shape[2] > 1:  # device-resident layer, or prefill
-            self.flush(layer)
+        """New rows into the pool. Device-resident layers (layer 0) append directly. A host pool gets them
+        through contiguous pinned staging, asynchronously (a strided pinned destination would make the
+        copy blocking and bounce it through pageable memory): a prompt lands on the worker while the GPU
+        computes the next layers; a decode row (with its target slots (B, G) when it overwrites evicted
+        entries) lands before this layer's next gather."""
+        if layer.k.device.type != "cpu":
             DirectTransfer.write(self, layer, k, v, slot)
             return
-        self.flush(layer)  # at most one row in flight per layer
-        sk = layer.host_scratch.get("new_k", k.shape, k.dtype)
-        sv = layer.host_scratch.get("new_v", v.shape, v.dtype)
+        self.flush(layer)  # at most one staged write per layer
+        if k.shape[2] > 1:
+            self._write_prompt(layer, k, v)
+            return
+        rows = self.rows.setdefault(layer.layer_idx, Scratch("cpu", pin=True))
+        sk = rows.get("k", k.shape, k.dtype)
+        sv = rows.get("v", v.shape, v.dtype)
         sk.copy_(k, non_blocking=True)
         sv.copy_(v, non_blocking=True)
         if slot is None:
-            target = layer.k.length
-            layer.k.reserve(target + 1)
-            layer.v.reserve(target + 1)
-            layer.k.length += 1
-            layer.v.length += 1
+            target = self._claim(layer, 1)
         else:
-            target = layer.host_scratch.get("slot", slot.shape, slot.dtype)
+            target = rows.get("slot", slot.shape, slot.dtype)
             target.copy_(slot, non_blocking=True)
-        written = torch.cuda.Event()
-        written.record(self.compute_stream())
-        layer.unflushed = (written, sk, sv, target)
+        self.unflushed[layer.layer_idx] = (self._event(), sk, sv, target)
+
+    def _claim(self, layer, T: int) -> int:
+        """Rows [start, start + T) of the pool for rows still in flight (sized now, on the main thread)."""
+        start = layer.k.length
+        for buf in (layer.k, layer.v):
+            buf.reserve(start + T)
+            buf.length += T
+        return start
+
+    def _write_prompt(self, layer, k, v) -> None:
+        """A prompt's K/V (B, G, T, d): one DMA into a pinned staging buffer (two, used in turn by
+        successive layers), landed in the pool by the worker."""
+        i = self.prefill_next
+        self.prefill_next ^= 1
+        if self.prefill_jobs[i] is not None:
+            self.prefill_jobs[i].result()  # the worker has landed what the buffer held (two layers ago)
+        sk = self.prefill[i].get("k", k.shape, k.dtype)
+        sv = self.prefill[i].get("v", v.shape, v.dtype)
+        sk.copy_(k, non_blocking=True)
+        sv.copy_(v, non_blocking=True)
+        staged = (self._event(), sk, sv, self._claim(layer, k.shape[2]))
+        job = submit_inference(self.worker, self._land, layer, staged)
+        self.prefill_jobs[i] = job
+        self.unflushed[layer.layer_idx] = job
 
     @staticmethod
-    def flush(layer) -> None:
-        if layer.unflushed is None:
-            return
-        written, sk, sv, target = layer.unflushed
-        written.synchronize()  # this event only: the row (and its slots) have landed in pinned memory
+    def _land(layer, staged) -> None:
+        """Staged rows into the pool, once their device -> host copy has completed (this event only)."""
+        written, sk, sv, target = staged
+        written.synchronize()
         if isinstance(target, int):
-            layer.k.data[:, :, target : target + 1].copy_(sk)
-            layer.v.data[:, :, target : target + 1].copy_(sv)
+            T = sk.shape[2]
+            layer.k.data[:, :, target : target + T].copy_(sk)
+            layer.v.data[:, :, target : target + T].copy_(sv)
         else:
             layer.k.put(target, sk)
             layer.v.put(target, sv)
-        layer.unflushed = None
 
-    def fetch(self, layer, ready, k_new, v_new):
-        idx, real, (dk, dv) = ready
-        K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows], as on the direct path
-        V = torch.cat([v_new, dv], dim=2)
-        consumed = torch.cuda.Event()
-        consumed.record(self.compute_stream())
-        layer.consumed = consumed
-        return K, V, work_mask(real)
+    def flush(self, layer) -> None:
+        """Whatever this layer has staged is in its pool when this returns (main thread or worker)."""
+        staged = self.unflushed.pop(layer.layer_idx, None)
+        if isinstance(staged, Future):
+            staged.result()  # on the worker itself it has run already (one worker, FIFO)
+        elif staged is not None:
+            self._land(layer, staged)
 
     def dense(self, layer):
         """A whole layer on the device (dense layers live there already; others only on the rare
@@ -221,6 +306,13 @@ class CudaTransfer:
             return layer.k.valid(), layer.v.valid()
         self.flush(layer)
         return layer.k.valid().to(self.device), layer.v.valid().to(self.device)
+
+    def reset(self) -> None:
+        """Drop what is in flight (a cache reused for a new prompt, or a step abandoned midway)."""
+        self.worker.submit(lambda: None).result()  # every job queued so far has run
+        self.unflushed.clear()
+        self.prefill_jobs = [None, None]
+        self.ring.reset()
 
 
 def make_transfer(device: torch.device):

@@ -17,8 +17,9 @@ from ..pool import RowBuffer
 class FullLayer(LogicalLayer):
     dense_kernel = True  # on CPU a decode step attends in place with the CPU kernel (attention.py)
 
-    def __init__(self):
+    def __init__(self, reserved: int = 0):
         super().__init__()
+        self.reserved = reserved  # rows the buffers are made with (FullCache.reserve)
         self.k = self.v = None
         self.bytes_read = 0  # KV bytes read by decode steps
         self.steps = 0
@@ -27,6 +28,8 @@ class FullLayer(LogicalLayer):
         B, G, _, d = key_states.shape
         self.k = RowBuffer(B, G, d, key_states.dtype, key_states.device)
         self.v = RowBuffer(B, G, value_states.shape[-1], value_states.dtype, value_states.device)
+        for buf in (self.k, self.v):
+            buf.reserve(self.reserved, room=False)
         self.is_initialized = True
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
@@ -68,6 +71,11 @@ class FullCache(Cache):
                 pass  # any other model: transformers' own attention
         else:
             super().__init__(layer_class_to_replicate=FullLayer)
+
+    def reserve(self, tokens: int) -> None:
+        """Make the buffers for `tokens` tokens per sequence (prompt + new tokens): no copy inside decode."""
+        for layer in self.layers:
+            layer.reserved = max(layer.reserved, int(tokens))
 
     def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
         """Nothing to speculate: the hook only hands this cache to the attention function."""
