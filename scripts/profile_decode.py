@@ -15,6 +15,7 @@ import infinigen_kv as ig
 from infinigen_kv import attention as attention_mod
 from infinigen_kv import kernels
 from infinigen_kv import cache as cache_mod
+from infinigen_kv import selection as selection_mod
 from infinigen_kv.bench.speed import prompts
 
 TIMES = collections.defaultdict(float)
@@ -49,8 +50,8 @@ def main():
         ig.generate(model, ids, mask, cache=caches[method], max_new_tokens=2, stop_at_eos=False)
     timed(cache_mod.InfiniGenCache, "before_attention", "speculation (pre-hooks)")
     timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
-    timed(cache_mod, "approx_scores", "  approximate scores (PyTorch path)")
-    timed(cache_mod, "select", "  selection (PyTorch path)")
+    timed(selection_mod, "approx_scores", "  approximate scores (PyTorch path)")
+    timed(selection_mod, "select", "  selection (PyTorch path)")
     kern = kernels.cpu()
     if kern is not None:  # the compiled module's functions, wrapped on a stand-in object
         kernels._module = types.SimpleNamespace(speculate=kern.speculate, attend=kern.attend, linear=kern.linear,

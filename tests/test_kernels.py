@@ -1,6 +1,7 @@
 """The CPU kernels (kernels/cpu.cpp) against plain PyTorch, and the decode path with and without them."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     runs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("INFINIGEN_KERNELS", flag)
+        monkeypatch.setattr(kernels, "_enabled", flag == "1")  # what INFINIGEN_KERNELS=0 does at start-up
         # partial keys in the model's dtype on both paths ("auto" stores bfloat16 only for the kernel)
         cache = ig.make_cache("infinigen", model, alpha=4.0, budget=0.3, partial_dtype="model")
         runs[flag] = (step_logits(model, cache, ids, mask), step_logits(model, ig.make_cache("full", model), ids, mask),
@@ -204,3 +205,14 @@ def test_weight_bytes_count_bf16_copies(tiny_models):
     assert model_dtype(model) == "bf16-weights"
     tied = model.get_input_embeddings().weight is model.lm_head.weight
     assert weight_bytes(model) == before - 2 * linear - (2 * model.lm_head.weight.numel() if tied else 0)
+
+
+def test_env_switch_read_at_start_up():
+    """INFINIGEN_KERNELS=0 switches the kernels off for the process (read once: cpu() is on the hot path)."""
+    import subprocess
+    import sys
+
+    code = "from infinigen_kv import kernels; assert kernels.cpu() is None; print('off')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "INFINIGEN_KERNELS": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "off" in out.stdout, out.stderr

@@ -64,9 +64,11 @@ class InfiniGenLayer(LogicalLayer):
                 self.max_rows = max(1, c.capacity_bytes // row)
         self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin, max_rows=self.max_rows)
         self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin, max_rows=self.max_rows)
-        self.skew_p = self.partial = None
+        self.skew_p = self.partial = self.key_channels = None
         if calibrated:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
+            if self.cache.calibration.unskewed:  # A_P selects raw channels: a gather, not a product
+                self.key_channels = self.cache.calibration.channels[self.layer_idx].to(dev)  # (G, p)
             self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype, dev), dev,
                                      max_rows=self.max_rows)
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
@@ -138,7 +140,7 @@ class InfiniGenLayer(LogicalLayer):
         if limit is not None and T == 1 and self.k.length + 1 > limit:
             slot = self.slots.victim()  # (B, G)
             transfer.write(self, k, v, slot)
-            self.partial.put(slot, torch.matmul(k, self.skew_p))
+            self.partial.put(slot, self.partial_keys(k))
             self.slots.replace(slot, past)
             self.new_slot = slot
             return
@@ -155,10 +157,17 @@ class InfiniGenLayer(LogicalLayer):
         self.prefill_query = None
         transfer.write(self, k, v)
         if self.partial is not None:
-            self.partial.append(torch.matmul(k, self.skew_p))  # (B, G, T, p)
+            self.partial.append(self.partial_keys(k))  # (B, G, T, p)
         if self.slots is not None:
             self.slots.append(past, T, pos)
         self.new_slot = self.k.length - 1
+
+    def partial_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Skewed partial channels k A_P of keys k (B, G, T, d): (B, G, T, p)."""
+        if self.key_channels is not None:
+            B, G, T, _ = k.shape
+            return k.gather(-1, self.key_channels.view(1, G, 1, -1).expand(B, G, T, -1))
+        return torch.matmul(k, self.skew_p)
 
     def prefill_keep(self, k: torch.Tensor, n: int) -> torch.Tensor:
         """The n prompt tokens a pool too small for its prompt keeps under lru/counter, which have no
@@ -167,7 +176,7 @@ class InfiniGenLayer(LogicalLayer):
         -> positions (B, G, n), ascending."""
         x, rope, keep = self.prefill_query
         q = self.cache.partial_query(self.layer_idx, x, rope)  # (B, G, r, p)
-        kp = torch.matmul(k, self.skew_p).to(self.partial.dtype)  # as the partial key cache would store them
+        kp = self.partial_keys(k).to(self.partial.dtype)  # as the partial key cache would store them
         scores = approx_scores(q, kp, self.cache.arch.score_scale)  # (B, G, r, T)
         rel = relative(scores, keep, self.cache.config.gqa_combine)  # (B, G, T), padding at -inf
         rel[..., -1] = float("inf")  # the last token is always kept (it is the next step's neighbour)
@@ -190,6 +199,11 @@ class InfiniGenLayer(LogicalLayer):
     @property
     def nbytes(self) -> int:
         return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
+
+
+def _accumulate(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """acc + x in place (a fresh float64 copy of x the first time): one op, no host sync."""
+    return x.to(torch.float64, copy=True) if acc is None else acc.add_(x)
 
 
 class InfiniGenCache(Cache):
@@ -230,14 +244,19 @@ class InfiniGenCache(Cache):
         self.limited = self.selection.calibrated and (self.config.capacity is not None
                                                       or self.config.capacity_bytes is not None)
         self.reserved = 0  # rows every buffer reserves when it is made (reserve())
+        self._rope_memo = (None, None, None)  # (cos tensor, cos, sin) of the current step (_step_rope)
         self._transfers = {}
         self.transfer = self.transfer_for(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers
         super().__init__(layers=[InfiniGenLayer(self, i) for i in range(L)])
         # Per layer, over decode steps: past entries fetched and fetchable (padding excluded), rows
-        # (sequence x KV head) served, steps. Tensors accumulate without a host sync in the loop.
-        self._fetched = torch.zeros(L, device=device)
-        self._possible = torch.zeros(L, device=device)
+        # (sequence x KV head) served, steps. What the host knows adds up in integers, what only the
+        # device knows in one tensor per layer (one add per layer and step, no host sync in the loop).
+        self._fetched = [0] * L
+        self._possible = [0] * L
+        self._fetched_t = [None] * L
+        self._possible_t = [None] * L
+        self._keep_total = (None, None)  # (keep, its valid entries over all rows) of the current step
         self._rows = [0] * L
         self._steps = [0] * L
         self._rows_moved = 0  # padded rows gathered (what the transfer actually moves)
@@ -286,12 +305,20 @@ class InfiniGenCache(Cache):
         if kern is not None and self.pq_rows is not None and rope is not None:  # raw channels: only their rows
             proj = a.attns[layer].q_proj
             w16 = getattr(proj, "weight_bf16", None)  # the weight decode steps use (--dtype bf16-weights)
-            cos, sin = (t[:, -1].expand(B, -1).float().contiguous() for t in rope)  # (B or 1, 1, d) -> (B, d)
+            cos, sin = self._step_rope(rope, B)
             x = x.contiguous()
             return kern.partial_query(x.reshape(B, -1), w16 if w16 is not None else proj.weight, proj.bias,
                                       self.pq_rows[layer], self.pq_channels[layer], cos, sin, a.group)
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return torch.matmul(q, self.layers[layer].skew_p.unsqueeze(0))  # (B, G, r, p)
+
+    def _step_rope(self, rope, B: int):
+        """cos, sin (B, d) float32 of a decode step's position from rope (B or 1, 1, d): every layer of a
+        step shares the tuple, so converted once (the memo holds the tensor, so its identity is safe)."""
+        if self._rope_memo[0] is not rope[0] or self._rope_memo[1].shape[0] != B:
+            cos, sin = (t[:, -1].expand(B, -1).float().contiguous() for t in rope)
+            self._rope_memo = (rope[0], cos, sin)
+        return self._rope_memo[1], self._rope_memo[2]
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
@@ -306,12 +333,17 @@ class InfiniGenCache(Cache):
         B, G, m = idx.shape
         n = target.k.length
         nxt = target.layer_idx
-        if count is not None:
-            self._fetched[nxt] += count.sum().to(self._fetched.device)
+        got = count if count is not None else real.sum(-1) if real is not None else None  # (B, G)
+        if got is None:
+            self._fetched[nxt] += B * G * m
         else:
-            self._fetched[nxt] += real.sum().to(self._fetched.device) if real is not None else B * G * m
-        self._possible[nxt] += (keep.sum() * (G // keep.shape[1])).to(self._possible.device) if keep is not None \
-            else B * G * n
+            self._fetched_t[nxt] = _accumulate(self._fetched_t[nxt], got)
+        if keep is None:
+            self._possible[nxt] += B * G * n
+        else:
+            if self._keep_total[0] is not keep:  # one sum per step: every layer shares the step's mask
+                self._keep_total = (keep, keep.sum() * (G // keep.shape[1]))
+            self._possible_t[nxt] = _accumulate(self._possible_t[nxt], self._keep_total[1])
         self._rows[nxt] += B * G
         self._steps[nxt] += 1
         self._rows_moved += idx.numel()
@@ -358,7 +390,8 @@ class InfiniGenCache(Cache):
         """fetched fraction per layer and overall (share of the past entries fetched over the decode
         steps; the overall figure is the mean over layers), fetched tokens per (sequence, KV head) and
         step, bytes moved from the pool."""
-        fetched, possible = self._fetched.cpu().tolist(), self._possible.cpu().tolist()
+        fetched = [n + (float(t.sum()) if t is not None else 0) for n, t in zip(self._fetched, self._fetched_t)]
+        possible = [n + (float(t) if t is not None else 0) for n, t in zip(self._possible, self._possible_t)]
         frac = [f / p if p else 0.0 for f, p in zip(fetched, possible)]
         tokens = [f / r if r else 0.0 for f, r in zip(fetched, self._rows)]
         active = [i for i, s in enumerate(self._steps) if s > 0]
@@ -382,8 +415,12 @@ class InfiniGenCache(Cache):
         for transfer in self._transfers.values():
             transfer.reset()  # nothing in flight touches a pool from here on
         super().reset()
-        self._fetched.zero_()
-        self._possible.zero_()
+        self._fetched = [0] * len(self.layers)
+        self._possible = [0] * len(self.layers)
+        self._fetched_t = [None] * len(self.layers)
+        self._possible_t = [None] * len(self.layers)
+        self._keep_total = (None, None)
+        self._rope_memo = (None, None, None)
         self._rows = [0] * len(self.layers)
         self._steps = [0] * len(self.layers)
         self._rows_moved = 0

@@ -60,9 +60,10 @@ class Speculate:
         target = cache.layers[nxt]
         if not target.is_initialized:
             return
-        dev = target.device  # layer l's input, RoPE and mask go to layer l+1's device (device_map)
-        x = x.to(dev, non_blocking=True)
-        rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
+        dev = target.device
+        if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
+            x = x.to(dev, non_blocking=True)
+            rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
         q = cache.partial_query(nxt, x, rope)  # (B, G, r, p)
         n = target.partial.length  # slots
         B, G = q.shape[:2]

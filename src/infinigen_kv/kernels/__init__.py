@@ -1,7 +1,8 @@
 """The CPU kernels of the decode step (cpu.cpp), built on first use with the machine's compiler.
 
 `cpu()` returns the compiled module, or None where it cannot be built (no C++ compiler) or is switched
-off with INFINIGEN_KERNELS=0; callers then take the plain-PyTorch path, which computes the same thing.
+off with INFINIGEN_KERNELS=0 (read once, at the first call: `cpu()` runs hundreds of times a step);
+callers then take the plain-PyTorch path, which computes the same thing.
 The build is cached by torch under ~/.cache/torch_extensions, keyed by the CPU's instruction set (the
 code is compiled for the machine it runs on), so it happens once per machine (~40 s).
 """
@@ -19,6 +20,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-fno-trapping-math", "-fopenmp"]
 _module = None
 _tried = False
+_enabled = None  # INFINIGEN_KERNELS != "0", read at the first call (set_enabled() changes it)
 
 
 def _cpu_key() -> str:
@@ -32,13 +34,22 @@ def _cpu_key() -> str:
 
 
 def enabled() -> bool:
-    return os.environ.get("INFINIGEN_KERNELS", "1") != "0"
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("INFINIGEN_KERNELS", "1") != "0"
+    return _enabled
+
+
+def set_enabled(flag: bool) -> None:
+    """Switch the kernels on or off for this process (what INFINIGEN_KERNELS does at start-up)."""
+    global _enabled
+    _enabled = bool(flag)
 
 
 def cpu():
     """The compiled kernels (speculate, attend, linear), or None."""
     global _module, _tried
-    if not enabled():
+    if not (_enabled if _enabled is not None else enabled()):
         return None
     if not _tried:
         _tried = True
