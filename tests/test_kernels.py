@@ -216,3 +216,31 @@ def test_env_switch_read_at_start_up():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "INFINIGEN_KERNELS": "0"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "off" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_batch_invariant(dtype):
+    """A row's attention and selection are the same bits alone and left-padded in a batch with another row:
+    the kernels' work split and vector blocks depend on the row's own tokens only (issue 13, item 1)."""
+    torch.manual_seed(4)
+    G, r, d, p, n, pad = 3, 3, 64, 32, 1300, 37  # several split chunks; n and n + pad differ mod 8
+    q, qp = torch.randn(1, G, r, d), torch.randn(1, G, r, p)
+    k, v, kp = torch.randn(1, G, n, d).to(dtype), torch.randn(1, G, n, d).to(dtype), torch.randn(1, G, n, p).to(dtype)
+
+    def padded(x, other):  # row 0: x behind `pad` junk rows; row 1: another sequence
+        return torch.cat([torch.cat([torch.randn(1, G, pad, x.shape[-1]).to(dtype), x], 2), other], 0).contiguous()
+
+    K2, V2, KP2 = (padded(t, torch.randn(1, G, n + pad, t.shape[-1]).to(dtype)) for t in (k, v, kp))
+    keep1, keep2 = torch.ones(1, 1, n, dtype=torch.bool), torch.ones(2, 1, n + pad, dtype=torch.bool)
+    keep2[0, 0, :pad] = False
+    q2, qp2 = torch.cat([q, torch.randn(1, G, r, d)]), torch.cat([qp, torch.randn(1, G, r, p)])
+    alone = K.attend(q, k.contiguous(), v.contiguous(), None, None, None, -1, keep1, n, 0.125, torch.float32)
+    batch = K.attend(q2, K2, V2, None, None, None, -1, keep2, n + pad, 0.125, torch.float32)
+    assert torch.equal(alone[0], batch[0])
+    caps1 = torch.full((1, G), 130)
+    caps2 = torch.tensor([[130], [133]]).expand(2, G).contiguous()
+    i1, c1 = K.speculate(qp, kp.contiguous(), n, keep1, caps1, 0.125, 8.0, 133, False)
+    i2, c2 = K.speculate(qp2, KP2, n + pad, keep2, caps2, 0.125, 8.0, 133, False)
+    assert torch.equal(c1[0], c2[0])
+    for g in range(G):
+        assert i1[0, g, : c1[0, g]].tolist() == (i2[0, g, : c2[0, g]] - pad).tolist()

@@ -29,6 +29,7 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int BLOCK = 64;  // tokens scored together in attend
+constexpr int64_t SPLIT = 512;  // tokens per work item of attend (a multiple of BLOCK)
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) {  // bfloat16 bits: the high half of a float32
@@ -149,17 +150,29 @@ void speculate_impl(const float* q, const T* kp, const bool* keep, int64_t keep_
       if constexpr (SIMD_ROWS<T, P>) {
         // 8 tokens at a time: per head, 8 dot products reduced into one vector of scores (no per-token
         // horizontal sum); the 8 rows stay in L1 for the group's other heads
-        for (; t0 + 8 <= n; t0 += 8) {
-          const T* kt = kr + t0 * p;
-          prefetch_row(kt + 32 * p, 8 * p);  // four blocks ahead
+        auto block8 = [&](const T* kt, int64_t at, int64_t cnt) {
           for (int64_t h = 0; h < r; ++h) {
             const float* qh = qs.data() + h * p;
             __m256 acc[8];
             for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kt + j * p));
             for (int c = 8; c < P; c += 8)
               for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(kt + j * p + c), acc[j]);
-            _mm256_storeu_ps(s.data() + h * n + t0, hsum8(acc));
+            alignas(32) float v[8];
+            _mm256_store_ps(v, hsum8(acc));
+            std::copy(v, v + cnt, s.data() + h * n + at);
           }
+        };
+        for (; t0 + 8 <= n; t0 += 8) {
+          prefetch_row(kr + (t0 + 32) * p, 8 * p);  // four blocks ahead
+          block8(kr + t0 * p, t0, 8);
+        }
+        if (t0 < n) {  // the last n % 8 tokens through the same arithmetic (zero rows after them), so that a
+          // token's score does not depend on where it falls in the blocks (left padding shifts it)
+          T tail[8 * P];
+          std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+          std::memcpy(static_cast<void*>(tail), kr + t0 * p, (n - t0) * p * sizeof(T));
+          block8(tail, t0, n - t0);
+          t0 = n;
         }
       }
 #endif
@@ -230,11 +243,17 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
   const int64_t rows = B * G;
   const bool has_new = new_rows != nullptr || new_row >= 0;
   const int64_t max_tokens = (idx ? m : n) + (has_new ? 1 : 0);
-  const int64_t threads = at::get_num_threads();
-  // split each row's tokens so that every thread has work (flash-decoding), blocks of >= 256 tokens
-  int64_t splits = std::max<int64_t>(1, (2 * threads + rows - 1) / rows);
-  splits = std::min<int64_t>(splits, std::max<int64_t>(1, max_tokens / 256));
+  // Each row's tokens are cut into chunks of SPLIT (flash-decoding: every thread has work), counted from the
+  // row's first attendable token, and merged in order: a row's result is the same bits whatever else shares
+  // its batch (how many rows, how much left padding).
+  const int64_t splits = std::max<int64_t>(1, (max_tokens + SPLIT - 1) / SPLIT);
   const int64_t items = rows * splits;
+  std::vector<int64_t> first(rows, 0);  // dense rows: the first position keep allows (left padding skipped)
+  if (!idx && keep)
+    for (int64_t row = 0; row < rows; ++row) {
+      const bool* kb = keep + ((row / G) * keep_heads + (keep_heads > 1 ? row % G : 0)) * n;
+      while (first[row] < n && !kb[first[row]]) ++first[row];
+    }
   std::vector<float> part_m(items * r), part_l(items * r), part_acc(items * r * d);
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -244,9 +263,9 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / splits, sp = item % splits;
       const int64_t b = row / G, g = row % G;
-      const int64_t ntok = (idx ? std::min(m, count ? count[row] : m) : n) + (has_new ? 1 : 0);
-      const int64_t per = (ntok + splits - 1) / splits;
-      const int64_t t0 = sp * per, t1 = std::min(ntok, t0 + per);
+      const int64_t f0 = first[row];
+      const int64_t ntok = (idx ? std::min(m, count ? count[row] : m) : n - f0) + (has_new ? 1 : 0);
+      const int64_t t0 = sp * SPLIT, t1 = std::min(ntok, t0 + SPLIT);
       const float* qr = q + row * r * d;
       const T* Kr = K + row * cap * d;
       const T* Vr = V + row * cap * d;
@@ -267,8 +286,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             pos = new_rows ? new_rows[row] : new_row;
           } else {
             int64_t u = has_new ? t - 1 : t;
-            pos = idx ? idx[row * m + u] : u;
-            if (!idx && kb) ok = kb[u];
+            pos = idx ? idx[row * m + u] : f0 + u;
+            if (!idx && kb) ok = kb[pos];
           }
           blk[j] = pos;
           mask[j] = ok;
