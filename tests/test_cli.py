@@ -77,6 +77,10 @@ def one_line_error(r, text):
     (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model path not found"),
     (["generate"], "required"),
     (["bench", "speed", "--methods", "full,nope"], "unknown method"),
+    # issue 13, item 9: was a 20-line traceback / accepted as greedy / "expected one argument"
+    (["generate", "--prompt", "hi", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2]"),
+    (["generate", "--prompt", "hi", "--capacity", "-1MiB"], "capacity must be a fraction"),
 ])
 def test_bad_input_exits_with_one_line(args, text):
     one_line_error(cli(*args, ok=False), text)
@@ -100,3 +104,22 @@ def test_prompt_longer_than_context_and_foreign_calibration(tiny_dir, tmp_path):
     path = other.save(tmp_path / "other.safetensors")
     one_line_error(cli("generate", "--model", tiny_dir, "--prompt", "hi", "--calibration", str(path), ok=False),
                    "another model")
+
+
+def test_help_version_and_usage_errors_import_no_torch():
+    """--help, --version and argument errors answer without importing torch or transformers (they took 5-7 s);
+    the light list of method names the parser uses is the registry's."""
+    import subprocess
+    import sys
+
+    from infinigen_kv.baselines import METHODS
+    from infinigen_kv.config import METHOD_NAMES
+
+    assert tuple(METHODS) == METHOD_NAMES
+    code = ("import sys\nfrom infinigen_kv.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['generate', '--budget', '2'], ['bench', 'speed', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -152,6 +152,16 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1200}]}, 400, "messages"),  # > context
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    # issue 13: a seed a generator cannot take (was a 500 for the whole batch), booleans that are not
+    # booleans, and fields we cannot honour (were silently ignored)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": -2**70}, 400, "seed"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 
@@ -276,3 +286,42 @@ def test_per_row_seeds_do_not_depend_on_the_batch():
     both = run(ids.repeat(2, 1), [5, 6])
     assert torch.equal(both[0], run(ids, [5])[0]) and torch.equal(both[1], run(ids, [6])[0])
     assert not torch.equal(both[0], both[1])
+
+
+def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
+    """A request whose generation raises (here: a stand-in fault on seed 13) fails alone; the request batched
+    with it is run again by itself and completes (issue 13, item 2: one bad seed failed its batch-mates)."""
+    import asyncio
+
+    import infinigen_kv as ig
+    from infinigen_kv.serve import engine as engine_mod
+
+    real = engine_mod.generate
+
+    def faulty(*args, seed=None, **kwargs):
+        if 13 in (seed or []):
+            raise OverflowError("stand-in fault")
+        return real(*args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "generate", faulty)
+    model, tok = ig.load_model(model_dir)
+    eng = engine_mod.Engine(model, tok, method="full", max_batch=4)
+
+    async def collect(job):
+        out = []
+        while not out or out[-1][0] not in ("done", "error"):
+            out.append(await asyncio.wait_for(job.events.get(), 60))
+        return out
+
+    async def main():
+        jobs = [engine_mod.Job(tok("hello")["input_ids"], max_tokens=4, temperature=1.0, seed=s) for s in (1, 13)]
+        with eng.cv:  # both wait until the worker can take them: one batch
+            for j in jobs:
+                eng.submit(j)
+        return await asyncio.gather(*(collect(j) for j in jobs))
+
+    try:
+        good, bad = asyncio.run(main())
+    finally:
+        eng.close()
+    assert good[-1][0] == "done" and bad[-1][0] == "error" and "stand-in fault" in bad[-1][1]

@@ -1,14 +1,28 @@
-"""infinigen-kv: InfiniGen's speculative KV-cache selection over a host KV pool, for transformers models."""
+"""infinigen-kv: InfiniGen's speculative KV-cache selection over a host KV pool, for transformers models.
 
-from .baselines import METHODS, make_cache
-from .cache import InfiniGenCache
-from .calibrate import Calibration, CalibrationError, calibrate
-from .config import ConfigError, InfiniGenConfig
-from .generation import generate
-from .models import load_model
+The names below are imported on first use (PEP 562), so `infinigen --help` and `--version` answer without
+importing torch or transformers.
+"""
 
-__all__ = [
-    "InfiniGenCache", "InfiniGenConfig", "ConfigError", "Calibration", "CalibrationError", "calibrate",
-    "make_cache", "METHODS", "generate", "load_model",
-]
+from importlib import import_module
+
 __version__ = "0.1.0"
+
+_WHERE = {
+    "METHODS": ".baselines", "make_cache": ".baselines", "InfiniGenCache": ".cache", "Calibration": ".calibrate",
+    "CalibrationError": ".calibrate", "calibrate": ".calibrate", "ConfigError": ".config",
+    "InfiniGenConfig": ".config", "generate": ".generation", "load_model": ".models",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name], __name__), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULT_BUDGET, InfiniGenConfig
+from .config import DEFAULT_BUDGET, METHOD_NAMES, InfiniGenConfig
 
 
 class CLIError(Exception):
@@ -21,7 +22,12 @@ class CLIError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (no usage dump), exit status 2."""
+    """argparse, but a usage error is one line on stderr (no usage dump), exit status 2; and a value that
+    starts with a minus and a digit ("-1MiB") is a (bad) value, not a missing one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")  # no option of ours starts with a digit
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -70,6 +76,24 @@ def _capacity(text):
     return ("fraction", v)
 
 
+def _device(text):
+    """cpu, cuda or cuda:N (checked here: a bad name was a traceback from deep inside torch)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()):
+        raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, got {text!r}")
+    return text.strip()
+
+
+def _temperature(text):
+    """In [0, 2], as the server takes it (0 = greedy)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"temperature must be a number, got {text!r}") from None
+    if not 0.0 <= v <= 2.0:
+        raise argparse.ArgumentTypeError(f"temperature must be in [0, 2] (0 = greedy), got {text}")
+    return v
+
+
 def _port(text):
     v = _positive_int(text)
     if v > 65535:
@@ -83,7 +107,7 @@ def _int_list(text):
 
 def _add_model_args(p):
     p.add_argument("--model", default=None, help="hub id, checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
                    "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs")
@@ -94,10 +118,8 @@ def _fraction_list(text):
 
 
 def _add_method_args(p, single_method=True, budget_list=False):
-    from .baselines import METHODS
-
     if single_method:
-        p.add_argument("--method", default="infinigen", choices=list(METHODS), help="KV-cache method (default: infinigen)")
+        p.add_argument("--method", default="infinigen", choices=list(METHOD_NAMES), help="KV-cache method (default: infinigen)")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score")
@@ -127,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
     _add_method_args(g)
     g.add_argument("--batch", type=_positive_int, default=1, help="run the prompt as a batch of N copies")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="in [0, 2]; 0 = greedy (default)")
     g.add_argument("--top-p", type=_fraction("top-p"), default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -276,12 +298,10 @@ def cmd_calibrate(args) -> dict:
 
 
 def _methods(args) -> list[str]:
-    from .baselines import METHODS
-
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown or not methods:
-        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_NAMES)}")
     return methods
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# every KV-cache method by name (the registry is baselines.METHODS; here so the CLI parses without torch)
+METHOD_NAMES = ("infinigen", "full", "offload", "quant", "streaming", "h2o", "hf-dynamic")
 DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streaming unless one is given
 
 

@@ -37,8 +37,12 @@ class Job:
     events: asyncio.Queue | None = None  # ("text", delta) ..., then ("done", finish_reason) or ("error", message)
     completion_tokens: int = 0
     cancelled: bool = False
+    started: bool = False  # some text went out: the job cannot be run again from the start
+    finished: bool = False  # its "done" or "error" went out
 
     def emit(self, kind: str, value: str) -> None:
+        self.started |= kind == "text"
+        self.finished |= kind in ("done", "error")
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
@@ -149,14 +153,27 @@ class Engine:
                         batch.append(job)
                 self.running = len(batch)
             try:
-                if batch:
-                    self._run(batch)
-            except Exception as e:  # a failed batch fails its jobs, never the server
-                log.exception("generation failed for a batch of %d", len(batch))
-                for job in batch:
-                    job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+                self._run_isolated(batch)
             finally:
                 self.running = 0
+
+    def _run_isolated(self, batch: list[Job]) -> None:
+        """Run a batch; if it fails, run again alone each job that has not sent anything yet, so that one
+        bad request fails only itself, never its batch-mates (nor the server)."""
+        try:
+            if batch:
+                self._run(batch)
+            return
+        except Exception as e:
+            log.exception("generation failed for a batch of %d", len(batch))
+            error = f"generation failed: {type(e).__name__}: {e}"
+        for job in batch:
+            if job.finished:
+                continue
+            if len(batch) > 1 and not job.started and not job.cancelled:
+                self._run_isolated([job])
+            else:
+                job.emit("error", error)
 
     def _run(self, batch: list[Job]) -> None:
         n = max(len(j.prompt_ids) for j in batch)

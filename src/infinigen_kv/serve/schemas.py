@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
@@ -20,10 +20,35 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # what a torch generator takes
+    stream: StrictBool = False  # "yes" is not a boolean
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    # accepted only in the form that asks nothing of us: refused, naming the field, rather than ignored
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none"):
+            raise ValueError("tool_choice is not supported (only \"none\")")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError("response_format is not supported (only {\"type\": \"text\"})")
+        return v
 
     @field_validator("stop")
     @classmethod
