@@ -123,3 +123,12 @@ def test_help_version_and_usage_errors_import_no_torch():
             "assert not heavy, heavy\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_lazy_package_names_are_the_functions():
+    """ig.calibrate is the function even once the submodule of the same name has been imported."""
+    import infinigen_kv as ig
+    import infinigen_kv.cache  # noqa: F401 (imports the calibrate submodule)
+
+    assert callable(ig.calibrate) and ig.calibrate.__module__ == "infinigen_kv.calibrate"
+    assert callable(ig.generate) and callable(ig.load_model) and "make_cache" in dir(ig)

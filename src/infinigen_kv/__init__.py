@@ -4,6 +4,8 @@ The names below are imported on first use (PEP 562), so `infinigen --help` and `
 importing torch or transformers.
 """
 
+import sys
+import types
 from importlib import import_module
 
 __version__ = "0.1.0"
@@ -26,3 +28,17 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(list(globals()) + __all__)
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule `calibrate` binds it on the package over the function of the same name (what
+    `from .calibrate import calibrate` used to undo at import time): the package keeps the function; the
+    submodule stays reachable as sys.modules["infinigen_kv.calibrate"] and by `from .calibrate import ...`."""
+
+    def __setattr__(self, name, value):
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
