@@ -47,6 +47,7 @@ def main():
     caches = {}
     for method in ("full", "infinigen"):
         caches[method] = ig.make_cache(method, model)
+        caches[method].reserve(n + 2 + args.steps)  # the timed steps too: no buffer grows while timed
         ig.generate(model, ids, mask, cache=caches[method], max_new_tokens=2, stop_at_eos=False)
     timed(cache_mod.InfiniGenCache, "before_attention", "speculation (pre-hooks)")
     timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
