@@ -2,10 +2,11 @@
 the rows that layer l's speculation chose for layer l+1 (plus the new token).
 
 Per decode step and layer l (l >= 1), in order:
-  1. layer l-1's attention pre-hook calls `before_attention(l-1, x)`: the partial query of layer l is
-     scored against layer l's partial key cache, tokens are selected, and their prefetch starts;
-  2. layer l's `update(k, v)` appends the new token to the pool and the partial key cache and returns
-     the fetched working set (B, G, m + 1, d);
+  1. layer l-1's attention pre-hook calls `before_attention(l-1, x)`: the selection strategy
+     (selection.py; InfiniGen's speculation by default) scores the partial query of layer l against layer
+     l's partial key cache, selects tokens, and their prefetch starts;
+  2. layer l's `update(k, v)` fetches the chosen rows, then appends the new token to the pool and the
+     partial key cache, and returns the working set [new token, fetched rows] (B, G, m + 1, d);
   3. the registered attention function attends over it with the working-set mask.
 Layer 0 has no previous layer and attends over all of its (device-resident) cache.
 The cache reports the logical length, so transformers builds masks and positions as usual.
@@ -24,7 +25,7 @@ from .config import InfiniGenConfig
 from .layer import LogicalLayer
 from .pool import RowBuffer, Slots
 from . import kernels
-from .selection import Speculate, past_keep  # noqa: F401 (past_keep: part of this module's API)
+from .selection import Speculate
 from .speculate import approx_scores, counted, relative
 from .transfer import Fetch, make_transfer
 
