@@ -38,7 +38,7 @@ class RowBuffer:
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         if self.pin and capacity:
-            row = self.batch * self.heads * self.width * torch.empty((), dtype=self.dtype).element_size()
+            row = self.batch * self.heads * self.width * self.dtype.itemsize
             capacity = pinned_capacity(capacity, row, self.max_rows)
         shape = (self.batch, self.heads, capacity, self.width)
         return torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin)

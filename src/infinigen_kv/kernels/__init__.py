@@ -20,7 +20,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-fno-trapping-math", "-fopenmp"]
 _module = None
 _tried = False
-_enabled = None  # INFINIGEN_KERNELS != "0", read at the first call (set_enabled() changes it)
+_enabled = None  # INFINIGEN_KERNELS != "0", read at the first call
 
 
 def _cpu_key() -> str:
@@ -40,16 +40,10 @@ def enabled() -> bool:
     return _enabled
 
 
-def set_enabled(flag: bool) -> None:
-    """Switch the kernels on or off for this process (what INFINIGEN_KERNELS does at start-up)."""
-    global _enabled
-    _enabled = bool(flag)
-
-
 def cpu():
     """The compiled kernels (speculate, attend, linear), or None."""
     global _module, _tried
-    if not (_enabled if _enabled is not None else enabled()):
+    if not enabled():
         return None
     if not _tried:
         _tried = True
