@@ -75,7 +75,7 @@ def test_transfer_owns_one_shared_staging_ring(gpu_model):
     cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
     pools = {}
 
-    def on_step(i, _):
+    def on_step(i, _, __):
         if i == 0:
             pools.update({l.layer_idx: l.k.data.data_ptr() for l in cache.layers})
 

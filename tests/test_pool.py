@@ -99,7 +99,7 @@ def test_no_buffer_grows_inside_decode(tiny_models, method, monkeypatch):
     def buffers():
         return [b.data for l in cache.layers for b in (l.k, l.v, getattr(l, "partial", None)) if b is not None]
 
-    def on_step(i, ids):
+    def on_step(i, ids, _):
         if i == 0:  # after the prefill, before the first decode step
             seen["after_prefill"] = buffers()
 

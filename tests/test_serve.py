@@ -162,6 +162,12 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, 400, "response_format"),
+    # issue 13, items 3 and 6: text that is no Unicode, and top_logprobs without logprobs
+    ({"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
 ]
 
 
@@ -187,6 +193,10 @@ def test_malformed_json_oversized_body_and_unknown_route(server):
     assert "1024" in r.json()["error"]["message"]
     r = requests.post(url, json={"model": MODEL, "prompt": [5, 99999]})
     assert r.status_code == 400
+    r = requests.post(url, json={"model": MODEL, "prompt": "a\ud800b"})  # issue 13, item 3: was a 500
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = requests.post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert requests.get(server.url + "/nope").json()["error"]["type"] == "not_found_error"
     assert requests.get(server.url + "/health").json()["status"] == "ok"
 
@@ -207,6 +217,76 @@ def test_disconnect_mid_stream_frees_the_place(server, client):
     assert chat(client, max_tokens=3).usage.completion_tokens == 3
 
 
+def test_disconnect_of_a_plain_request_frees_the_place(server):
+    """Issue 13, item 4: a non-streaming client that leaves is cancelled at once (it ran to max_tokens)."""
+    before = server.metric("infinigen_cancelled_requests_total")
+    body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0})
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.time() + 20
+        while server.metric("infinigen_queue_depth") == 0 and time.time() < deadline:  # wait until it runs
+            time.sleep(0.01)
+    t0 = time.time()
+    while server.metric("infinigen_queue_depth") > 0 and time.time() < t0 + 20:
+        time.sleep(0.01)
+    freed = time.time() - t0
+    assert server.metric("infinigen_cancelled_requests_total") == before + 1
+    assert freed < 1.0, freed  # 900 tokens take seconds
+
+
+def test_logprobs_chat_and_completions(client, server):
+    """Issue 13, item 6: logprobs / top_logprobs (were silently ignored)."""
+    r = chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+        assert e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob  # greedy
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == r.choices[0].message.content
+    assert chat(client, max_tokens=2).choices[0].logprobs is None  # not asked: none
+
+    stream = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=7, temperature=0,
+                                       logprobs=2, stream=True, stream_options={"include_usage": True})
+    tokens, usage, text = [], None, ""
+    for c in stream:
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            text += ch.text
+            if ch.logprobs:
+                tokens += ch.logprobs.tokens
+                assert all(len(t) == 2 for t in ch.logprobs.top_logprobs)
+    assert len(tokens) == usage.completion_tokens == 7
+    plain = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=7, temperature=0,
+                                      logprobs=0)
+    assert plain.choices[0].logprobs.tokens == tokens and plain.choices[0].text == text
+    assert plain.choices[0].logprobs.text_offset == [sum(map(len, tokens[:i])) for i in range(7)]
+
+
+def test_an_unexpected_error_is_a_counted_500():
+    """Issue 13, item 3: an exception no handler takes answers a 500 error JSON and /metrics counts it (the
+    500 was answered outside the counting middleware, with an ASGI traceback in the log)."""
+    from fastapi.testclient import TestClient
+
+    from infinigen_kv.serve.app import create_app
+
+    class Broken:  # just what create_app and the completions route touch
+        method, queue_depth, admitting, context, last = "full", 0, True, 1024, {}
+
+        def encode(self, text):
+            raise TypeError("stand-in bug")
+
+    with TestClient(create_app(Broken(), MODEL), raise_server_exceptions=False) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "stand-in bug" not in r.text  # no internals to the client
+        counted = [l for l in http.get("/metrics").text.splitlines()
+                   if l.startswith("infinigen_requests_total") and 'status="500"' in l]
+        assert counted and float(counted[0].split()[-1]) == 1.0
+
+
 def test_metrics(server):
     text = requests.get(server.url + "/metrics").text
     for name in ("infinigen_requests_total", "infinigen_prompt_tokens_total", "infinigen_completion_tokens_total",
@@ -219,7 +299,7 @@ def test_metrics(server):
 
 def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
     s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--api-key", "s3cret", "--queue-size", "1",
-               "--max-batch", "1")
+               "--max-batch", "1", "--grace-period", "1")
     try:
         url, key = s.url + "/v1/completions", {"Authorization": "Bearer s3cret"}
         body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
@@ -243,14 +323,22 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         r = requests.post(url, json=body, headers=key)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
 
-        # SIGTERM while a stream runs: it is finished (or cancelled) cleanly and the process exits 0.
+        # SIGTERM while a stream runs (issue 13, item 5): new requests and /health get 503 at once; after the
+        # grace period the stream ends with an error event and [DONE]; exit 0, no traceback.
         s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = requests.post(url, json=body, headers=key)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert requests.get(s.url + "/health").json()["status"] == "draining"
         rest = [x for x in lines if x]
-        assert rest and rest[-1] == b"data: [DONE]"
+        assert rest[-1] == b"data: [DONE]"
+        last = json.loads(rest[-2][6:])
+        assert last["error"]["code"] == "shutting_down", last  # 900 tokens do not fit 1 s
         assert all(json.loads(x[6:]) for x in rest if x.startswith(b"data: {"))
         t.join(120)
-        assert waiting["r"].status_code in (200, 503)
+        assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
         assert s.proc.wait(60) == 0
+        assert "Traceback" not in open(tmp_path / "server.log").read()
     finally:
         s.stop()
 

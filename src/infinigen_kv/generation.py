@@ -66,13 +66,16 @@ def generate(
     stop_at_eos: bool = True,
     progress: str | None = None,
     on_step=None,
+    logprobs: int | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
 
     temperature, top_p and seed are one value for the batch or one per sequence (a list): a list of seeds
-    gives each sequence its own generator. on_step(step, ids (B,)) is called after each new token
-    (streaming); it returns True to stop. Stops early once every sequence has produced an EOS (when
-    stop_at_eos).
+    gives each sequence its own generator. on_step(step, ids (B,), logprobs) is called after each new token
+    (streaming); it returns True to stop. logprobs is None unless `logprobs` = k is given: then it is
+    (logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)), of the model's own
+    distribution (before temperature and top-p, as OpenAI-style servers report them). Stops early once
+    every sequence has produced an EOS (when stop_at_eos).
     """
     device = input_ids.device
     B, n = input_ids.shape
@@ -96,7 +99,8 @@ def generate(
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-    bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=progress is None)
+    # a bar only when asked for and on a terminal (disable=None: tqdm's own TTY check)
+    bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=True if progress is None else None)
     if hasattr(cache, "reserve"):  # our caches: buffers sized for the whole run, none grows inside decode
         cache.reserve(n + max_new_tokens)
 
@@ -119,7 +123,11 @@ def generate(
             lengths = torch.where(hit, i + 1, lengths)
             done |= hit
         bar.update(1)
-        stop = on_step is not None and on_step(i, ids)
+        lp = None
+        if logprobs is not None:
+            full = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+            lp = (full.gather(-1, ids[:, None]).squeeze(-1), *full.topk(logprobs, dim=-1))
+        stop = on_step is not None and on_step(i, ids, lp)
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break

@@ -4,11 +4,12 @@ SSE streaming), /health and /metrics (Prometheus). Errors are always {"error": {
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from .engine import Engine, Job, QueueFull
+from .engine import SHUTDOWN_MESSAGE, Engine, Job, QueueFull, ShuttingDown
 from .schemas import ChatRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
 
 PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -26,19 +29,23 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invali
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     kind = ERROR_TYPES.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
 
 
 class Guard:
-    """ASGI middleware: refuses bodies over `limit` bytes (413) before the app sees them, and counts
-    answered requests by path and status for /metrics."""
+    """ASGI middleware: refuses bodies over `limit` bytes (413) before the app sees them, answers an
+    exception no handler took with a 500 error JSON (one log line, no traceback dump), and counts every
+    answered request, 5xx included, by path and status for /metrics."""
 
     def __init__(self, app, limit: int, counter: Counter):
         self.app, self.limit, self.counter = app, limit, counter
@@ -76,8 +83,24 @@ class Guard:
                     return {"type": "http.request", "body": body, "more_body": False}
                 return await receive()
 
-            return await self.app(scope, replay, counting_send)
-        return await self.app(scope, receive, counting_send)
+            return await self._call(scope, replay, counting_send)
+        return await self._call(scope, receive, counting_send)
+
+    async def _call(self, scope, receive, send):
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # a bug of ours: never a traceback to the client, never uncounted
+            log.error("%s %s failed: %s: %s", scope["method"], scope["path"], type(e).__name__, e,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            if not started:
+                await error_response(500, f"internal error: {type(e).__name__}")(scope, receive, tracking_send)
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
@@ -100,17 +123,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
     Gauge("infinigen_queue_depth", "requests waiting or running", registry=registry).set_function(
         lambda: engine.queue_depth)
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        await run_in_threadpool(engine.close)  # after uvicorn has let in-flight responses finish
-
-    app = FastAPI(title="infinigen-kv", lifespan=lifespan)
+    app = FastAPI(title="infinigen-kv")  # the engine's owner closes it (run_server, after the drain)
     app.add_middleware(Guard, limit=max_body_bytes, counter=requests)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -126,10 +144,6 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
     async def _http(request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _crash(request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}")
-
     def authorize(request: Request) -> None:
         if api_key is None:
             return
@@ -142,7 +156,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
             raise APIError(404, f"model {name!r} not found; this server serves {model_id!r}", "model",
                            "model_not_found")
 
-    def make_job(req, ids: list[int], field: str, max_tokens: int | None) -> Job:
+    def make_job(req, ids: list[int], field: str, max_tokens: int | None, logprobs: int | None = None) -> Job:
         if not ids:
             raise APIError(400, "the prompt is empty", field)
         ctx = engine.context
@@ -154,11 +168,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         if ctx and len(ids) + max(max_tokens, 1) > ctx:
             raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: more than the "
                                 f"model's context of {ctx} tokens", field, "context_length_exceeded")
-        job = Job(ids, max(max_tokens, 1), req.temperature, req.top_p, req.seed, list(req.stop or []))
+        job = Job(ids, max(max_tokens, 1), req.temperature, req.top_p, req.seed, list(req.stop or []), logprobs)
         try:
             return engine.submit(job)
+        except ShuttingDown as e:
+            raise APIError(503, f"{e}; retry on another server", code="shutting_down") from None
         except QueueFull as e:
-            raise APIError(503, f"server busy: {e}; retry later", code="queue_full") from None
+            raise APIError(503, f"server busy: {e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
 
     def usage(job: Job) -> dict:
         p, c = len(job.prompt_ids), job.completion_tokens
@@ -168,43 +184,63 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         prompt_tokens.inc(len(job.prompt_ids))
         completion_tokens.inc(job.completion_tokens)
 
-    async def collect(job: Job) -> tuple[str, str]:
-        parts = []
+    async def disconnected(request: Request) -> None:
+        """Returns once the client has gone (the body was read already: the next message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def collect(job: Job, request: Request) -> tuple[str, str, list | None]:
+        """(text, finish_reason, logprob entries) of a job; the job is cancelled (its rows freed at the
+        next step) if the client leaves first."""
+        parts, entries = [], [] if job.logprobs is not None else None
+        watch = asyncio.ensure_future(disconnected(request))
         try:
             while True:
-                kind, value = await job.events.get()
+                get = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    cancelled.inc()
+                    raise APIError(499, "the client closed the connection")  # nobody reads it
+                kind, value, lps = get.result()
+                if lps:
+                    entries.extend(lps)
                 if kind == "text":
                     parts.append(value)
                 elif kind == "done":
                     account(job)
-                    return "".join(parts), value
+                    return "".join(parts), value, entries
                 else:
-                    raise APIError(503 if "shutting down" in value else 500, value)
+                    if value == SHUTDOWN_MESSAGE:
+                        raise APIError(503, value, code="shutting_down")
+                    raise APIError(500, value)
         finally:
+            watch.cancel()
             job.cancelled = True  # a no-op once done; frees the place if this request was cancelled
 
     def sse(job: Job, chunk, include_usage: bool) -> StreamingResponse:
-        """chunk(text or None, finish_reason or None, first) -> the OpenAI chunk object."""
+        """chunk(text or None, finish_reason or None, first, logprob entries or None) -> the OpenAI chunk."""
 
         async def events():
             finished = False
             try:
-                yield f"data: {json.dumps(chunk(None, None, True))}\n\n"
+                yield f"data: {json.dumps(chunk(None, None, True, None))}\n\n"
                 while True:
-                    kind, value = await job.events.get()
+                    kind, value, lps = await job.events.get()
                     if kind == "text":
-                        yield f"data: {json.dumps(chunk(value, None, False))}\n\n"
+                        yield f"data: {json.dumps(chunk(value, None, False, lps))}\n\n"
                     elif kind == "done":
                         finished = True
                         account(job)
-                        yield f"data: {json.dumps(chunk(None, value, False))}\n\n"
+                        yield f"data: {json.dumps(chunk(None, value, False, lps))}\n\n"
                         if include_usage:
-                            last = {**chunk(None, None, False), "choices": [], "usage": usage(job)}
+                            last = {**chunk(None, None, False, None), "choices": [], "usage": usage(job)}
                             yield f"data: {json.dumps(last)}\n\n"
                         break
                     else:
                         finished = True
-                        err = {"message": value, "type": "server_error", "param": None, "code": None}
+                        code = "shutting_down" if value == SHUTDOWN_MESSAGE else None
+                        err = {"message": value, "type": "server_error", "param": None, "code": code}
                         yield f"data: {json.dumps({'error': err})}\n\n"
                         break
                 yield "data: [DONE]\n\n"
@@ -218,7 +254,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "method": engine.method, "queue_depth": engine.queue_depth}
+        state = {"model": model_id, "method": engine.method, "queue_depth": engine.queue_depth}
+        if not engine.admitting:  # draining for shutdown: load balancers should stop sending
+            return JSONResponse({"status": "draining", **state}, 503)
+        return {"status": "ok", **state}
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics():
@@ -230,7 +269,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
                                             "owned_by": "infinigen-kv"}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         if isinstance(req.prompt, str):
             ids = await run_in_threadpool(engine.encode, req.prompt)
@@ -239,39 +278,55 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
             if any(not 0 <= t < vocab for t in req.prompt):
                 raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
             ids = list(req.prompt)
-        job = make_job(req, ids, "prompt", req.max_tokens)
+        job = make_job(req, ids, "prompt", req.max_tokens, req.logprobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        offset = [0]  # characters of token text reported so far (text_offset)
 
-        def chunk(text, finish, first):
+        def legacy(entries):  # the completions API's logprobs object
+            if entries is None:
+                return None
+            tokens = [e["token"] for e in entries]
+            starts = [offset[0] + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            offset[0] += sum(len(t) for t in tokens)
+            return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                    "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+                    "text_offset": starts}
+
+        def chunk(text, finish, first, entries):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
-                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "text": text or "", "logprobs": legacy(entries), "finish_reason": finish}]}
 
         if req.stream:
             return sse(job, chunk, bool(req.stream_options and req.stream_options.include_usage))
-        text, finish = await collect(job)
-        return {**chunk(text, finish, False), "usage": usage(job)}
+        text, finish, entries = await collect(job, request)
+        return {**chunk(text, finish, False, entries), "usage": usage(job)}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages = [m.plain() for m in req.messages]
         try:
             ids = await run_in_threadpool(engine.chat_ids, messages)
         except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        job = make_job(req, ids, "messages", req.max_completion_tokens or req.max_tokens)
+        job = make_job(req, ids, "messages", req.max_completion_tokens or req.max_tokens,
+                       (req.top_logprobs or 0) if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text, finish, first):
+        def chunk(text, finish, first, entries):
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            lps = None if entries is None else {"content": entries, "refusal": None}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
 
         if req.stream:
             return sse(job, chunk, bool(req.stream_options and req.stream_options.include_usage))
-        text, finish = await collect(job)
+        text, finish, entries = await collect(job, request)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None if entries is None else {"content": entries, "refusal": None},
                              "finish_reason": finish}],
                 "usage": usage(job)}
 

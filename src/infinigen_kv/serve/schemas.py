@@ -3,9 +3,21 @@ OpenAI clients send many; the ones we cannot honour (n > 1, several prompts) are
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+
+def _unicode(v: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"): valid JSON, not text a tokenizer can take."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode text (a lone surrogate such as \\ud800)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -15,11 +27,11 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # what a torch generator takes
     stream: StrictBool = False  # "yes" is not a boolean
     stream_options: StreamOptions | None = None
@@ -69,8 +81,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=5)  # each token's logprob and this many alternatives
 
     @field_validator("prompt")
     @classmethod
@@ -83,13 +96,13 @@ class CompletionRequest(_Common):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def plain(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -99,3 +112,5 @@ class Message(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: StrictBool = False  # each token's logprob ...
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # ... and this many alternatives (needs logprobs)
