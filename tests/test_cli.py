@@ -132,3 +132,74 @@ def test_lazy_package_names_are_the_functions():
 
     assert callable(ig.calibrate) and ig.calibrate.__module__ == "infinigen_kv.calibrate"
     assert callable(ig.generate) and callable(ig.load_model) and "make_cache" in dir(ig)
+
+
+def test_help_shows_every_default():
+    """Issue 13, item 10: each option with a default says it in --help (argparse shows none by default)."""
+    import argparse
+
+    from infinigen_kv.cli import build_parser
+
+    def parsers(p):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sp in a.choices.values():
+                    yield from parsers(sp)
+
+    for p in parsers(build_parser()):
+        text = " ".join(p.format_help().split())
+        for a in p._actions:
+            flag = isinstance(a, (argparse._StoreTrueAction, argparse._HelpAction, argparse._VersionAction))
+            if a.option_strings and not flag and a.default is not None:
+                shown = ",".join(map(str, a.default)) if isinstance(a.default, list) else str(a.default)
+                assert a.help and "default" in a.help.lower() or f"(default: {shown})" in text, (p.prog, a.dest)
+
+
+def test_no_progress_bars_when_stderr_is_not_a_terminal(tiny_dir):
+    """Issue 13, item 10: redirected logs get no progress-bar flood (tqdm bars only on a terminal)."""
+    r = cli("generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "20", "--method", "full")
+    assert "it/s" not in r.stderr and "\r" not in r.stderr, r.stderr
+
+
+def test_busy_port_fails_before_loading_the_model(tmp_path):
+    """Issue 13, item 7: a second server on a busy port says so in one line, exit 1, before loading anything
+    (it loaded the model and printed "serving ..." first; the model path here does not even exist)."""
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        t0 = time.perf_counter()
+        r = cli("serve", "--model", str(tmp_path / "missing"), "--port", str(busy.getsockname()[1]), ok=False)
+    one_line_error(r, "cannot listen on 127.0.0.1")
+    assert r.returncode == 1 and "serving" not in r.stderr and time.perf_counter() - t0 < 30
+
+
+def test_unknown_hub_id_without_network_fails_at_once(monkeypatch):
+    """Issue 13, item 9: an unknown hub id with no route to the hub was 12 retry lines over 29 s."""
+    import time
+
+    from infinigen_kv import models
+
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
+    t0 = time.perf_counter()
+    with pytest.raises(models.ModelLoadError, match="not in the local Hugging Face cache"):
+        models.load_model("nosuch-org/nosuch-model")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_pyproject_has_no_setuptools_deprecation():
+    """Issue 13, item 10: `project.license` as a TOML table is deprecated (a warning on every install)."""
+    import warnings
+    from pathlib import Path
+
+    setuptools = pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_configuration(Distribution(), Path(__file__).parents[1] / "pyproject.toml")
+    assert setuptools

@@ -198,7 +198,7 @@ def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 4):
 
     handles = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in arch.attns]
     try:
-        for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False):
+        for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False, disable=None):
             chunk = ids[i : i + batch].to(device)
             model(input_ids=chunk, use_cache=False, logits_to_keep=1)
     finally:
@@ -285,7 +285,7 @@ def calibrate(
     qs, ks = collect_qk(model, arch, ids)
     p = math.ceil(partial_ratio * arch.head_dim)
     mats, channels = [], []
-    for l in tqdm(range(arch.num_layers), desc="skewing", leave=False):
+    for l in tqdm(range(arch.num_layers), desc="skewing", leave=False, disable=None):
         A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule, skew)
         mats.append(A)
         channels.append(P)

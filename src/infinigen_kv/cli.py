@@ -7,6 +7,7 @@ line on stderr (no traceback).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -19,6 +20,24 @@ from .config import DEFAULT_BUDGET, METHOD_NAMES, InfiniGenConfig
 
 class CLIError(Exception):
     """Bad input: reported as one line, exit status 2."""
+
+
+class RunError(Exception):
+    """A failure at run time that is not a bug (a busy port...): one line, exit status 1."""
+
+
+class Help(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default == argparse.SUPPRESS
+                or "default" in text):
+            return text
+        if isinstance(default, list):
+            default = ",".join(map(str, default))
+        return f"{text} (default: {default})".replace("%", "%%").strip()
 
 
 class Parser(argparse.ArgumentParser):
@@ -94,6 +113,16 @@ def _temperature(text):
     return v
 
 
+def _seconds(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
+    if not 0.0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return v
+
+
 def _port(text):
     v = _positive_int(text)
     if v > 65535:
@@ -110,7 +139,7 @@ def _add_model_args(p):
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
                    "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
-    p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs")
+    p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs (default: none, one device)")
 
 
 def _fraction_list(text):
@@ -122,36 +151,38 @@ def _add_method_args(p, single_method=True, budget_list=False):
         p.add_argument("--method", default="infinigen", choices=list(METHOD_NAMES), help="KV-cache method (default: infinigen)")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
-    p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score")
-    p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation")
+    p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)
+    p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation (default: %s)" % InfiniGenConfig.partial_ratio)
     if budget_list:
         p.add_argument("--budget", type=_fraction_list, default=[DEFAULT_BUDGET], help=f"budgets in (0, 1], e.g. 0.05,0.1,0.2 (default {DEFAULT_BUDGET})")
     else:
-        p.add_argument("--budget", type=_fraction("budget"), default=None, help="cap on fetched tokens, fraction of the past, in (0, 1]")
+        p.add_argument("--budget", type=_fraction("budget"), default=None, help=f"cap on fetched tokens, fraction of the past, in (0, 1] (default: {DEFAULT_BUDGET})")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
     p.add_argument("--capacity", type=_capacity, default=None,
-                   help="InfiniGen pool limit per layer and sequence: a fraction of the tokens seen, or bytes (512MiB)")
+                   help="InfiniGen pool limit per layer and sequence: a fraction of the tokens seen, or bytes (512MiB) "
+                   "(default: none, the pool holds every token)")
     p.add_argument("--eviction", choices=["fifo", "lru", "counter"], default=None,
                    help="what a full pool evicts (default: counter)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="infinigen", description="InfiniGen KV-cache management for transformers models")
+    parser = Parser(prog="infinigen", description="InfiniGen KV-cache management for transformers models",
+                    formatter_class=Help)
     parser.add_argument("--version", action="version", version=f"infinigen-kv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
 
     g = sub.add_parser("generate", help="generate text with a KV-cache method")
     _add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt", help="prompt text (this or --prompt-file)")
     src.add_argument("--prompt-file", help="file holding the prompt")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate")
     _add_method_args(g)
     g.add_argument("--batch", type=_positive_int, default=1, help="run the prompt as a batch of N copies")
     g.add_argument("--temperature", type=_temperature, default=0.0, help="in [0, 2]; 0 = greedy (default)")
-    g.add_argument("--top-p", type=_fraction("top-p"), default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-p", type=_fraction("top-p"), default=1.0, help="nucleus sampling: smallest set of tokens reaching this probability")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
@@ -159,25 +190,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     c.add_argument("--text-file", default=None, help="calibration text (default: text the model generates itself)")
     c.add_argument("--out", default=None, help="directory to write the calibration file to (default: the user cache)")
-    c.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=InfiniGenConfig.partial_ratio)
-    c.add_argument("--skew", choices=["auto", "svd", "none"], default="auto")
-    c.add_argument("--channel-rule", choices=["q", "qk"], default="qk")
+    c.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=InfiniGenConfig.partial_ratio,
+                   help="share of head channels kept as partial query/key channels")
+    c.add_argument("--skew", choices=["auto", "svd", "none"], default="auto",
+                   help="skewing: svd, none, or auto (svd where it helps the speculation)")
+    c.add_argument("--channel-rule", choices=["q", "qk"], default="qk",
+                   help="rank partial channels by |q| (paper) or |q|*|k|")
     c.add_argument("--tokens", type=_positive_int, default=4096, help="calibration tokens")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
     s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
     _add_model_args(s)
     _add_method_args(s, single_method=False)
     s.set_defaults(methods="full,infinigen,offload,h2o,streaming,quant,hf-dynamic")
     s.add_argument("--batch", type=_int_list, default=[4], help="batch sizes, e.g. 1,4,8")
     s.add_argument("--prompt-len", type=_int_list, default=[4096], help="prompt lengths, e.g. 1024,4096")
-    s.add_argument("--new-tokens", type=_positive_int, default=32)
+    s.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps timed per run")
     s.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median)")
     s.add_argument("--data", default=None, help="text file or directory for the prompts (default: built-in filler)")
-    s.add_argument("--out", default=None, help="directory for JSON and markdown results")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--out", default=None, help="directory for JSON and markdown results (default: none, stdout only)")
+    s.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     a = bsub.add_parser("accuracy", help="accuracy of every method through the real decode path")
     _add_model_args(a)
@@ -186,23 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated tasks: ppl, passkey, niah, vt, agreement (default), lmeval")
     a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
     a.add_argument("--samples", type=_positive_int, default=10, help="prompts (ppl: windows) per task, length and method")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--data", default=None, help="text for ppl and agreement: a directory such as ../shared/data, or a file")
+    a.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    a.add_argument("--data", default=None, help="text for ppl and agreement: a directory such as ../shared/data, or a file (default: none; "
+                   "those tasks then ask for it)")
     a.add_argument("--window", type=_positive_int, default=4096, help="ppl window W (tokens)")
     a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
     a.add_argument("--windows", type=_positive_int, default=None, help="ppl windows (default: --samples)")
     a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated")
-    a.add_argument("--lmeval-tasks", default=None, help="lmeval task: comma-separated lm-eval task names")
-    a.add_argument("--lmeval-include", default=None, help="lmeval task: directory of task YAMLs (local data)")
-    a.add_argument("--lmeval-limit", type=_positive_int, default=None, help="lmeval task: documents per task")
-    a.add_argument("--out", default=None, help="directory for JSON and markdown results")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--lmeval-tasks", default=None, help="lmeval task: comma-separated lm-eval task names (default: none)")
+    a.add_argument("--lmeval-include", default=None, help="lmeval task: directory of task YAMLs (local data) (default: lm-eval's own)")
+    a.add_argument("--lmeval-limit", type=_positive_int, default=None, help="lmeval task: documents per task (default: all)")
+    a.add_argument("--out", default=None, help="directory for JSON and markdown results (default: none, stdout only)")
+    a.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)")
     _add_model_args(v)
     _add_method_args(v)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    v.add_argument("--port", type=_port, default=8000)
+    v.add_argument("--port", type=_port, default=8000, help="port to listen on")
     v.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or "
                    "SmolLM2-135M-Instruct)")
     v.add_argument("--api-key", default=os.environ.get("INFINIGEN_API_KEY"),
@@ -211,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--queue-size", type=_positive_int, default=64, help="waiting requests before 503")
     v.add_argument("--max-tokens-limit", type=_positive_int, default=2048, help="largest max_tokens accepted")
     v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (413 above)")
+    v.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: time given to requests in flight before they end with an error event")
     return parser
 
 
@@ -350,14 +387,24 @@ def cmd_bench_speed(args) -> dict:
 
 
 def cmd_serve(args) -> None:
-    from .serve import Engine, run_server
+    from .serve import Engine, listen, run_server
 
-    model, tok = _load(args)
-    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    engine = Engine(model, tok, args.method, {k: v for k, v in _method_options(args).items() if v is not None},
-                    max_batch=args.max_batch, queue_size=args.queue_size)
+    try:  # the port first: a busy one fails now, not after the model has loaded
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        raise RunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another server "
+                           "running there? pick another --port)") from None
+    try:
+        model, tok = _load(args)
+        model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+        engine = Engine(model, tok, args.method, {k: v for k, v in _method_options(args).items() if v is not None},
+                        max_batch=args.max_batch, queue_size=args.queue_size)
+    except BaseException:
+        sock.close()
+        raise
     print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit)
+    run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit,
+               args.grace_period, sock)
 
 
 def _summary(result: dict) -> str:
@@ -394,7 +441,7 @@ def main(argv=None) -> int:
     except CLIError as e:
         print(f"infinigen: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, OSError) as e:  # ModelLoadError, UnsupportedModelError, ConfigError, CalibrationError
+    except (ValueError, OSError, RunError) as e:  # ModelLoadError, UnsupportedModelError, ConfigError, ...
         print(f"infinigen: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -124,6 +125,25 @@ def resolve_source(name: str | None) -> str:
     return name  # a hub id (resolved from the local hub cache, or downloaded where a network allows)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub can be reached: HF_HUB_OFFLINE says no; behind a proxy we cannot tell
+    cheaply and say yes; otherwise one TCP connection to the endpoint, at most `timeout` seconds."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward, with decode-sized inputs (a few rows) through the `linear` kernel (its bfloat16
     copy of the weight when the layer has one) or computed as (W x^T)^T; prefills unchanged. Runs ~200
@@ -196,15 +216,20 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = resolve_source(name)
+    # a hub id with no way to the hub: the local cache only (huggingface_hub would retry for ~30 s)
+    offline = not Path(source).exists() and not hub_reachable()
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, local_files_only=offline)
     except Exception as e:
+        if offline:
+            raise ModelLoadError(f"cannot load model {name!r}: not in the local Hugging Face cache and the hub "
+                                 "cannot be reached; pass a checkpoint directory or a .gguf file") from None
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     check_supported(config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa",
-                                                     device_map=device_map)
+                                                     device_map=device_map, local_files_only=offline)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     if device_map is None:
