@@ -117,7 +117,8 @@ def fuzz(url, model_id, count):
     def body_strategy(name):
         return from_schema({"$ref": f"#/components/schemas/{name}", "components": components})
 
-    anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    text = st.text() | st.text(st.characters(categories=["Cs"]) | st.characters(), min_size=1, max_size=8)  # lone surrogates too
+    anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
                             lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
                             max_leaves=8)
     valid = {"/v1/chat/completions": {"model": model_id, "messages": [{"role": "user", "content": "hello"}],
@@ -129,7 +130,8 @@ def fuzz(url, model_id, count):
         path = draw(st.sampled_from(sorted(valid)))
         body = dict(valid[path])
         key = draw(st.sampled_from(sorted(body) + ["temperature", "top_p", "stop", "seed", "stream", "n",
-                                                   "stream_options", "max_completion_tokens"]))
+                                                   "stream_options", "max_completion_tokens", "logprobs",
+                                                   "top_logprobs", "tools", "tool_choice", "response_format"]))
         if draw(st.booleans()):
             body[key] = draw(anything)
         else:
@@ -167,14 +169,14 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--methods", default="infinigen,full")
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=25, help="per client")
+    ap.add_argument("--requests", type=int, default=25, help="per client (0: no load run, fuzz only)")
     ap.add_argument("--fuzz", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--words", default="50,200,800,2000", help="prompt lengths in words, drawn per request")
     args = ap.parse_args()
     model_id = args.model or "SmolLM2-135M-Instruct"
     report = {"load": {}}
-    for method in args.methods.split(","):
+    for method in args.methods.split(",") if args.requests else []:  # --requests 0: fuzz only
         proc, url = start(args.model, method)
         try:
             report["load"][method] = load(url, model_id, args.clients, args.requests, args.seed,
