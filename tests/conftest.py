@@ -92,3 +92,31 @@ def save_tiny(path, kind="llama-gqa", eos_never_greedy=False):
             model.lm_head.weight[model.config.eos_token_id] = 0.0
     model.save_pretrained(path)
     return str(path)
+
+
+def row_zero_selections(model, ids, mask, new_tokens=16, **cache_kwargs):
+    """Greedy InfiniGen generation of a (left-padded) batch: (row 0's tokens, row 0's 5 largest logprobs per
+    step (exact floats), row 0's chosen token positions per prefetch, as lists per KV head, counted from its
+    first real token)."""
+    import infinigen_kv as ig
+    from infinigen_kv.cache import InfiniGenCache
+
+    pad, seen = int((mask[0] == 0).sum()), []
+    real = InfiniGenCache.prefetch
+
+    def spy(self, target, fetch, keep, partial_row):
+        idx, got = fetch.idx[0], fetch.count[0] if fetch.count is not None else None
+        seen.append([sorted((idx[g, : int(got[g])] if got is not None else idx[g][fetch.real[0, g]]) .tolist())
+                     for g in range(idx.shape[0])])
+        seen[-1] = [[i - pad for i in g] for g in seen[-1]]
+        return real(self, target, fetch, keep, partial_row)
+
+    InfiniGenCache.prefetch = spy
+    try:
+        cache = ig.make_cache("infinigen", model, **cache_kwargs)
+        top = []
+        out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False, logprobs=5,
+                          on_step=lambda i, new, lp: top.append(lp[1][0].tolist()))
+    finally:
+        InfiniGenCache.prefetch = real
+    return out.tokens[0].tolist(), top, seen

@@ -67,3 +67,18 @@ def test_passkey_with_default_settings(smollm):
         r = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8)
         assert s.answer in tok.decode(r.tokens[0]), tok.decode(r.tokens[0])
         assert cache.stats["fetched_fraction"] <= 0.25
+
+
+def test_a_rows_selection_does_not_depend_on_its_batch(smollm):
+    """Issue 13, item 1, on the issue's own example: "My favourite food is" alone and left-padded next to
+    longer prompts gives the same tokens, the same logprobs to the bit and the same chosen entries at every
+    layer and step (before: 4 of 841 selections differed, from the prefill's numbers)."""
+    from conftest import row_zero_selections
+
+    model, tok = smollm
+    main = "My favourite food is"
+    enc = tok([main], return_tensors="pt")
+    alone = row_zero_selections(model, enc.input_ids, enc.attention_mask, new_tokens=30, tokenizer=tok)
+    for other in ("Trains and stations and timetables " * 8, "Hi"):
+        enc = tok([main, other], return_tensors="pt", padding=True)
+        assert row_zero_selections(model, enc.input_ids, enc.attention_mask, new_tokens=30, tokenizer=tok) == alone

@@ -1,6 +1,9 @@
 """Selection: threshold, budget cap, per-(sequence, head) counts, padding, GQA combination."""
 
+import pytest
 import torch
+
+from conftest import KINDS, row_zero_selections, tiny_model
 
 from infinigen_kv.speculate import approx_scores, select
 
@@ -77,3 +80,26 @@ def test_approx_scores_shapes_and_scale():
     s = approx_scores(q, k, scale=0.5)
     assert s.shape == (2, 3, 4, 7)
     torch.testing.assert_close(s, torch.einsum("bgrp,bgnp->bgrn", q, k) * 0.5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_selection_does_not_depend_on_its_batch(kind):
+    """Issue 13, item 1: a row's tokens and its chosen entries at every layer and step are the same alone and
+    in a batch, padded or not (the prefill's BLAS path, SDPA's blocking over the padded length and the
+    linear kernel's row blocks each made a row's last bits depend on its batch-mates)."""
+    from infinigen_kv.models import fast_cpu_linears
+
+    model = tiny_model(kind)
+    fast_cpu_linears(model, weights="bfloat16")  # as load_model does on CPU: the decode's linear kernel
+    g = torch.Generator().manual_seed(3)
+    for n in (7, 40):  # a prompt short enough for the BLAS's small-matrix path, and a longer one
+        row = torch.randint(3, 256, (1, n), generator=g)
+        alone = row_zero_selections(model, row, torch.ones_like(row))
+        for other in (n + 25, max(n - 4, 1)):  # row 0 left-padded, then row 0 the longest
+            width = max(n, other)
+            ids = torch.zeros(2, width, dtype=torch.long)
+            mask = torch.zeros(2, width, dtype=torch.long)
+            ids[0, width - n:], mask[0, width - n:] = row[0], 1
+            ids[1, width - other:] = torch.randint(3, 256, (other,), generator=g)
+            mask[1, width - other:] = 1
+            assert row_zero_selections(model, ids, mask) == alone, (kind, n, other)

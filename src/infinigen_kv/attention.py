@@ -39,6 +39,8 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
             out = _dense_kernel(layer, query, key, attention_mask, scaling)
             if out is not None:
                 return out, None
+        if T > 1 and (out := _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs)) is not None:
+            return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
@@ -95,6 +97,23 @@ def _pre_hook(module, args, kwargs):
               kwargs.get("attention_mask"))
     kwargs["infinigen_cache"] = cache
     return args, kwargs
+
+
+def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
+    """A fresh prefill of a left-padded batch, row by row over each row's own tokens, exactly as the row
+    alone is computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie
+    selections) would depend on its batch-mates. (B, T, H, d), pad positions 0; None where it does not
+    apply (no mask: nothing padded; a past; a sliding window)."""
+    T = query.shape[2]
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    if attention_mask is None or attention_mask.dtype != torch.bool or key.shape[2] != T or (window and T > window):
+        return None
+    pads = (~attention_mask[:, 0, -1]).sum(-1).tolist()  # the last query sees every valid key: (B,)
+    out = query.new_zeros(query.shape[0], T, query.shape[1], query.shape[3])
+    for b, s in enumerate(pads):
+        row = [t[b : b + 1, :, s:].contiguous() for t in (query, key, value)]
+        out[b, s:] = sdpa_attention_forward(module, *row, None, scaling=scaling, **kwargs)[0][0]
+    return out
 
 
 def register() -> None:

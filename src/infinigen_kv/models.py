@@ -7,6 +7,7 @@ seconds instead of the ~30 s of transformers' GGUF path.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import importlib.util
 import os
@@ -144,11 +145,38 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows
+# Whether the model's current forward has several tokens per sequence (set by a pre-hook on the model: a
+# linear's input alone cannot tell, OPT flattens a prefill's rows before its MLP).
+_prefilling = contextvars.ContextVar("infinigen_prefilling", default=False)
+
+
+def _note_phase(module, args, kwargs) -> None:
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = args[0] if args else kwargs.get("inputs_embeds")
+    _prefilling.set(x is not None and x.dim() >= 2 and x.shape[1] > 1)
+
+
+def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A prefill's linear by the BLAS, padded to PREFILL_MIN_ROWS rows: above that the BLAS gives each row the
+    same bits at any row count and offset (measured), below it its small-matrix path does not, so a short
+    prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie
+    selections, issue 13)."""
+    if rows >= PREFILL_MIN_ROWS or not x.is_cpu:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    padded = x.new_zeros(PREFILL_MIN_ROWS, x.shape[-1])
+    padded[:rows] = x.reshape(rows, -1)
+    return torch.nn.functional.linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward, with decode-sized inputs (a few rows) through the `linear` kernel (its bfloat16
     copy of the weight when the layer has one) or computed as (W x^T)^T; prefills unchanged. Runs ~200
     times a decode step: the checks are ordered cheapest first."""
     rows = x.numel() // x.shape[-1]
+    if _prefilling.get():  # one path whatever the batch (see _prefill_linear)
+        return _prefill_linear(self, x, rows)
     if rows > SMALL_BATCH or not x.is_cpu or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     w16 = self.weight_bf16
@@ -183,7 +211,7 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
     """Decode steps through a float32 model's linear layers on CPU. A few rows (a decode step of a batch)
     are bound by reading the weights, which the CPU BLAS does at half the machine's bandwidth on these
     shapes: up to KERNEL_ROWS rows go through the `linear` kernel (one streamed read of each weight row for
-    all rows), up to SMALL_BATCH as W @ x^T; prefills are unchanged.
+    all rows), up to SMALL_BATCH as W @ x^T; prefills by the BLAS (at least PREFILL_MIN_ROWS rows).
 
     weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): every linear weight is rounded to
     bfloat16 values (kept in float32 for prefill and larger batches, so every path sees the same weights)
@@ -191,6 +219,9 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
     norms and the KV cache stay float32. Idempotent."""
     import types
 
+    if not getattr(model, "_infinigen_phase_hook", False):
+        model.register_forward_pre_hook(_note_phase, with_kwargs=True)
+        model._infinigen_phase_hook = True
     for module in model.modules():
         if type(module) is not torch.nn.Linear:
             continue

@@ -394,7 +394,7 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 // ---------------------------------------------------------------------------------------------------
 // linear: y (R, out) = x (R, in) W^T + bias for a few rows R (a decode step), W float32 or bfloat16.
 // A decode step's linears are bound by reading W: each weight row is streamed from memory once for all R
-// rows (blocks of up to 8 rows share each load; further blocks find the row in L1). The CPU BLAS reaches
+// rows (blocks of up to 4 rows share each load; further blocks find the row in L1). The CPU BLAS reaches
 // 10-20 GB/s on these shapes with cold weights; this loop runs near the machine's read bandwidth.
 
 // y[b * ldy] = x[b] . w for the RB rows of x starting at x (row stride in)
@@ -403,7 +403,8 @@ inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t i
   int64_t i = 0;
   float sum[RB] = {};
 #ifdef IG_AVX2
-  constexpr int U = RB >= 8 ? 1 : 2;  // independent chains per row: 2 x RB accumulators fit the 16 registers up to 4 rows
+  static_assert(RB <= 4, "2 x RB accumulators must fit the 16 registers");
+  constexpr int U = 2;  // independent chains per row, the same for every RB: a row's sum does not depend on RB
   __m256 acc[RB][U];
   for (int b = 0; b < RB; ++b)
     for (int u = 0; u < U; ++u) acc[b][u] = _mm256_setzero_ps();
@@ -432,11 +433,8 @@ void linear_impl(const float* x, const W* wp, const float* bias, int64_t R, int6
     for (int64_t o = o0; o < o1; ++o) {
       const W* w = wp + o * in;
       int64_t b = 0;
-      for (; b + 8 <= R; b += 8) rows_dot<8>(w, x + b * in, in, y + b * out + o, out);
-      if (R - b >= 4) {
-        rows_dot<4>(w, x + b * in, in, y + b * out + o, out);
-        b += 4;
-      }
+      // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not
+      // depend on how many rows share the call (an 8-row block, one chain per row, did)
       for (; b + 4 <= R; b += 4) rows_dot<4>(w, x + b * in, in, y + b * out + o, out);
       if (R - b >= 2) {
         rows_dot<2>(w, x + b * in, in, y + b * out + o, out);
