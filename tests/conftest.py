@@ -16,7 +16,7 @@ def _cache_dir(tmp_path_factory):
 def tiny_model(kind: str, seed: int = 0):
     """Tiny random models of each supported architecture (built in-process, no download)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig,
-                              OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                              OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -37,6 +37,18 @@ def tiny_model(kind: str, seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "llama31":  # Llama 3.1's RoPE scaling (rope_type "llama3": low frequencies stretched)
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+        cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=2, rope_parameters=rope, **common)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "qwen3":  # QK-norm: per-head RMSNorm of q and k before RoPE
+        cfg = Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=16, **common)
+        model = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # random init leaves the norm weights at one: make them matter
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 2.0)
     elif kind == "opt":
         cfg = OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
         model = OPTForCausalLM(cfg)
@@ -46,7 +58,7 @@ def tiny_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-KINDS = ["llama-mha", "llama-gqa", "mistral", "qwen2", "opt"]
+KINDS = ["llama-mha", "llama-gqa", "llama31", "mistral", "qwen2", "qwen3", "opt"]
 
 
 @pytest.fixture(scope="session")

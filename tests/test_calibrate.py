@@ -6,7 +6,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.adapters import get_arch
 from infinigen_kv.calibrate import Calibration, CalibrationError, calibrate, collect_qk, fingerprint, load_or_calibrate
-from conftest import tiny_model
+from conftest import KINDS, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +84,31 @@ def test_first_use_calibrates_then_loads_from_cache(tiny_models):
     second = load_or_calibrate(model, config)  # from the cache file: same tensors
     assert torch.equal(first.skew, second.skew) and torch.equal(first.channels, second.channels)
     assert first.meta["fingerprint"] == fingerprint(model) and first.meta["partial_ratio"] == 0.25
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_arch_queries_and_keys_are_the_models(kind):
+    """Arch.query / Arch.key (what calibration and speculation use) equal the queries and keys the model's
+    attention receives, QK-norm (Qwen3) and RoPE scaling (Llama 3.1) included."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model, seen, inputs = tiny_model(kind), {}, {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = (query, key)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("capture-test", capture)
+    model.config._attn_implementation = "capture-test"
+    arch = get_arch(model)
+    for l, attn in enumerate(arch.attns):
+        attn.register_forward_pre_hook(
+            lambda m, a, kw, l=l: inputs.__setitem__(l, (kw["hidden_states"], kw.get("position_embeddings"))),
+            with_kwargs=True)
+    ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(0))  # past the 128 of llama31
+    with torch.no_grad():
+        model(ids)
+        for l, (x, rope) in inputs.items():
+            torch.testing.assert_close(arch.query(l, x, rope), seen[l][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(arch.key(l, x, rope), seen[l][1], rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ _LAYERS = {
     "llama": "model.layers",
     "mistral": "model.layers",
     "qwen2": "model.layers",
+    "qwen3": "model.layers",  # q_norm / k_norm on each head before RoPE
     "opt": "model.decoder.layers",
 }
 SUPPORTED = tuple(sorted(_LAYERS))
@@ -36,6 +37,7 @@ class Arch:
     rope: bool  # queries/keys rotated by RoPE between projection and score (not OPT)
     q_scale: float  # factor the model multiplies into q before attention (OPT pre-scales)
     score_scale: float  # factor the attention kernel applies to q.k (1.0 for OPT)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (attn.q_norm, attn.k_norm) before RoPE (Qwen3)
 
     @property
     def num_layers(self) -> int:
@@ -51,13 +53,16 @@ class Arch:
         attn = self.attns[layer]
         B, T, _ = x.shape
         q = attn.q_proj(x) * self.q_scale if self.q_scale != 1.0 else attn.q_proj(x)
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        q = (attn.q_norm(q) if self.qk_norm else q).transpose(1, 2)
         return apply_rope(q, rope) if self.rope else q
 
     def key(self, layer: int, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
         """Keys of `layer` for inputs x (B, T, D), as the cache stores them (after RoPE): (B, G, T, d)."""
         B, T, _ = x.shape
-        k = self.attns[layer].k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        attn = self.attns[layer]
+        k = attn.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        k = (attn.k_norm(k) if self.qk_norm else k).transpose(1, 2)
         return apply_rope(k, rope) if self.rope else k
 
 
@@ -96,4 +101,5 @@ def get_arch(model: nn.Module) -> Arch:
     if mt == "opt":
         # OPT multiplies q by d^-0.5 itself and calls the kernel with scaling=1.0.
         return Arch(mt, attns, H, G, d, config.hidden_size, rope=False, q_scale=d**-0.5, score_scale=1.0)
-    return Arch(mt, attns, H, G, d, config.hidden_size, rope=True, q_scale=1.0, score_scale=d**-0.5)
+    return Arch(mt, attns, H, G, d, config.hidden_size, rope=True, q_scale=1.0, score_scale=d**-0.5,
+                qk_norm=hasattr(attns[0], "q_norm"))

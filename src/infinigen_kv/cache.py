@@ -235,9 +235,10 @@ class InfiniGenCache(Cache):
             self.pq_weight = [w.to(dv, dtype) for w, dv in zip(calibration.pq_weight, devs)]
             self.pq_bias = [b.to(dv, dtype) for b, dv in zip(calibration.pq_bias, devs)]
         # RoPE models with raw (unskewed) channels: the CPU kernel computes the partial query from the q_proj
-        # rows of P and their RoPE partners only, per layer (G, c) and P (G, p)
+        # rows of P and their RoPE partners only, per layer (G, c) and P (G, p) (not with a QK-norm: it needs
+        # the whole head)
         self.pq_rows = self.pq_channels = None
-        if calibration is not None and self.arch.rope and calibration.unskewed:
+        if calibration is not None and self.arch.rope and calibration.unskewed and not self.arch.qk_norm:
             self.pq_rows = list(rope_channels(calibration.channels, self.arch.head_dim))
             self.pq_channels = [c.contiguous() for c in calibration.channels]
         install(model)
