@@ -55,7 +55,7 @@ def test_bench_accuracy_contract_and_files(tmp_path, capsys):
     text.write_text(tasks.FILLER * 200)
     out = tmp_path / "results"
     assert main(["bench", "accuracy", "--model", model_dir, "--methods", "full,infinigen,h2o,streaming,quant",
-                 "--tasks", "ppl,passkey,niah,vt,agreement", "--budget", "0.2,0.5", "--lengths", "160",
+                 "--tasks", "ppl,passkey,niah,vt,agreement", "--budget", "0.2,32", "--lengths", "160",
                  "--samples", "1", "--window", "64", "--prefix", "24", "--new-tokens", "6", "--data", str(text),
                  "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -65,14 +65,15 @@ def test_bench_accuracy_contract_and_files(tmp_path, capsys):
     # budgeted methods at both budgets, the others once
     ppl = [(r["method"], r["budget"]) for r in rows if r["task"] == "ppl"]
     assert sorted(ppl, key=str) == sorted([("full", None), ("quant", None)] + [
-        (m, b) for m in ("infinigen", "h2o", "streaming") for b in (0.2, 0.5)], key=str)
+        (m, b) for m in ("infinigen", "h2o", "streaming") for b in (0.2, 32)], key=str)  # a fraction, a token count
     assert {r["task"] for r in rows} == {"ppl", "passkey-160", "niah-160", "vt-160", "agreement-160"}
     full_agree = [r["value"] for r in rows if r["task"] == "agreement-160" and r["method"] == "full"]
     assert full_agree == [1.0, 1.0]  # the reference agrees with itself
     assert all(r["value"] > 1 for r in rows if r["metric"] == "perplexity")
     for name in ("accuracy.json", "accuracy.md", "ppl-perplexity.png", "passkey-160-accuracy.png",
-                 "agreement-160-agreement_prefix.png"):
+                 "agreement-160-agreement_prefix.png", "ppl-perplexity-tokens.png"):
         assert (out / name).is_file(), name
+    assert "| 32 tok |" in (out / "accuracy.md").read_text()
 
 
 def test_bench_accuracy_needs_data():

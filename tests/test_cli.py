@@ -70,8 +70,8 @@ def one_line_error(r, text):
 
 
 @pytest.mark.parametrize("args,text", [
-    (["generate", "--prompt", "hi", "--budget", "0"], "budget must be in (0, 1]"),
-    (["generate", "--prompt", "hi", "--budget", "1.5"], "budget must be in (0, 1]"),
+    (["generate", "--prompt", "hi", "--budget", "0"], "budget must be a fraction in (0, 1] or a token count"),
+    (["generate", "--prompt", "hi", "--budget", "1.5"], "budget must be a fraction in (0, 1] or a token count"),
     (["generate", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
     (["generate", "--prompt", "hi", "--method", "nope"], "invalid choice"),
     (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model path not found"),
@@ -203,3 +203,13 @@ def test_pyproject_has_no_setuptools_deprecation():
         warnings.simplefilter("error")
         apply_configuration(Distribution(), Path(__file__).parents[1] / "pyproject.toml")
     assert setuptools
+
+
+def test_budget_takes_fractions_and_token_counts():
+    """Issue 12, item 2: --budget 0.1 is a fraction, --budget 1024 a token count, for every command."""
+    from infinigen_kv.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["generate", "--prompt", "x", "--budget", "1024"]).budget == 1024
+    assert p.parse_args(["serve", "--budget", "0.1"]).budget == 0.1
+    assert p.parse_args(["bench", "accuracy", "--budget", "0.05,0.1,256,1024"]).budget == [0.05, 0.1, 256, 1024]

@@ -103,3 +103,34 @@ def test_a_rows_selection_does_not_depend_on_its_batch(kind):
             ids[1, width - other:] = torch.randint(3, 256, (other,), generator=g)
             mask[1, width - other:] = 1
             assert row_zero_selections(model, ids, mask) == alone, (kind, n, other)
+
+
+def test_budget_caps_fractions_and_token_counts():
+    from infinigen_kv.config import ConfigError, InfiniGenConfig, budget_caps
+
+    assert [budget_caps(n, 0.1) for n in (1, 10, 11, 4000)] == [1, 1, 2, 400]
+    assert [budget_caps(n, 256) for n in (1, 100, 256, 4000)] == [1, 100, 256, 256]
+    assert budget_caps(torch.tensor([1, 11, 4000]), 0.1).tolist() == [1, 2, 400]
+    assert budget_caps(torch.tensor([0, 100, 4000]), 256).tolist() == [1, 100, 256]
+    assert budget_caps(30, 1) == 30 and budget_caps(30, 1.0) == 30  # 1 is the whole past, not one token
+    for bad in (0, -3, 1.5, float("inf"), "x"):
+        with pytest.raises(ConfigError):
+            InfiniGenConfig(budget=bad)
+
+
+def test_infinigen_token_budget_caps_each_head_and_large_is_exact():
+    """budget=5: at most 5 entries per (sequence, KV head, layer) and step, 5 exactly where alpha keeps more;
+    a token budget beyond the context fetches everything and equals the full cache."""
+    import infinigen_kv as ig
+    from conftest import left_padded_batch
+    from test_exactness import step_logits
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(lengths=(48, 40))
+    _, _, chosen = row_zero_selections(model, ids, mask, new_tokens=6, budget=5, alpha=50.0)
+    assert chosen and all(len(head) == 5 for step in chosen for head in step)
+
+    with torch.inference_mode():
+        full = step_logits(model, ig.make_cache("full", model), ids, mask)
+        big = step_logits(model, ig.make_cache("infinigen", model, budget=10**6), ids, mask)
+    torch.testing.assert_close(big, full)

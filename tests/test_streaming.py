@@ -53,3 +53,19 @@ def test_multi_token_forward_after_decode_is_refused(tiny_models):
     with pytest.raises(NotImplementedError, match="new cache per prompt"):
         with torch.inference_mode():
             model(torch.randint(3, 200, (1, 4)), past_key_values=cache)
+
+
+@pytest.mark.parametrize("method", ["streaming", "h2o"])
+def test_budget_as_a_token_count(tiny_models, method):
+    """Issue 12, item 2: budget=12 keeps 12 entries per sequence whatever its length (fewer while it has fewer
+    tokens); a token count beyond the context is the full cache."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(60, 5))
+    cache = ig.make_cache(method, model, budget=12)
+    ig.generate(model, ids, mask, cache=cache, max_new_tokens=6, stop_at_eos=False)
+    for layer in cache.layers:
+        assert layer.kept.tolist() == [12, 5 + 5]  # the short row has 10 tokens so far: it keeps them all
+    with torch.inference_mode():
+        full = step_logits(model, ig.make_cache("full", model), ids, mask)
+        big = step_logits(model, ig.make_cache(method, model, budget=10**6), ids, mask)
+    torch.testing.assert_close(big, full)

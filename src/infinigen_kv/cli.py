@@ -142,8 +142,21 @@ def _add_model_args(p):
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs (default: none, one device)")
 
 
-def _fraction_list(text):
-    return [_fraction("budget")(t) for t in text.split(",") if t]
+def _budget(text):
+    """A fraction of the past in (0, 1] (0.1), or a token count, an integer > 1 (1024)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
+    if 0.0 < v <= 1.0:
+        return v
+    if v > 1 and v == int(v):
+        return int(v)
+    raise argparse.ArgumentTypeError(f"budget must be a fraction in (0, 1] or a token count (an integer > 1), got {text}")
+
+
+def _budget_list(text):
+    return [_budget(t) for t in text.split(",") if t]
 
 
 def _add_method_args(p, single_method=True, budget_list=False):
@@ -154,9 +167,12 @@ def _add_method_args(p, single_method=True, budget_list=False):
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)
     p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation (default: %s)" % InfiniGenConfig.partial_ratio)
     if budget_list:
-        p.add_argument("--budget", type=_fraction_list, default=[DEFAULT_BUDGET], help=f"budgets in (0, 1], e.g. 0.05,0.1,0.2 (default {DEFAULT_BUDGET})")
+        p.add_argument("--budget", type=_budget_list, default=[DEFAULT_BUDGET],
+                       help=f"budgets: fractions of the past and/or token counts, e.g. 0.05,0.1,256,1024 (default {DEFAULT_BUDGET})")
     else:
-        p.add_argument("--budget", type=_fraction("budget"), default=None, help=f"cap on fetched tokens, fraction of the past, in (0, 1] (default: {DEFAULT_BUDGET})")
+        p.add_argument("--budget", type=_budget, default=None,
+                       help=f"cap on fetched (infinigen) or kept (h2o, streaming) tokens per sequence, KV head and layer: a "
+                       f"fraction of the past in (0, 1], or a token count like 1024 (default: {DEFAULT_BUDGET})")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
     p.add_argument("--capacity", type=_capacity, default=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -26,7 +27,8 @@ class InfiniGenConfig:
     # took decode perplexity from 1.44x to 1.16x to 1.07x full's and niah from 2/8 to 6/8 (docs/BENCHMARKS.md,
     # "Tuning"). Cost: the partial key cache is ratio/2 of the K+V bytes.
     partial_ratio: float = 0.5
-    # budget: cap on the fetched tokens, as a fraction of the past length, per (sequence, KV head, layer).
+    # budget: cap on the fetched tokens per (sequence, KV head, layer): a fraction of the past length in
+    # (0, 1], or a token count (an integer > 1, e.g. 1024: at most that many, the field's usual unit).
     # 0.1 (the paper's 0.2 halved): on the default model it keeps decode perplexity within 4% of the full
     # cache's and passkey retrieval equal to it, and reads half the rows (docs/BENCHMARKS.md).
     budget: float = DEFAULT_BUDGET
@@ -60,7 +62,7 @@ class InfiniGenConfig:
     partial_dtype: str = "auto"
 
     def __post_init__(self):
-        check_fraction("budget", self.budget)
+        check_budget(self.budget)
         check_fraction("partial_ratio", self.partial_ratio)
         if not (self.alpha > 0):
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
@@ -80,6 +82,27 @@ class InfiniGenConfig:
             raise ConfigError(f"partial_dtype must be 'auto' or 'model', got {self.partial_dtype!r}")
         if self.channel_rule not in ("q", "qk"):
             raise ConfigError(f"channel_rule must be 'q' or 'qk', got {self.channel_rule!r}")
+
+
+def check_budget(value) -> None:
+    """A budget is a fraction of each sequence's past in (0, 1], or a token count: an integer > 1."""
+    try:
+        v = float(value)
+        ok = 0.0 < v <= 1.0 or (v > 1 and v == int(v))
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"budget must be a fraction in (0, 1] or a token count (an integer > 1), got {value}")
+
+
+def budget_caps(valid, budget):
+    """Entries a sequence with `valid` past tokens keeps/fetches (an int, or a tensor of counts): ceil(budget x
+    valid) for a fraction, min(budget, valid) for a token count; at least 1."""
+    if budget > 1:
+        return max(1, min(int(budget), valid)) if isinstance(valid, int) else valid.clamp(max=int(budget), min=1)
+    if isinstance(valid, int):
+        return max(1, math.ceil(valid * budget))
+    return (valid.double() * budget).ceil_().clamp_(min=1).long()  # float64: the int path's result
 
 
 def check_fraction(name: str, value: float) -> None:

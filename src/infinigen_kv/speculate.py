@@ -6,9 +6,9 @@ p partial channels, d head size.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .config import budget_caps
 
 
 def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float) -> torch.Tensor:
@@ -32,15 +32,15 @@ def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "ma
 
 
 def fetch_cap(n: int, budget: float, max_num_kv: int | None) -> int:
-    """Most entries a row of n may fetch: ceil(budget x n), at most max_num_kv, at least 1 (host integers:
-    this sizes a step's fetch without looking at the scores)."""
-    cap = max(1, math.ceil(n * budget))
+    """Most entries a row of n may fetch: the budget's share of n (or its token count), at most max_num_kv,
+    at least 1 (host integers: this sizes a step's fetch without looking at the scores)."""
+    cap = budget_caps(n, budget)
     return min(cap, max_num_kv) if max_num_kv else cap
 
 
 def row_caps(keep: torch.Tensor, budget: float, max_num_kv: int | None) -> torch.Tensor:
-    """Per-row caps from keep (B, 1 or G, n): ceil(budget x valid length), in [1, max_num_kv]: (B, 1 or G)."""
-    cap = torch.ceil(keep.sum(-1, dtype=torch.float64) * budget).clamp_(min=1).long()  # float64: as fetch_cap
+    """Per-row caps from keep (B, 1 or G, n): the budget of each valid length, in [1, max_num_kv]: (B, 1 or G)."""
+    cap = budget_caps(keep.sum(-1), budget)
     return cap.clamp_(max=max_num_kv) if max_num_kv else cap
 
 

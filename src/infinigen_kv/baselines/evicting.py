@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..attention import install
-from ..config import DEFAULT_BUDGET, check_fraction
+from ..config import DEFAULT_BUDGET, budget_caps, check_budget
 from ..layer import LogicalLayer
 from ..pool import RowBuffer
 
@@ -52,7 +52,7 @@ class EvictingLayer(LogicalLayer):
         raise NotImplementedError
 
     def _caps(self) -> torch.Tensor:
-        return torch.ceil(self.n_valid.float() * self.cache.budget).long().clamp_(min=1)  # (B,)
+        return budget_caps(self.n_valid, self.cache.budget)  # (B,)
 
     @torch.no_grad()
     def update(self, key_states, value_states, *args, **kwargs):
@@ -147,7 +147,7 @@ class EvictingCache(Cache):
     layer_class = EvictingLayer
 
     def __init__(self, model, budget: float = DEFAULT_BUDGET, **_):
-        check_fraction("budget", budget)
+        check_budget(budget)
         self.budget = budget
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
         install(model)

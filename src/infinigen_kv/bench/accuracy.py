@@ -176,35 +176,47 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
     return result
 
 
+def budget_label(budget) -> str:
+    """A budget as tables show it: "-" (budget-free method), a fraction (0.1), or a token count ("1024 tok")."""
+    return "-" if budget is None else f"{int(budget)} tok" if budget > 1 else f"{budget:g}"
+
+
 def markdown_table(result: dict) -> str:
     lines = ["| task | method | budget | metric | value | n | fetched |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        budget = "-" if r["budget"] is None else r["budget"]
-        lines.append(f"| {r['task']} | {r['method']} | {budget} | {r['metric']} | {r['value']:.4g} | {r['n']} | "
-                     f"{r['fetched_fraction']:.3f} |")
+        lines.append(f"| {r['task']} | {r['method']} | {budget_label(r['budget'])} | {r['metric']} | "
+                     f"{r['value']:.4g} | {r['n']} | {r['fetched_fraction']:.3f} |")
     return "\n".join(lines)
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
-    """accuracy.json, accuracy.md and one PNG per (task, metric): value vs budget, a line per method."""
+    """accuracy.json, accuracy.md and PNGs per (task, metric): value vs budget, a line per method, one plot for
+    the fraction budgets and one (`-tokens`) for the token-count budgets."""
     written, plt = write_tables(result, out, "accuracy", markdown_table(result))
-    budgets = sorted({r["budget"] for r in result["rows"] if r["budget"] is not None})
+    every = {r["budget"] for r in result["rows"] if r["budget"] is not None}
+    kinds = {"": sorted(b for b in every if b <= 1), "-tokens": sorted(b for b in every if b > 1)}
     for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in result["rows"]):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for method in dict.fromkeys(r["method"] for r in result["rows"]):
-            pts = [(r["budget"], r["value"]) for r in result["rows"]
-                   if r["task"] == task and r["metric"] == metric and r["method"] == method]
-            if not pts:
+        for suffix, budgets in kinds.items():
+            if not budgets and (suffix or kinds["-tokens"]):  # one plot at least, none of an absent kind
                 continue
-            if pts[0][0] is None:  # budget-independent method: a horizontal reference line
-                ax.axhline(pts[0][1], linestyle="--", label=method, color="gray" if method == "full" else None)
-            else:
-                pts.sort()
-                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=method)
-        ax.set_xlabel("budget (fraction of the past)")
-        ax.set_ylabel(metric)
-        ax.set_title(task)
-        if budgets:
-            ax.set_xticks(budgets)
-        written.append(save_plot(plt, fig, ax, out / f"{task}-{metric}.png"))
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            for method in dict.fromkeys(r["method"] for r in result["rows"]):
+                pts = [(r["budget"], r["value"]) for r in result["rows"] if r["task"] == task and
+                       r["metric"] == metric and r["method"] == method and (r["budget"] is None or r["budget"] in budgets)]
+                if not pts:
+                    continue
+                if pts[0][0] is None:  # budget-independent method: a horizontal reference line
+                    ax.axhline(pts[0][1], linestyle="--", label=method, color="gray" if method == "full" else None)
+                else:
+                    pts.sort()
+                    ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=method)
+            ax.set_xlabel("budget (tokens per sequence, head and layer)" if suffix else "budget (fraction of the past)")
+            ax.set_ylabel(metric)
+            ax.set_title(task)
+            if budgets:
+                ax.set_xticks(budgets)
+                if suffix:
+                    ax.set_xscale("log", base=2)
+                    ax.set_xticks(budgets, [str(int(b)) for b in budgets])
+            written.append(save_plot(plt, fig, ax, out / f"{task}-{metric}{suffix}.png"))
     return written
