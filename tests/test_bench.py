@@ -103,3 +103,78 @@ def test_bench_speed_contract_floor_and_plots(tmp_path, capsys):
     assert by[("infinigen", 2, 96)]["bytes_read_per_step"] < by[("full", 2, 96)]["bytes_read_per_step"]
     for name in ("speed.json", "speed.md", "speed-batch1.png", "speed-batch2.png"):
         assert (out / name).is_file(), name
+
+
+ESSAY = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+
+
+@pytest.mark.parametrize("task", __import__("infinigen_kv.bench.ruler", fromlist=["TASKS"]).TASKS)
+def test_ruler_generators_sized_deterministic_answers_in_prompt(tok, task):
+    """Issue 12, item 1: each RULER task fits its token length (within 10%), is the same for a seed and
+    other for another, and every expected string is in the prompt."""
+    from infinigen_kv.bench import ruler
+
+    with pytest.raises(ValueError, match="cannot hold"):
+        ruler.generate(task, tok, 40, seed=3, essay=ESSAY)
+    for length in (1000, 2000):
+        s = ruler.generate(task, tok, length, seed=3, essay=ESSAY)
+        n = len(tok(s.prompt, add_special_tokens=False)["input_ids"])
+        assert 0.9 * length <= n <= length, (task, length, n)
+        assert s.answers and all(a in s.prompt for a in s.answers)
+        assert ruler.generate(task, tok, length, seed=3, essay=ESSAY) == s
+        assert ruler.generate(task, tok, length, seed=4, essay=ESSAY).prompt != s.prompt
+
+
+def test_ruler_task_shapes_and_scoring(tok):
+    import re
+    from collections import Counter
+
+    from infinigen_kv.bench import ruler
+
+    def needles(s):
+        return re.findall(r"One of the special magic (\w+) for (\S+) is: (\S+)\.", s.prompt)
+
+    s = ruler.generate("niah_multikey_1", tok, 1000, 0, ESSAY)
+    assert len(needles(s)) == 4 and len(s.answers) == 1  # three distractor keys
+    for task in ("niah_multikey_2", "niah_multikey_3"):  # the haystack is nothing but needles
+        found = needles(ruler.generate(task, tok, 1000, 0))
+        assert len(found) > 3 and len({k for _, k, _ in found}) == len(found)
+    assert re.fullmatch(r"[0-9a-f-]{36}", needles(ruler.generate("niah_multikey_3", tok, 1000, 0))[0][1])
+    s = ruler.generate("niah_multivalue", tok, 1000, 0, ESSAY)
+    assert len(s.answers) == 4 and len({k for _, k, _ in needles(s)}) == 1
+    s = ruler.generate("niah_multiquery", tok, 1000, 0, ESSAY)
+    assert len(s.answers) == 4 and s.prompt.rstrip().endswith("mentioned in the provided text are")
+    s = ruler.generate("ruler_vt", tok, 1000, 0)
+    assert len(s.answers) == 5 and s.prompt.index(f"VAR {s.answers[1]} = VAR {s.answers[0]}") > 0
+    s = ruler.generate("ruler_cwe", tok, 1500, 0)
+    counts = Counter(re.findall(r"\d+\. (\w+)", s.prompt))
+    assert set(s.answers) == {w for w, _ in counts.most_common(10)}
+    assert min(counts[w] for w in s.answers) > max(c for w, c in counts.items() if w not in s.answers)
+    s = ruler.generate("ruler_fwe", tok, 1500, 0)
+    counts = Counter(w.strip() for w in s.prompt.split("coded words. ")[1].split("\n")[0].split(" .... "))
+    assert [w for w, _ in counts.most_common(3)] == s.answers
+    with pytest.raises(ValueError, match="--data"):
+        ruler.generate("niah_single_2", tok, 1000, 0)  # an essay haystack needs prose
+    assert ruler.score("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert ruler.score("ABC", ["abc"]) == 1.0
+
+
+def test_bench_accuracy_ruler_suite_and_mean(tmp_path, capsys):
+    from infinigen_kv.cli import main
+
+    model_dir = save_tiny(tmp_path / "model")
+    text = tmp_path / "essay.txt"
+    text.write_text(ESSAY)
+    assert main(["bench", "accuracy", "--model", model_dir, "--methods", "full,infinigen", "--tasks", "ruler",
+                 "--budget", "0.5,64", "--lengths", "880", "--samples", "1", "--data", str(text), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    from infinigen_kv.bench.ruler import TASKS
+
+    assert {r["task"] for r in rows} == {f"{t}-880" for t in TASKS} | {"ruler-mean-880"}
+    means = {(r["method"], r["budget"]): r["value"] for r in rows if r["task"] == "ruler-mean-880"}
+    assert set(means) == {("full", None), ("infinigen", 0.5), ("infinigen", 64)}
+    for key, mean in means.items():
+        got = [r["value"] for r in rows if (r["method"], r["budget"]) == key and r["task"] != "ruler-mean-880"]
+        assert mean == pytest.approx(sum(got) / len(got), abs=1e-4)
+    one_line_error(cli("bench", "accuracy", "--tasks", "niah_single_2", ok=False), "need text")

@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(a)
     _add_method_args(a, single_method=False, budget_list=True)
     a.add_argument("--tasks", default="ppl,passkey,niah,vt,agreement",
-                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement (default), lmeval")
+                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement (default), lmeval; RULER's "
+                   "niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, ruler_vt, ruler_cwe, "
+                   "ruler_fwe, or ruler for all of them")
     a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
     a.add_argument("--samples", type=_positive_int, default=10, help="prompts (ppl: windows) per task, length and method")
     a.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
@@ -361,8 +363,10 @@ def _methods(args) -> list[str]:
 def cmd_bench_accuracy(args) -> dict:
     from .bench.accuracy import NEEDS_TEXT, TASKS, run_accuracy
 
+    from .bench.ruler import TASKS as RULER
+
     methods = _methods(args)
-    tasks = [t for t in args.tasks.split(",") if t]
+    tasks = list(dict.fromkeys(x for t in args.tasks.split(",") if t for x in (RULER if t == "ruler" else [t])))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")

@@ -4,6 +4,8 @@ Tasks (deterministic for a seed):
 - `ppl`: decode-mode perplexity: windows of W tokens of a text, the first P prefilled with full attention,
   the rest teacher-forced one token per step through the cache under test.
 - `passkey`, `niah`, `vt`: generated retrieval tasks (tasks.py), greedy, scored by `tasks.score`.
+- RULER's synthetic suite (ruler.py: niah_single_1 ... ruler_fwe; `ruler` names them all), greedy, scored
+  by RULER's string_match_all; with two or more of them, a `ruler-mean-<length>` row per method and budget.
 - `agreement`: greedy continuation of a long text prompt; share of tokens equal to the full cache's output
   up to the first divergence (`agreement_prefix`) and overall (`agreement_overall`).
 - `lmeval`: lm-evaluation-harness tasks (`lmeval.py`), for users with the datasets locally; not in the
@@ -21,13 +23,14 @@ import torch
 
 from ..baselines import make_cache
 from ..generation import generate
+from . import ruler
 from . import tasks as task_lib
 from . import save_plot, write_tables
 
-TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval")
+TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval", *ruler.TASKS)
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
 BUDGETED = {"infinigen", "h2o", "streaming"}
-NEEDS_TEXT = {"ppl", "agreement"}
+NEEDS_TEXT = {"ppl", "agreement", *ruler.NEEDS_ESSAY}
 
 
 class DataError(ValueError):
@@ -48,6 +51,16 @@ def load_text(data: str | None) -> str:
     if not files:
         raise DataError(f"no .txt file under {data}")
     return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def load_essay(data: str | None) -> str:
+    """Prose for RULER's essay haystacks: a file, or a directory's pg19/*.txt (books) if it has them, else
+    its other text."""
+    path = Path(data) if data is not None else None
+    books = sorted((path / "pg19").glob("*.txt")) if path is not None and path.is_dir() else []
+    if books:
+        return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in books)
+    return load_text(data)
 
 
 def _cache(model, method, budget, options):
@@ -80,22 +93,27 @@ def run_ppl(model, ids: torch.Tensor, method, budget, options, window: int, pref
     return math.exp(nll / count), sum(fetched) / len(fetched)
 
 
-def run_generated(model, tokenizer, task, method, budget, options, length, samples, seed):
-    """Mean score of `samples` generated prompts of ~`length` tokens."""
+def run_generated(model, tokenizer, task, method, budget, options, length, samples, seed, essay=None):
+    """Mean score of `samples` generated prompts of ~`length` tokens (our tasks, or RULER's)."""
     device = next(model.parameters()).device
-    make = task_lib.GENERATORS[task]
     total, fetched = 0.0, []
     for i in range(samples):
-        s = make(tokenizer, length, seed=seed + i)
+        if task in ruler.TASKS:
+            s = ruler.generate(task, tokenizer, length, seed + i, essay)
+            answers, max_new = s.answers, ruler.MAX_NEW[task]
+            scorer = lambda out: ruler.score(out, answers)  # noqa: E731
+        else:
+            s = task_lib.GENERATORS[task](tokenizer, length, seed=seed + i)
+            answers, max_new = [s.answer], 24 if task == "vt" else 10
+            scorer = lambda out: task_lib.score(task, out, s.answer)  # noqa: E731
         enc = tokenizer(s.prompt, return_tensors="pt").to(device)
         cache = _cache(model, method, budget, options)
-        max_new = 24 if task == "vt" else 10
         r = generate(model, enc["input_ids"], enc["attention_mask"], cache=cache, max_new_tokens=max_new)
         out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
-        total += task_lib.score(task, out, s.answer)
+        total += scorer(out)
         fetched.append(_fetched(cache))
         print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: {out.strip()[:30]!r} "
-              f"(answer {s.answer})", file=sys.stderr, flush=True)
+              f"(answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
     return total / samples, sum(fetched) / len(fetched)
 
 
@@ -137,8 +155,9 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
                  windows=None) -> dict:
     """samples: prompts per generated task and length (and ppl windows unless `windows` is given).
     lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task."""
-    if NEEDS_TEXT & set(tasks):
+    if {"ppl", "agreement"} & set(tasks):
         text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
+    essay = load_essay(data) if ruler.NEEDS_ESSAY & set(tasks) else None
     options = {**options, "tokenizer": tokenizer}
     rows, references = [], {}
 
@@ -168,8 +187,18 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
                         row(f"agreement-{length}", method, budget, "agreement_prefix", p, samples, f)
                         row(f"agreement-{length}", method, budget, "agreement_overall", o, samples, f)
                     else:
-                        v, f = run_generated(model, tokenizer, task, method, budget, options, length, samples, seed)
-                        row(f"{task}-{length}", method, budget, "score" if task == "vt" else "accuracy", v, samples, f)
+                        v, f = run_generated(model, tokenizer, task, method, budget, options, length, samples, seed,
+                                             essay)
+                        metric = "score" if task == "vt" or task in ruler.TASKS else "accuracy"
+                        row(f"{task}-{length}", method, budget, metric, v, samples, f)
+    suite = [t for t in tasks if t in ruler.TASKS]
+    if len(suite) > 1:  # RULER's summary: the mean over its tasks, per method, budget and length
+        for length in lengths:
+            names = {f"{t}-{length}" for t in suite}
+            for key in dict.fromkeys((r["method"], r["budget"]) for r in rows if r["task"] in names):
+                got = [r for r in rows if r["task"] in names and (r["method"], r["budget"]) == key]
+                row(f"ruler-mean-{length}", *key, "score", sum(r["value"] for r in got) / len(got), samples,
+                    sum(r["fetched_fraction"] for r in got) / len(got))
     result = {"model": model_name or "SmolLM2-135M-Instruct", "torch": torch.__version__, "rows": rows}
     if out:
         write_reports(result, Path(out))
