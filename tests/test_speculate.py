@@ -113,7 +113,7 @@ def test_budget_caps_fractions_and_token_counts():
     assert budget_caps(torch.tensor([1, 11, 4000]), 0.1).tolist() == [1, 2, 400]
     assert budget_caps(torch.tensor([0, 100, 4000]), 256).tolist() == [1, 100, 256]
     assert budget_caps(30, 1) == 30 and budget_caps(30, 1.0) == 30  # 1 is the whole past, not one token
-    for bad in (0, -3, 1.5, float("inf"), "x"):
+    for bad in (0, -3, 1.5, float("inf"), "x", "0.5", True):
         with pytest.raises(ConfigError):
             InfiniGenConfig(budget=bad)
 

@@ -91,8 +91,8 @@ def check_budget(value) -> None:
         ok = 0.0 < v <= 1.0 or (v > 1 and v == int(v))
     except (TypeError, ValueError, OverflowError):
         ok = False
-    if not ok:
-        raise ConfigError(f"budget must be a fraction in (0, 1] or a token count (an integer > 1), got {value}")
+    if not ok or isinstance(value, (str, bool)):  # "0.5" would pass float() and fail later, far from here
+        raise ConfigError(f"budget must be a fraction in (0, 1] or a token count (an integer > 1), got {value!r}")
 
 
 def budget_caps(valid, budget):
