@@ -81,6 +81,8 @@ def one_line_error(r, text):
     (["generate", "--prompt", "hi", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2]"),
     (["generate", "--prompt", "hi", "--capacity", "-1MiB"], "capacity must be a fraction"),
+    (["serve", "--grace-period", "-1"], "grace-period must be >= 0"),
+    (["generate", "--prompt", "hi", "--top-p", "nope"], "top-p must be a number"),
 ])
 def test_bad_input_exits_with_one_line(args, text):
     one_line_error(cli(*args, ok=False), text)

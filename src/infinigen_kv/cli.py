@@ -52,16 +52,21 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _fraction(name):
+def _number(name, ok, expected):
+    """A parser of floats for which ok(v) holds; otherwise one line saying `expected`."""
     def parse(text):
         try:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not 0.0 < v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {text}")
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{name} must be {expected}, got {text}")
         return v
     return parse
+
+
+def _fraction(name):
+    return _number(name, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 
 
 def _positive_int(text):
@@ -102,25 +107,8 @@ def _device(text):
     return text.strip()
 
 
-def _temperature(text):
-    """In [0, 2], as the server takes it (0 = greedy)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"temperature must be a number, got {text!r}") from None
-    if not 0.0 <= v <= 2.0:
-        raise argparse.ArgumentTypeError(f"temperature must be in [0, 2] (0 = greedy), got {text}")
-    return v
-
-
-def _seconds(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
-    if not 0.0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
-    return v
+_temperature = _number("temperature", lambda v: 0.0 <= v <= 2.0, "in [0, 2] (0 = greedy)")  # as the server takes it
+_seconds = _number("grace-period", lambda v: 0.0 <= v < float("inf"), ">= 0")
 
 
 def _port(text):
