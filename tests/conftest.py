@@ -15,8 +15,9 @@ def _cache_dir(tmp_path_factory):
 
 def tiny_model(kind: str, seed: int = 0):
     """Tiny random models of each supported architecture (built in-process, no download)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig,
-                              OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -49,6 +50,17 @@ def tiny_model(kind: str, seed: int = 0):
             for layer in model.model.layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                     norm.weight.uniform_(0.5, 2.0)
+    elif kind == "gemma3":  # local (window 16) and global layers, a RoPE base per type, QK-norm, own q scale
+        types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+        cfg = Gemma3TextConfig(intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                               layer_types=types, rope_parameters=rope, query_pre_attn_scalar=24, **common)
+        model = Gemma3ForCausalLM(cfg)
+        with torch.no_grad():  # random init leaves the (1 + w) norm weights at one: make them matter
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(-0.5, 1.0)
     elif kind == "opt":
         cfg = OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
         model = OPTForCausalLM(cfg)
@@ -58,7 +70,7 @@ def tiny_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-KINDS = ["llama-mha", "llama-gqa", "llama31", "mistral", "qwen2", "qwen3", "opt"]
+KINDS = ["llama-mha", "llama-gqa", "llama31", "mistral", "qwen2", "qwen3", "gemma3", "opt"]
 
 
 @pytest.fixture(scope="session")

@@ -106,9 +106,17 @@ def test_arch_queries_and_keys_are_the_models(kind):
         attn.register_forward_pre_hook(
             lambda m, a, kw, l=l: inputs.__setitem__(l, (kw["hidden_states"], kw.get("position_embeddings"))),
             with_kwargs=True)
+    # what layer 0 can know of every layer's RoPE (speculation runs one layer ahead: Gemma 3 has one per type)
+    ahead = {}
+    arch.attns[0].register_forward_pre_hook(lambda m, a, kw: ahead.update(
+        {l: arch.rope_for(l, kw.get("position_embeddings")) for l in range(arch.num_layers)}), with_kwargs=True)
     ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(0))  # past the 128 of llama31
     with torch.no_grad():
         model(ids)
         for l, (x, rope) in inputs.items():
             torch.testing.assert_close(arch.query(l, x, rope), seen[l][0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(arch.key(l, x, rope), seen[l][1], rtol=1e-5, atol=1e-5)
+            if rope is not None:
+                torch.testing.assert_close(ahead[l], rope, rtol=0, atol=0)
+    if arch.rope:  # the kernel's scale (Gemma 3: query_pre_attn_scalar^-0.5, not d^-0.5)
+        assert arch.score_scale == pytest.approx(arch.attns[0].scaling)

@@ -59,7 +59,7 @@ def test_offload_matches_full(tiny_models, kind):
 
 
 @pytest.mark.parametrize("method", ["h2o", "streaming"])
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "opt"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "gemma3", "opt"])
 def test_fixed_budget_baselines_exact_when_budget_covers_all(tiny_models, method, kind):
     """Budget 1.0 keeps every entry: the evicting caches reproduce the full cache."""
     model = tiny_models[kind]
@@ -67,6 +67,24 @@ def test_fixed_budget_baselines_exact_when_budget_covers_all(tiny_models, method
     ref = step_logits(model, ig.make_cache("full", model), ids, mask)
     got = step_logits(model, ig.make_cache(method, model, budget=1.0), ids, mask)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_local_layers(tiny_models):
+    """Gemma 3's local layers: dense by default (their whole window, no speculation); speculated within
+    their window with local_layers="speculate": still exactly the full cache at budget 1.0, so the keep of
+    a local target is its own window, not the global layer's mask (and the other way round)."""
+    model = tiny_models["gemma3"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    dense = ig.make_cache("infinigen", model, **EXACT)
+    assert [layer.dense for layer in dense.layers] == [True, True, False, True]
+    torch.testing.assert_close(step_logits(model, dense, ids, mask), ref, atol=1e-4, rtol=1e-4)
+    spec = ig.make_cache("infinigen", model, local_layers="speculate", **EXACT)
+    assert [layer.dense for layer in spec.layers] == [True, False, False, False]
+    torch.testing.assert_close(step_logits(model, spec, ids, mask), ref, atol=1e-4, rtol=1e-4)
+    stats = spec.stats
+    assert stats["fetched_fraction"] == pytest.approx(1.0)
+    assert max(stats["tokens_per_step"][l] for l in (1, 3)) <= 15  # a local layer fetches within its window
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -134,3 +152,25 @@ def test_sliding_window_respected():
     model.config.sliding_window = 4096
     unwindowed = step_logits(model, ig.make_cache("full", model), ids, mask)
     assert not torch.allclose(unwindowed, ref, atol=1e-3)  # the window did change the outputs
+
+
+def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():
+    """sample() takes the nucleus from the top NUCLEUS_TOPK ids when it lies there and sorts the whole
+    vocabulary when it does not: either way the draws of a full sort's nucleus, same seed."""
+    from infinigen_kv.generation import NUCLEUS_TOPK, sample
+
+    def reference(logits, temperature, top_p, seed):
+        probs = torch.softmax(logits / temperature, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1)
+
+    V = 4 * NUCLEUS_TOPK
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(6, V, generator=g) * 6  # nucleus well inside the top k
+    flat = torch.randn(6, V, generator=g) * 0.1  # nucleus reaching past it: the full sort
+    for logits in (peaked, flat):
+        for seed in range(5):
+            got = sample(logits, torch.full((6,), 0.8), torch.full((6,), 0.9), [torch.Generator().manual_seed(seed)])
+            assert torch.equal(got, reference(logits, 0.8, 0.9, seed))

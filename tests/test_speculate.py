@@ -92,7 +92,8 @@ def test_a_rows_selection_does_not_depend_on_its_batch(kind):
     model = tiny_model(kind)
     fast_cpu_linears(model, weights="bfloat16")  # as load_model does on CPU: the decode's linear kernel
     g = torch.Generator().manual_seed(3)
-    for n in (7, 40):  # a prompt short enough for the BLAS's small-matrix path, and a longer one
+    for n in (7, 40):  # a prompt short enough for the BLAS's small-matrix path, and a longer one (and than
+        # gemma3's window: left-padded past it, a local layer's last query no longer sees the padding's edge)
         row = torch.randint(3, 256, (1, n), generator=g)
         alone = row_zero_selections(model, row, torch.ones_like(row))
         for other in (n + 25, max(n - 4, 1)):  # row 0 left-padded, then row 0 the longest

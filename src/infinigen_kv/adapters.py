@@ -6,7 +6,7 @@ teaching this file where its projections are and how its queries reach the atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ _LAYERS = {
     "qwen2": "model.layers",
     "qwen3": "model.layers",  # q_norm / k_norm on each head before RoPE
     "opt": "model.decoder.layers",
+    "gemma3_text": "model.layers",  # QK-norm; local (sliding-window) and global layers, a RoPE per layer type
 }
 SUPPORTED = tuple(sorted(_LAYERS))
 
@@ -37,7 +38,27 @@ class Arch:
     rope: bool  # queries/keys rotated by RoPE between projection and score (not OPT)
     q_scale: float  # factor the model multiplies into q before attention (OPT pre-scales)
     score_scale: float  # factor the attention kernel applies to q.k (1.0 for OPT)
-    qk_norm: bool = False  # per-head RMSNorm of q and k (attn.q_norm, attn.k_norm) before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (attn.q_norm, attn.k_norm) before RoPE (Qwen3, Gemma 3)
+    windows: list = field(default_factory=list)  # each layer's sliding window (None: global attention)
+    rope_types: list | None = None  # each layer's RoPE type, where the model has one RoPE per type (Gemma 3)
+    step: "StepInputs | None" = None  # what the current forward computed once for all layers (hooks fill it)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether layers attend over different windows (local and global layers): a layer's mask is then
+        not the next layer's, and speculation builds the next layer's own (selection.layer_keep)."""
+        return len(set(self.windows)) > 1
+
+    def local(self, layer: int) -> bool:
+        """A local layer: a sliding-window layer of a model that also has global layers (Gemma 3)."""
+        return self.mixed and self.windows[layer] is not None
+
+    def rope_for(self, layer: int, rope: tuple | None) -> tuple | None:
+        """The (cos, sin) of `layer` in the current forward: `rope` (the calling layer's) unless the model
+        rotates each layer type differently (Gemma 3: base 10k on local layers, 1M on global ones)."""
+        if self.rope_types is None:
+            return rope
+        return self.step.ropes[self.rope_types[layer]]
 
     @property
     def num_layers(self) -> int:
@@ -66,6 +87,41 @@ class Arch:
         return apply_rope(k, rope) if self.rope else k
 
 
+class StepInputs:
+    """What a forward computes once and hands to its layers, kept for the speculation of the next layer:
+    the attention mask the model was called with (2-D, 4-D, one per layer type, or None) and, for models
+    with a RoPE per layer type, each type's (cos, sin). Filled by hooks on the model (get_arch), cleared
+    when the forward ends."""
+
+    def __init__(self):
+        self.mask = None
+        self.ropes = {}
+
+    def note_mask(self, module, args, kwargs) -> None:
+        self.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+
+    def note_rope(self, module, args, kwargs, output) -> None:
+        layer_type = args[2] if len(args) > 2 else kwargs.get("layer_type")
+        self.ropes[layer_type] = output
+
+    def clear(self, *_) -> None:
+        self.mask, self.ropes = None, {}
+
+
+def step_inputs(model: nn.Module, base: nn.Module) -> StepInputs:
+    """The model's StepInputs, its hooks registered once on `base`, the module that holds the layers and
+    builds their masks (a *ForCausalLM calls it with the mask; so may a user)."""
+    step = getattr(model, "_infinigen_step", None)
+    if step is None:
+        step = model._infinigen_step = StepInputs()
+        base.register_forward_pre_hook(step.note_mask, with_kwargs=True)
+        base.register_forward_hook(step.clear)
+        rotary = getattr(base, "rotary_emb", None)
+        if len(getattr(rotary, "layer_types", ())) > 1:
+            rotary.register_forward_hook(step.note_rope, with_kwargs=True)
+    return step
+
+
 def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
     """Rotate x (B, heads, T, d) with the model's (cos, sin), each (B, T, d) (rotate-half layout)."""
     cos, sin = (t.unsqueeze(1) for t in rope)
@@ -91,15 +147,24 @@ def get_arch(model: nn.Module) -> Arch:
     config = model.config
     check_supported(config)
     mt = model_type_of(config)
-    layers = model
-    for name in _LAYERS[mt].split("."):
-        layers = getattr(layers, name)
+    base = model
+    for name in _LAYERS[mt].split(".")[:-1]:
+        base = getattr(base, name)
+    layers = getattr(base, _LAYERS[mt].split(".")[-1])
     attns = [layer.self_attn for layer in layers]
     H = config.num_attention_heads
     G = getattr(config, "num_key_value_heads", None) or H
     d = getattr(config, "head_dim", None) or config.hidden_size // H
+    step = step_inputs(model, base)
     if mt == "opt":
         # OPT multiplies q by d^-0.5 itself and calls the kernel with scaling=1.0.
-        return Arch(mt, attns, H, G, d, config.hidden_size, rope=False, q_scale=d**-0.5, score_scale=1.0)
-    return Arch(mt, attns, H, G, d, config.hidden_size, rope=True, q_scale=1.0, score_scale=d**-0.5,
-                qk_norm=hasattr(attns[0], "q_norm"))
+        return Arch(mt, attns, H, G, d, config.hidden_size, rope=False, q_scale=d**-0.5, score_scale=1.0,
+                    windows=[None] * len(attns), step=step)
+    # Mistral windows every layer by the config; the others name each layer's window (None: global)
+    windows = [getattr(config, "sliding_window", None) if mt == "mistral" else getattr(a, "sliding_window", None)
+               for a in attns]
+    per_type = len(getattr(getattr(base, "rotary_emb", None), "layer_types", ())) > 1
+    return Arch(mt, attns, H, G, d, config.hidden_size, rope=True, q_scale=1.0,
+                score_scale=float(getattr(attns[0], "scaling", d**-0.5)),  # Gemma: query_pre_attn_scalar^-0.5
+                qk_norm=hasattr(attns[0], "q_norm"), windows=windows,
+                rope_types=list(config.layer_types) if per_type else None, step=step)

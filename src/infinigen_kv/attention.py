@@ -102,17 +102,20 @@ def _pre_hook(module, args, kwargs):
 def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
     """A fresh prefill of a left-padded batch, row by row over each row's own tokens, exactly as the row
     alone is computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie
-    selections) would depend on its batch-mates. (B, T, H, d), pad positions 0; None where it does not
-    apply (no mask: nothing padded; a past; a sliding window)."""
+    selections) would depend on its batch-mates. A row longer than the layer's sliding window gets its
+    part of the mask (as alone), a shorter one plain causal attention. (B, T, H, d), pad positions 0; None
+    where it does not apply (no mask: nothing padded; a past)."""
     T = query.shape[2]
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-    if attention_mask is None or attention_mask.dtype != torch.bool or key.shape[2] != T or (window and T > window):
+    if attention_mask is None or attention_mask.dtype != torch.bool or key.shape[2] != T:
         return None
-    pads = (~attention_mask[:, 0, -1]).sum(-1).tolist()  # the last query sees every valid key: (B,)
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    # each valid token attends to itself, whatever the window: the diagonal marks them (B, T)
+    pads = (~attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)).sum(-1).tolist()
     out = query.new_zeros(query.shape[0], T, query.shape[1], query.shape[3])
     for b, s in enumerate(pads):
         row = [t[b : b + 1, :, s:].contiguous() for t in (query, key, value)]
-        out[b, s:] = sdpa_attention_forward(module, *row, None, scaling=scaling, **kwargs)[0][0]
+        mask = attention_mask[b : b + 1, :, s:, s:] if window and T - s > window else None
+        out[b, s:] = sdpa_attention_forward(module, *row, mask, scaling=scaling, **kwargs)[0][0]
     return out
 
 

@@ -38,7 +38,7 @@ class InfiniGenLayer(LogicalLayer):
         self.cache, self.layer_idx = cache, layer_idx
         # A dense layer attends over all of its cache, which lives on the device (InfiniGen's layer 0: it has
         # no previous layer to speculate from); every other layer lives in the pool.
-        self.dense = cache.selection.dense(layer_idx)
+        self.dense = cache.selection.dense(cache, layer_idx)
         self.pending = None  # Fetch of this step, set by the previous layer's selection
         self.working = False  # the last update returned a fetched working set (not the whole layer)
         self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
@@ -356,14 +356,17 @@ class InfiniGenCache(Cache):
         target.transfer.prefetch(target, fetch)
 
     def _count_dense(self, layer_idx: int) -> None:
+        """A dense decode step: every past entry it may attend counts as fetched (a local layer's window)."""
         layer = self.layers[layer_idx]
         rows = layer.k.batch * layer.k.heads
-        self._fetched[layer_idx] += rows * (layer.k.length - 1)
-        self._possible[layer_idx] += rows * (layer.k.length - 1)
+        past = layer.k.length - 1
+        window = self.arch.windows[layer_idx]
+        read = min(past, window - 1) if window is not None else past
+        self._fetched[layer_idx] += rows * read
+        self._possible[layer_idx] += rows * read
         self._rows[layer_idx] += rows
         self._steps[layer_idx] += 1
-        self._kv_bytes += layer.k.batch * layer.k.heads * layer.k.length * (
-            (layer.k.width + layer.v.width) * layer.k.data.element_size())
+        self._kv_bytes += rows * (read + 1) * (layer.k.width + layer.v.width) * layer.k.data.element_size()
 
     def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
         """True attention of q (B, G, r, d) over the whole pool; add the mass on the fetched rows."""

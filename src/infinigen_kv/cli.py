@@ -168,6 +168,9 @@ def _add_method_args(p, single_method=True, budget_list=False):
                    "(default: none, the pool holds every token)")
     p.add_argument("--eviction", choices=["fifo", "lru", "counter"], default=None,
                    help="what a full pool evicts (default: counter)")
+    p.add_argument("--local-layers", choices=["dense", "speculate"], default=None,
+                   help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
+                   "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,6 +264,7 @@ def _method_options(args) -> dict:
     kind, value = args.capacity or (None, None)
     return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
             "calibration": args.calibration, "bits": args.quant_bits, "eviction": args.eviction,
+            "local_layers": args.local_layers,
             "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
 
 

@@ -60,6 +60,10 @@ class InfiniGenConfig:
     # scores are still computed in float32) and the model's own dtype otherwise; "model" = always the
     # model's dtype.
     partial_dtype: str = "auto"
+    # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
+    # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;
+    # "speculate" selects within the window like any layer (the budget then counts the window's tokens).
+    local_layers: str = "dense"
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -70,6 +74,8 @@ class InfiniGenConfig:
             raise ConfigError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
         if self.gqa_combine not in ("max", "mean"):
             raise ConfigError(f"gqa_combine must be 'max' or 'mean', got {self.gqa_combine!r}")
+        if self.local_layers not in ("dense", "speculate"):
+            raise ConfigError(f"local_layers must be 'dense' or 'speculate', got {self.local_layers!r}")
         if self.skew not in ("auto", "svd", "none"):
             raise ConfigError(f"skew must be 'auto', 'svd' or 'none', got {self.skew!r}")
         if self.capacity is not None:

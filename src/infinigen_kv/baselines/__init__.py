@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from transformers import DynamicCache
+
+from ..config import InfiniGenConfig
 
 from .full import FullCache
 from .h2o import H2OCache
@@ -13,7 +17,6 @@ from .streaming import StreamingCache
 
 def _infinigen(model, **options):
     from ..cache import InfiniGenCache
-    from ..config import InfiniGenConfig
 
     tokenizer = options.pop("tokenizer", None)
     return InfiniGenCache(model, InfiniGenConfig(**options), tokenizer=tokenizer)
@@ -25,9 +28,7 @@ def _hf_dynamic(model, **_):
 
 # name -> (factory, options it takes)
 METHODS = {
-    "infinigen": (_infinigen, {"alpha", "partial_ratio", "budget", "max_num_kv", "gqa_combine", "calibration",
-                               "calibration_text", "channel_rule", "skew", "tokenizer", "capacity",
-                               "capacity_bytes", "eviction", "partial_dtype"}),
+    "infinigen": (_infinigen, {f.name for f in fields(InfiniGenConfig)} | {"tokenizer"}),
     "full": (FullCache, set()),
     "offload": (OffloadCache, set()),
     "quant": (QuantCache, {"bits"}),

