@@ -75,7 +75,11 @@ def test_gemma3_local_layers(tiny_models):
     a local target is its own window, not the global layer's mask (and the other way round)."""
     model = tiny_models["gemma3"]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
-    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    full = ig.make_cache("full", model)
+    ref = step_logits(model, full, ids, mask)
+    # the full cache's reads: a local layer's decode step reads its last 16 rows, the global one all n
+    row = 3 * 2 * 16 * 4 * 2  # B x G x d x float32 x (K and V)
+    assert full.stats["kv_bytes_per_step"] == sum(3 * 16 + 48 + i for i in range(1, 13)) * row // 12
     dense = ig.make_cache("infinigen", model, **EXACT)
     assert [layer.dense for layer in dense.layers] == [True, True, False, True]
     torch.testing.assert_close(step_logits(model, dense, ids, mask), ref, atol=1e-4, rtol=1e-4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..adapters import UnsupportedModelError
+from ..adapters import UnsupportedModelError, get_arch
 from ..attention import install
 from ..layer import LogicalLayer, read_stats
 from ..pool import RowBuffer
@@ -17,9 +17,10 @@ from ..pool import RowBuffer
 class FullLayer(LogicalLayer):
     dense_kernel = True  # on CPU a decode step attends in place with the CPU kernel (attention.py)
 
-    def __init__(self, reserved: int = 0):
+    def __init__(self, reserved: int = 0, window: int | None = None):
         super().__init__()
         self.reserved = reserved  # rows the buffers are made with (FullCache.reserve)
+        self.window = window  # sliding window (None: global): a decode step reads only its last rows
         self.k = self.v = None
         self.bytes_read = 0  # KV bytes read by decode steps
         self.steps = 0
@@ -40,7 +41,9 @@ class FullLayer(LogicalLayer):
         self.v.append(value_states)
         if key_states.shape[2] == 1:
             self.steps += 1
-            self.bytes_read += self.k.valid().numel() * self.k.data.element_size() * 2
+            n = self.k.length
+            rows = n if self.window is None else min(n, self.window)
+            self.bytes_read += self.k.valid().numel() // n * rows * self.k.data.element_size() * 2
         return self.k.valid(), self.v.valid()  # (B, G, n, d) views of the preallocated buffers
 
     def get_seq_length(self) -> int:
@@ -64,11 +67,12 @@ class FullCache(Cache):
     def __init__(self, model=None, **_):
         n = model.config.num_hidden_layers if model is not None else 0
         if model is not None:
-            super().__init__(layers=[FullLayer() for _ in range(n)])
             try:
+                windows = get_arch(model).windows
                 install(model)  # the same attention function as every method here (the CPU kernel in decode)
             except UnsupportedModelError:
-                pass  # any other model: transformers' own attention
+                windows = [None] * n  # any other model: transformers' own attention
+            super().__init__(layers=[FullLayer(window=w) for w in windows])
         else:
             super().__init__(layer_class_to_replicate=FullLayer)
 
