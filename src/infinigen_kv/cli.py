@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULT_BUDGET, METHOD_NAMES, InfiniGenConfig
+from .config import DEFAULT_BUDGET, LOCAL_LAYERS, METHOD_NAMES, InfiniGenConfig
 
 
 class CLIError(Exception):
@@ -168,7 +168,7 @@ def _add_method_args(p, single_method=True, budget_list=False):
                    "(default: none, the pool holds every token)")
     p.add_argument("--eviction", choices=["fifo", "lru", "counter"], default=None,
                    help="what a full pool evicts (default: counter)")
-    p.add_argument("--local-layers", choices=["dense", "speculate"], default=None,
+    p.add_argument("--local-layers", choices=list(LOCAL_LAYERS), default=None,
                    help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
                    "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
 

@@ -11,6 +11,9 @@ METHOD_NAMES = ("infinigen", "full", "offload", "quant", "streaming", "h2o", "hf
 DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streaming unless one is given
 
 
+LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
+
+
 class ConfigError(ValueError):
     """A knob is outside its valid range; the message names the knob and the range."""
 
@@ -76,8 +79,8 @@ class InfiniGenConfig:
             raise ConfigError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
         if self.gqa_combine not in ("max", "mean"):
             raise ConfigError(f"gqa_combine must be 'max' or 'mean', got {self.gqa_combine!r}")
-        if self.local_layers not in ("dense", "speculate"):
-            raise ConfigError(f"local_layers must be 'dense' or 'speculate', got {self.local_layers!r}")
+        if self.local_layers not in LOCAL_LAYERS:
+            raise ConfigError(f"local_layers must be one of {', '.join(LOCAL_LAYERS)}, got {self.local_layers!r}")
         if self.skew not in ("auto", "svd", "none"):
             raise ConfigError(f"skew must be 'auto', 'svd' or 'none', got {self.skew!r}")
         if self.capacity is not None:

@@ -28,12 +28,22 @@ def valid_keys(mask, length: int, device=None) -> torch.Tensor | None:
     return m.to(device or m.device, non_blocking=True)
 
 
-def layer_keep(arch, layer: int, n: int, B: int, device=None) -> torch.Tensor | None:
-    """(B, 1, n) bool: the past positions 0..n-1 that layer `layer`'s decode token (position n) may attend:
-    not masked in the step's attention mask, and inside the layer's sliding window if it has one (a key
-    within W - 1 positions of the query, as transformers' window); None when every position may be."""
-    keep = valid_keys(arch.step.mask, n, device)
-    window = arch.windows[layer]
+def keep_source(arch, attention_mask):
+    """The mask a decode step reads its keep from: the calling layer's own (None when transformers dropped
+    it: nothing is masked), which is also the next layer's where every layer has the same window; where
+    local and global layers differ, the mask the model was called with (the window is applied per layer)."""
+    if attention_mask is None or not arch.mixed:
+        return attention_mask
+    return arch.step.mask
+
+
+def layer_keep(arch, layer: int, mask, n: int, B: int, device=None) -> torch.Tensor | None:
+    """(B, 1, n) bool: the past positions 0..n-1 that layer `layer`'s decode token (position n) may attend,
+    from the step's keep_source `mask`: not masked there and, for a model of local and global layers,
+    inside the layer's own sliding window if it has one (a key within W - 1 positions of the query, as
+    transformers' window); None when every position may be."""
+    keep = valid_keys(mask, n, device)
+    window = arch.windows[layer] if arch.mixed else None  # otherwise the layer's mask holds the window
     if window is not None and n - window + 1 > 0:
         keep = torch.ones(B, n, dtype=torch.bool, device=device) if keep is None else keep.clone()
         keep[:, : n - window + 1] = False
@@ -70,11 +80,11 @@ class Speculate:
         if layer_idx == 0:
             return  # layer 0: see above
         if layer_idx == 1:
-            self.speculate(cache, 1, x, rope)
+            self.speculate(cache, 1, x, rope, attention_mask)
         if layer_idx + 1 < len(cache.layers):
-            self.speculate(cache, layer_idx + 1, x, rope)
+            self.speculate(cache, layer_idx + 1, x, rope, attention_mask)
 
-    def speculate(self, cache, nxt: int, x: torch.Tensor, rope) -> None:
+    def speculate(self, cache, nxt: int, x: torch.Tensor, rope, attention_mask) -> None:
         target = cache.layers[nxt]
         if not target.is_initialized or target.dense:
             return
@@ -87,7 +97,7 @@ class Speculate:
         n = target.partial.length  # slots
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self.step_keep(cache, nxt, target.seen, dev, B, G, not evicted)
+        keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = cache.config
@@ -106,17 +116,16 @@ class Speculate:
         idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
         cache.prefetch(target, Fetch(idx, real), keep, partial_row)
 
-    def step_keep(self, cache, layer: int, seen: int, dev, B: int, G: int, with_caps: bool):
+    def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool):
         """keep (B, 1, seen) of `layer` (layer_keep) and, if with_caps, the per-row caps (B, G) of the CPU
         kernel: the same for every layer of a decode step with the same window, so computed once per step."""
+        mask = keep_source(cache.arch, attention_mask)
         window = cache.arch.windows[layer]
-        mask = cache.arch.step.mask
-        mask = mask.get("full_attention") if isinstance(mask, dict) else mask
-        key = (None if mask is None else mask.data_ptr(), seen, dev, B, G)
+        key = (None if mask is None else mask.data_ptr() if torch.is_tensor(mask) else id(mask), seen, dev, B, G)
         memo = self._memo.get(window)
         if memo is not None and memo[0] == key:
             return memo[1], memo[2] if with_caps else None
-        keep = layer_keep(cache.arch, layer, seen, B, dev)
+        keep = layer_keep(cache.arch, layer, mask, seen, B, dev)
         caps = None
         if keep is not None:
             keep = keep.contiguous()
@@ -148,11 +157,11 @@ class FetchAll:
             return  # prefill attends over the prompt itself
         if layer_idx == 0:
             self._all = {}
-            self.fetch_all(cache, 0)
+            self.fetch_all(cache, 0, attention_mask)
         if layer_idx + 1 < len(cache.layers):
-            self.fetch_all(cache, layer_idx + 1)
+            self.fetch_all(cache, layer_idx + 1, attention_mask)
 
-    def fetch_all(self, cache, nxt: int) -> None:
+    def fetch_all(self, cache, nxt: int, attention_mask) -> None:
         target = cache.layers[nxt]
         if not target.is_initialized:
             return
@@ -160,7 +169,7 @@ class FetchAll:
         device = target.device
         window = cache.arch.windows[nxt]
         if (device, window) not in self._all:  # layers with the same past, mask and window: order once
-            keep = layer_keep(cache.arch, nxt, n, B, device)
+            keep = layer_keep(cache.arch, nxt, keep_source(cache.arch, attention_mask), n, B, device)
             idx = torch.arange(n, device=device).expand(B, G, n).contiguous()
             real = None if keep is None else keep.expand(B, G, n).contiguous()  # padding fetched, masked
             self._all[(device, window)] = (keep, idx, real)

@@ -18,7 +18,7 @@ from ..attention import install
 from ..config import DEFAULT_BUDGET, budget_caps, check_budget
 from ..layer import LogicalLayer
 from ..pool import RowBuffer
-from ..selection import valid_keys
+from ..selection import keep_source, valid_keys
 
 
 class EvictingLayer(LogicalLayer):
@@ -162,8 +162,9 @@ class EvictingCache(Cache):
 
     def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
         """The pre-hook: remember which positions of this forward are valid (padding excluded)."""
-        if layer_idx == 0:  # the model's mask, not layer 0's (which may be a sliding window's)
-            self.keep_mask = valid_keys(self.arch.step.mask, self.layers[0].get_seq_length() + x.shape[1])
+        if layer_idx == 0:  # (not layer 0's window: keep_source)
+            mask = keep_source(self.arch, attention_mask)
+            self.keep_mask = valid_keys(mask, self.layers[0].get_seq_length() + x.shape[1])
             if self.keep_mask is not None and x.shape[1] > 1:
                 self.keep_mask = self.keep_mask[:, -x.shape[1]:]
 
