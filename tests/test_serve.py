@@ -272,8 +272,14 @@ def test_an_unexpected_error_is_a_counted_500():
 
     from infinigen_kv.serve.app import create_app
 
-    class Broken:  # just what create_app and the completions route touch
-        method, queue_depth, admitting, context, last = "full", 0, True, 1024, {}
+    from infinigen_kv.serve.metrics import Metrics
+
+    class Broken:  # just what create_app, /metrics and the completions route touch
+        method, queue_depth, admitting, context, running, waiting, pool_bytes, max_pool_bytes = "full", 0, True, 1024, 0, 0, 0, 1
+        last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}
+
+        def __init__(self):
+            self.metrics = Metrics(self)
 
         def encode(self, text):
             raise TypeError("stand-in bug")
@@ -377,21 +383,21 @@ def test_per_row_seeds_do_not_depend_on_the_batch():
 
 
 def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
-    """A request whose generation raises (here: a stand-in fault on seed 13) fails alone; the request batched
-    with it is run again by itself and completes (issue 13, item 2: one bad seed failed its batch-mates)."""
+    """A request whose prefill raises (here: a stand-in fault on prompts starting with id 99) fails alone; the
+    request running with it completes (issue 13, item 2: one bad request failed its batch-mates)."""
     import asyncio
 
     import infinigen_kv as ig
     from infinigen_kv.serve import engine as engine_mod
 
-    real = engine_mod.generate
+    real = engine_mod.Prefill.step
 
-    def faulty(*args, seed=None, **kwargs):
-        if 13 in (seed or []):
+    def faulty(self):
+        if int(self.ids[0, 0]) == 99:
             raise OverflowError("stand-in fault")
-        return real(*args, seed=seed, **kwargs)
+        return real(self)
 
-    monkeypatch.setattr(engine_mod, "generate", faulty)
+    monkeypatch.setattr(engine_mod.Prefill, "step", faulty)
     model, tok = ig.load_model(model_dir)
     eng = engine_mod.Engine(model, tok, method="full", max_batch=4)
 
@@ -402,8 +408,9 @@ def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
         return out
 
     async def main():
-        jobs = [engine_mod.Job(tok("hello")["input_ids"], max_tokens=4, temperature=1.0, seed=s) for s in (1, 13)]
-        with eng.cv:  # both wait until the worker can take them: one batch
+        ids = tok("hello")["input_ids"]
+        jobs = [engine_mod.Job(ids, max_tokens=8, temperature=1.0, seed=1), engine_mod.Job([99, *ids], max_tokens=4)]
+        with eng.cv:  # both wait until the worker can take them
             for j in jobs:
                 eng.submit(j)
         return await asyncio.gather(*(collect(j) for j in jobs))
@@ -412,4 +419,4 @@ def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
         good, bad = asyncio.run(main())
     finally:
         eng.close()
-    assert good[-1][0] == "done" and bad[-1][0] == "error" and "stand-in fault" in bad[-1][1]
+    assert good[-1] == ("done", "length", None) and bad[-1][0] == "error" and "stand-in fault" in bad[-1][1]

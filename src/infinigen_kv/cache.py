@@ -22,7 +22,7 @@ from .adapters import get_arch
 from .attention import install
 from .calibrate import Calibration, load_or_calibrate, rope_channels
 from .config import InfiniGenConfig
-from .layer import LogicalLayer
+from .layer import LogicalLayer, Rebatch
 from .pool import RowBuffer, Slots
 from . import kernels
 from .selection import Speculate
@@ -186,6 +186,26 @@ class InfiniGenLayer(LogicalLayer):
     def get_seq_length(self) -> int:
         return self.seen if self.is_initialized else 0
 
+    def row_buffers(self) -> list:
+        if self.slots is not None:  # slots are not positions once a pool may evict
+            raise NotImplementedError("continuous batching needs a pool without a capacity (capacity, capacity_bytes)")
+        return [b for b in (self.k, self.v, self.partial) if b is not None]
+
+    def join(self, other, at_self: int, at_other: int, room: int) -> None:
+        super().join(other, at_self, at_other, room)
+        self.seen += at_self
+        self._clear_step()
+
+    def retain(self, rows, trim: int, room: int) -> None:
+        super().retain(rows, trim, room)
+        self.seen -= trim
+        self._clear_step()
+
+    def _clear_step(self) -> None:
+        """Forget the last step's selection and working set (sized for the batch it ran with)."""
+        self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = None
+        self.working = False
+
     def reset(self) -> None:
         self.seen = 0
         if self.slots is not None:
@@ -194,8 +214,7 @@ class InfiniGenLayer(LogicalLayer):
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
                     buf.reset()
-        self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = None
-        self.working = False
+        self._clear_step()
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +226,7 @@ def _accumulate(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64, copy=True) if acc is None else acc.add_(x)
 
 
-class InfiniGenCache(Cache):
+class InfiniGenCache(Rebatch, Cache):
     """`InfiniGenCache(model, config)`: calibrates on first use (or loads the cached calibration) and
     installs the speculation hooks and the attention function on the model (once per model). `selection`
     decides what each decode step fetches (default: InfiniGen's speculation; `FetchAll` for offload)."""
@@ -415,6 +434,22 @@ class InfiniGenCache(Cache):
             **({"recall_per_layer": [r / max(n, 1) for r, n in zip(self._recall.cpu().tolist(), self._recall_steps)]}
                if self.track_recall else {}),
         }
+
+    def settle(self) -> None:
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.transfer.flush(layer)
+
+    def rebatched(self) -> None:
+        """Per-row accumulators fold into the host counters (a sync, between steps), memos start over."""
+        for counts, tensors in ((self._fetched, self._fetched_t), (self._possible, self._possible_t)):
+            for i, t in enumerate(tensors):
+                if t is not None:
+                    counts[i] += float(t.sum())
+                    tensors[i] = None
+        self._keep_total = (None, None)
+        self._rope_memo = (None, None, None)
+        self.selection.reset()
 
     def reset(self):
         for transfer in self._transfers.values():

@@ -82,22 +82,38 @@ def _positive_int(text):
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def _capacity(text):
-    """A fraction of the tokens seen in (0, 1], or a byte limit with a unit (e.g. 512MiB, 2GB)."""
+def _bytes(text) -> int | None:
+    """A size with a unit (512MiB, 2GB) or a plain number of bytes; None when it is not one."""
     t = text.strip().lower()
     unit = next((u for u in sorted(UNITS, key=len, reverse=True) if t.endswith(u)), None)
     try:
-        if unit is not None:
-            n = int(float(t[: -len(unit)]) * UNITS[unit])
-            if n < 1:
-                raise ValueError
+        n = int(float(t[: -len(unit)]) * UNITS[unit]) if unit is not None else int(t)
+    except (ValueError, OverflowError):
+        return None
+    return n if n >= 1 else None
+
+
+def _size(text):
+    n = _bytes(text)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB, 512MB or a number of bytes, got {text!r}")
+    return n
+
+
+def _capacity(text):
+    """A fraction of the tokens seen in (0, 1], or a byte limit with a unit (e.g. 512MiB, 2GB)."""
+    t = text.strip().lower()
+    if any(t.endswith(u) for u in UNITS):
+        if (n := _bytes(t)) is not None:
             return ("bytes", n)
-        v = float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"capacity must be a fraction in (0, 1] or a size like 512MiB, got {text!r}")
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"capacity must be a fraction in (0, 1] or a size like 512MiB, got {text}")
-    return ("fraction", v)
+    else:
+        try:
+            v = float(t)
+            if 0.0 < v <= 1.0:
+                return ("fraction", v)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"capacity must be a fraction in (0, 1] or a size like 512MiB, got {text!r}")
 
 
 def _device(text):
@@ -147,9 +163,11 @@ def _budget_list(text):
     return [_budget(t) for t in text.split(",") if t]
 
 
-def _add_method_args(p, single_method=True, budget_list=False):
+def _add_method_args(p, single_method=True, budget_list=False, serving=False):
+    """serving: the server's subset (every method but hf-dynamic; no --capacity: --max-pool-bytes bounds it)."""
     if single_method:
-        p.add_argument("--method", default="infinigen", choices=list(METHOD_NAMES), help="KV-cache method (default: infinigen)")
+        names = [m for m in METHOD_NAMES if not serving or m != "hf-dynamic"]
+        p.add_argument("--method", default="infinigen", choices=names, help="KV-cache method (default: infinigen)")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)
@@ -163,11 +181,12 @@ def _add_method_args(p, single_method=True, budget_list=False):
                        f"fraction of the past in (0, 1], or a token count like 1024 (default: {DEFAULT_BUDGET})")
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
-    p.add_argument("--capacity", type=_capacity, default=None,
-                   help="InfiniGen pool limit per layer and sequence: a fraction of the tokens seen, or bytes (512MiB) "
-                   "(default: none, the pool holds every token)")
-    p.add_argument("--eviction", choices=["fifo", "lru", "counter"], default=None,
-                   help="what a full pool evicts (default: counter)")
+    if not serving:
+        p.add_argument("--capacity", type=_capacity, default=None,
+                       help="InfiniGen pool limit per layer and sequence: a fraction of the tokens seen, or bytes "
+                       "(512MiB) (default: none, the pool holds every token)")
+        p.add_argument("--eviction", choices=["fifo", "lru", "counter"], default=None,
+                       help="what a full pool evicts (default: counter)")
     p.add_argument("--local-layers", choices=list(LOCAL_LAYERS), default=None,
                    help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
                    "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
@@ -244,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)")
     _add_model_args(v)
-    _add_method_args(v)
+    _add_method_args(v, serving=True)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     v.add_argument("--port", type=_port, default=8000, help="port to listen on")
     v.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or "
@@ -252,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=os.environ.get("INFINIGEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $INFINIGEN_API_KEY; none = open)")
     v.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded together")
+    v.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="continuous: requests join and leave the running batch at every step; static: a batch "
+                   "forms when none runs and runs to its end (for comparison)")
+    v.add_argument("--prefill-chunk", type=_positive_int, default=512,
+                   help="prompt tokens prefilled between two decode steps of the running batch")
+    v.add_argument("--max-pool-bytes", type=_size, default=None, metavar="SIZE",
+                   help="KV cache the running requests may hold, e.g. 4GiB: a request starts only when the batch "
+                   "with it fits, one that never can is a 400 (default: half the memory free at start: host RAM, "
+                   "or GPU memory for methods that keep the cache there)")
     v.add_argument("--queue-size", type=_positive_int, default=64, help="waiting requests before 503")
     v.add_argument("--max-tokens-limit", type=_positive_int, default=2048, help="largest max_tokens accepted")
     v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (413 above)")
@@ -261,9 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _method_options(args) -> dict:
-    kind, value = args.capacity or (None, None)
+    kind, value = getattr(args, "capacity", None) or (None, None)
     return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
-            "calibration": args.calibration, "bits": args.quant_bits, "eviction": args.eviction,
+            "calibration": args.calibration, "bits": args.quant_bits, "eviction": getattr(args, "eviction", None),
             "local_layers": args.local_layers,
             "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
 
@@ -410,7 +438,8 @@ def cmd_serve(args) -> None:
         model, tok = _load(args)
         model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
         engine = Engine(model, tok, args.method, {k: v for k, v in _method_options(args).items() if v is not None},
-                        max_batch=args.max_batch, queue_size=args.queue_size)
+                        max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
+                        prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes)
     except BaseException:
         sock.close()
         raise

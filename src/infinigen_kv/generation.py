@@ -59,6 +59,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     return torch.where(hot, drawn, greedy)
 
 
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int):
+    """(logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)) of logits (B, V)."""
+    full = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    return (full.gather(-1, ids[:, None]).squeeze(-1), *full.topk(k, dim=-1))
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -130,10 +136,7 @@ def generate(
             lengths = torch.where(hit, i + 1, lengths)
             done |= hit
         bar.update(1)
-        lp = None
-        if logprobs is not None:
-            full = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-            lp = (full.gather(-1, ids[:, None]).squeeze(-1), *full.topk(logprobs, dim=-1))
+        lp = token_logprobs(logits, ids, logprobs) if logprobs is not None else None
         stop = on_step is not None and on_step(i, ids, lp)
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import CacheLayerMixin
 
 
@@ -21,6 +22,76 @@ class LogicalLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    # --- continuous batching (Rebatch): columns are positions, left-padded to a common length ------------
+
+    def row_buffers(self) -> list:
+        """The layer's RowBuffers, a column per kept token (a position, here; a slot in evicting caches,
+        which join and retain their own way)."""
+        return []
+
+    def join(self, other: "LogicalLayer", at_self: int, at_other: int, room: int) -> None:
+        """Other's sequences after this layer's, each moved right by its `at` columns of padding."""
+        for a, b in zip(self.row_buffers(), other.row_buffers()):
+            a.join(b, at_self, at_other, room)
+
+    def retain(self, rows: list[int], trim: int, room: int) -> None:
+        """Only the sequences `rows`, without the first `trim` columns (padding in every one of them)."""
+        for buf in self.row_buffers():
+            buf.retain(rows, trim, room)
+
+    def token_bytes(self) -> int:
+        """Bytes one token of one sequence takes in this layer's buffers."""
+        return sum(b.heads * b.width * b.data.element_size() for b in self.row_buffers()) if self.is_initialized else 0
+
+    def buffer_bytes(self) -> int:
+        """Bytes this layer's buffers hold now (allocated, valid or not)."""
+        return sum(b.nbytes for b in self.row_buffers()) if self.is_initialized else 0
+
+
+class Rebatch:
+    """Continuous batching for a Cache of LogicalLayers: between decode steps, sequences prefilled in a cache
+    of their own join a running one (`join`) and finished ones leave it (`retain`). Rows are left-padded to
+    a common length (the caller's attention mask marks the padding); `room` is capacity for that many more
+    tokens per sequence, allocated now so that no buffer grows inside the decode steps that follow."""
+
+    @torch.inference_mode()  # the buffers were made under it (a prefill): only written in place under it
+    def join(self, other, room: int = 0) -> None:
+        """Append other's sequences (a cache of this method, prefilled, not decoding) after this one's."""
+        n_self, n_other = self.get_seq_length(), other.get_seq_length()
+        n = max(n_self, n_other)
+        self.settle()
+        other.settle()
+        for a, b in zip(self.layers, other.layers):
+            a.join(b, n - n_self, n - n_other, room)
+        self.rebatched()
+
+    @torch.inference_mode()
+    def retain(self, rows: list[int], trim: int = 0, room: int = 0) -> None:
+        """Keep the sequences `rows` (indices into the batch, in their new order), dropping the first `trim`
+        columns, which must be padding in every one of them."""
+        self.settle()
+        for layer in self.layers:
+            layer.retain(list(rows), trim, room)
+        self.rebatched()
+
+    def token_bytes(self) -> int:
+        """Bytes one kept token of one sequence takes, over all layers (an initialized cache)."""
+        return sum(layer.token_bytes() for layer in self.layers)
+
+    def buffer_bytes(self) -> int:
+        """Bytes the cache's buffers hold now."""
+        return sum(layer.buffer_bytes() for layer in self.layers)
+
+    def entries(self, tokens: int) -> int:
+        """Tokens a sequence of `tokens` keeps (fixed-budget caches keep fewer)."""
+        return tokens
+
+    def settle(self) -> None:
+        """Finish whatever is in flight before buffers move (a CUDA prefetch or prompt copy)."""
+
+    def rebatched(self) -> None:
+        """Drop what was sized for the old batch (memos, per-row accumulators)."""
 
 
 def read_stats(layers) -> dict:

@@ -115,6 +115,35 @@ class RowBuffer:
     def reset(self) -> None:
         self.length = 0
 
+    # --- continuous batching: sequences join and leave between decode steps ---------------------------
+
+    def join(self, other: "RowBuffer", at_self: int, at_other: int, room: int = 0) -> None:
+        """Append other's sequences (dim 0) after this buffer's; this one's rows move to column at_self and
+        other's to at_other (left padding: zeros), `length` becomes the longer end, with capacity for `room`
+        more rows. One copy of each buffer."""
+        n, B = max(self.length + at_self, other.length + at_other), self.batch
+        data = self._new(B + other.batch, n + room)
+        for rows, src, at in ((slice(0, B), self, at_self), (slice(B, None), other, at_other)):
+            data[rows, :, :at].zero_()
+            data[rows, :, at : at + src.length].copy_(src.valid())
+            data[rows, :, at + src.length : n].zero_()
+        self.data, self.length = data, n
+
+    def retain(self, rows: list[int], trim: int = 0, room: int = 0) -> None:
+        """Keep the sequences `rows` only, without their first `trim` columns (padding every row
+        has), with capacity for `room` more rows. One copy."""
+        n, old = self.length - trim, self.data
+        data = self._new(len(rows), n + room)
+        for i, r in enumerate(rows):
+            data[i, :, :n].copy_(old[r, :, trim : self.length])
+        self.data, self.length = data, n
+
+    def _new(self, batch: int, capacity: int) -> torch.Tensor:
+        if self.max_rows is not None:
+            capacity = min(capacity, self.max_rows)
+        self.batch, self._base_key = batch, None  # row_base() changes with the batch
+        return self._alloc(capacity)
+
 
 POLICIES = ("fifo", "lru", "counter")
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from ..adapters import get_arch
 from ..attention import install
 from ..config import DEFAULT_BUDGET, budget_caps, check_budget
-from ..layer import LogicalLayer
+from ..layer import LogicalLayer, Rebatch
 from ..pool import RowBuffer
 from ..selection import keep_source, valid_keys
 
@@ -92,7 +92,7 @@ class EvictingLayer(LogicalLayer):
         slot = self._victims(cap).masked_fill(~full.view(-1, 1), 0) + torch.where(full, 0, self.kept).view(-1, 1)
         B, G = slot.shape
         need = int(slot.max()) + 1
-        for buf in (self.k, self.v, self.pos, self.score):
+        for buf in self.row_buffers():
             if need > buf.length:
                 buf.reserve(need)
                 buf.data[:, :, buf.length : need].zero_()
@@ -131,11 +131,44 @@ class EvictingLayer(LogicalLayer):
         pr = pr.masked_fill(pos < self.first.view(-1, 1, 1), float("-inf"))  # padding is never kept
         k = int(cap.max())
         idx = pr.topk(k, dim=-1, sorted=True).indices  # (B, G, k): rows past cap_b are masked
-        for buf in (self.k, self.v, self.pos, self.score):
+        for buf in self.row_buffers():
             kept = buf.gather(idx)
             buf.reset()
             buf.append(kept)
         self.kept = cap.clone()
+
+    # --- continuous batching: columns are slots here, so sequences join slot-aligned; padding shifts the
+    # positions they hold ---------------------------------------------------------------------------
+
+    def join(self, other: "EvictingLayer", at_self: int, at_other: int, room: int) -> None:
+        for layer, at in ((self, at_self), (other, at_other)):
+            if layer.compact_due:
+                layer._compact()
+            layer.pos.valid().add_(at)
+        n_valid = torch.cat([self.n_valid, other.n_valid])
+        slots = int(budget_caps(n_valid + room, self.cache.budget).max())  # the most any row will keep
+        length = max(self.k.length, other.k.length)
+        for a, b in zip(self.row_buffers(), other.row_buffers()):
+            a.join(b, 0, 0, max(0, slots - length))
+        self.kept, self.n_valid = torch.cat([self.kept, other.kept]), n_valid
+        self.first = torch.cat([self.first + at_self, other.first + at_other])
+        self.seen += at_self
+        self.work_mask = None
+
+    def retain(self, rows: list[int], trim: int, room: int) -> None:
+        if self.compact_due:
+            self._compact()
+        index = torch.tensor(rows, device=self.kept.device)
+        self.kept, self.n_valid, self.first = self.kept[index], self.n_valid[index], self.first[index] - trim
+        slots = int(budget_caps(self.n_valid + room, self.cache.budget).max()) if rows else 0
+        for buf in self.row_buffers():
+            buf.retain(rows, 0, max(0, slots - buf.length))
+        self.pos.valid().sub_(trim)
+        self.seen -= trim
+        self.work_mask = None
+
+    def row_buffers(self) -> list:
+        return [self.k, self.v, self.pos, self.score]
 
     def add_scores(self, probs: torch.Tensor) -> None:
         """Accumulate attention weights (B, G, m) of the kept slots (H2O)."""
@@ -149,7 +182,7 @@ class EvictingLayer(LogicalLayer):
         return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
 
 
-class EvictingCache(Cache):
+class EvictingCache(Rebatch, Cache):
     layer_class = EvictingLayer
 
     def __init__(self, model, budget: float = DEFAULT_BUDGET, **_):
@@ -159,6 +192,9 @@ class EvictingCache(Cache):
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
         install(model)
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
+
+    def entries(self, tokens: int) -> int:
+        return budget_caps(tokens, self.budget)
 
     def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
         """The pre-hook: remember which positions of this forward are valid (padding excluded)."""

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from ..adapters import UnsupportedModelError, get_arch
 from ..attention import install
-from ..layer import LogicalLayer, read_stats
+from ..layer import LogicalLayer, Rebatch, read_stats
 from ..pool import RowBuffer
 
 
@@ -49,6 +49,9 @@ class FullLayer(LogicalLayer):
     def get_seq_length(self) -> int:
         return self.k.length if self.is_initialized else 0
 
+    def row_buffers(self) -> list:
+        return [self.k, self.v]
+
     def reset(self) -> None:
         if self.is_initialized:
             self.k.reset()
@@ -59,7 +62,7 @@ class FullLayer(LogicalLayer):
         return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
 
 
-class FullCache(Cache):
+class FullCache(Rebatch, Cache):
     """The efficient full cache. `FullCache(model)`; works with `model.generate(past_key_values=...)`."""
 
     method = "full"

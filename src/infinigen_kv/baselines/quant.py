@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..layer import LogicalLayer, read_stats
+from ..layer import LogicalLayer, Rebatch, read_stats
 from ..pool import RowBuffer
 
 GROUP = 64
@@ -79,6 +79,9 @@ class QuantLayer(LogicalLayer):
     def get_seq_length(self) -> int:
         return self.bufs["kq"].length if self.is_initialized else 0
 
+    def row_buffers(self) -> list:
+        return list(self.bufs.values())
+
     def reset(self) -> None:
         if self.is_initialized:
             for buf in self.bufs.values():
@@ -89,7 +92,7 @@ class QuantLayer(LogicalLayer):
         return sum(b.nbytes for b in self.bufs.values()) if self.is_initialized else 0
 
 
-class QuantCache(Cache):
+class QuantCache(Rebatch, Cache):
     """`QuantCache(model, bits=4)`: all entries, a quarter (INT4) or half (INT8) of the bytes plus scales."""
 
     method = "quant"

@@ -14,11 +14,11 @@ import uuid
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from .engine import SHUTDOWN_MESSAGE, Engine, Job, QueueFull, ShuttingDown
+from .engine import SHUTDOWN_MESSAGE, Engine, Job, QueueFull, ShuttingDown, TooLarge
 from .schemas import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Guard:
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                max_tokens_limit: int = 2048) -> FastAPI:
-    registry = CollectorRegistry()
+    registry = engine.metrics.registry  # the engine's latency histograms and gauges, and these counters
     requests = Counter("infinigen_requests", "HTTP requests answered, by path and status", ["path", "status"],
                        registry=registry)
     prompt_tokens = Counter("infinigen_prompt_tokens", "prompt tokens of finished requests", registry=registry)
@@ -113,15 +113,6 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
                                 registry=registry)
     cancelled = Counter("infinigen_cancelled_requests", "requests whose client left before the end",
                         registry=registry)
-    for name, doc, fn in [
-        ("infinigen_decode_tokens_per_second", "decode tokens/s of the last batch", "decode_tokens_per_s"),
-        ("infinigen_fetched_fraction", "share of past KV entries fetched per layer and step, last batch",
-         "fetched_fraction"),
-        ("infinigen_pool_bytes", "bytes of the KV pool of the last batch", "pool_bytes"),
-    ]:
-        Gauge(name, doc, registry=registry).set_function(lambda key=fn: float(engine.last.get(key, 0.0)))
-    Gauge("infinigen_queue_depth", "requests waiting or running", registry=registry).set_function(
-        lambda: engine.queue_depth)
 
     app = FastAPI(title="infinigen-kv")  # the engine's owner closes it (run_server, after the drain)
     app.add_middleware(Guard, limit=max_body_bytes, counter=requests)
@@ -171,6 +162,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         job = Job(ids, max(max_tokens, 1), req.temperature, req.top_p, req.seed, list(req.stop or []), logprobs)
         try:
             return engine.submit(job)
+        except TooLarge as e:
+            raise APIError(400, str(e), field, "pool_limit_exceeded") from None
         except ShuttingDown as e:
             raise APIError(503, f"{e}; retry on another server", code="shutting_down") from None
         except QueueFull as e:

@@ -1,7 +1,8 @@
-"""The generation engine behind the server: a bounded queue of jobs and one worker thread that runs them in
-batches. Requests that arrive while a batch runs join the next one (ragged prompts left-padded); each job
-streams its text to its own asyncio queue; a cancelled job (client gone) stops counting at the next step
-and the batch ends early once no job in it is live.
+"""The generation engine behind the server: a bounded queue of jobs and one worker thread that batches them
+continuously (batching.py): a job's prefill runs in chunks between decode steps, then its row joins the
+running batch; a row leaves at the step it ends or its client goes (job.cancelled). Each job streams its
+text to its own asyncio queue. Admission is memory-aware: a job starts only if the batch with it fits
+`max_pool_bytes`.
 
 Shutdown is two steps: `drain()` stops admitting (new jobs: ShuttingDown, a 503) while the queue and the
 running batch go on; `abort()` ends whatever is left with an error event at the next step.
@@ -13,6 +14,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..baselines import make_cache
-from ..generation import generate
+from ..batching import Prefill, RunningBatch
+from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,10 @@ class QueueFull(Exception):
 
 class ShuttingDown(QueueFull):
     """The server is draining: it takes no new jobs (503)."""
+
+
+class TooLarge(ValueError):
+    """A job whose cache could never fit the pool limit, even alone (400)."""
 
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -51,11 +58,10 @@ class Job:
     events: asyncio.Queue | None = None
     completion_tokens: int = 0
     cancelled: bool = False
-    started: bool = False  # some text went out: the job cannot be run again from the start
     finished: bool = False  # its "done" or "error" went out
+    submitted: float = 0.0  # perf_counter() at submit (time to first token)
 
     def emit(self, kind: str, value: str, logprobs: list | None = None) -> None:
-        self.started |= kind == "text"
         self.finished |= kind in ("done", "error")
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, logprobs))
@@ -110,28 +116,83 @@ class TextStream:
         return delta
 
 
+@dataclass
+class Row:
+    """A job's place in the running batch: its detokenizer and the logprob entries not yet sent."""
+    job: Job
+    stream: TextStream
+    entries: list = field(default_factory=list)
+    last: float = 0.0  # when its last token came (inter-token latency)
+
+
+def available_memory() -> int:
+    """Bytes of RAM available to new allocations (MemAvailable: free + reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+POOL_SHARE = 0.5  # the default --max-pool-bytes: this share of the memory free when the server starts
+BATCHING = ("continuous", "static")
+
+
 class Engine:
+    """`Engine(model, tokenizer, method, options)`: jobs in, streamed events out.
+
+    Each loop of the worker: start the prefill of the next waiting job if it fits (`admits`), run one chunk
+    of the prefill in progress (a finished one joins the running batch), then one decode step of the batch,
+    retiring the rows that ended or whose client left. `batching="static"` is the old policy, for
+    comparison: a batch is formed only when none is running, and runs until its last row ends.
+
+    Memory: a job costs the cache bytes of its row in the batch it joins: rows x (the batch's longest
+    prompt + its longest remaining output) entries, every row padded to the longest. A job is admitted only
+    if the batch with it fits `max_pool_bytes`; one that could never fit alone is refused at submit
+    (TooLarge, a 400)."""
+
     def __init__(self, model, tokenizer, method: str = "infinigen", options: dict | None = None,
-                 max_batch: int = 8, queue_size: int = 64):
+                 max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
+                 max_pool_bytes: int | None = None):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+        if (options or {}).get("capacity") is not None or (options or {}).get("capacity_bytes") is not None:
+            raise ValueError("the server bounds the pool with --max-pool-bytes; --capacity is for generate and bench")
         self.model, self.tokenizer, self.method = model, tokenizer, method
         self.options = {**(options or {}), "tokenizer": tokenizer}
-        self.max_batch, self.queue_size = max_batch, queue_size
+        self.max_batch, self.queue_size, self.batching, self.prefill_chunk = max_batch, queue_size, batching, prefill_chunk
         self.device = next(model.parameters()).device
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(self.eos) if self.eos else 0)
         self._unbyte = _byte_level_alphabet(tokenizer)  # piece character -> byte, for byte-level BPE
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self.pending: collections.deque[Job] = collections.deque()
-        self.running = 0
         self.cv = threading.Condition()
         self.admitting = True  # False once draining: submit() refuses
         self.stopping = False  # True once aborted: the running batch ends at its next step
+        self.metrics = Metrics(self)
+        # what the worker shows the rest (read without a lock: ints and floats, replaced whole)
+        self.running = 0  # rows decoding + the job in prefill
+        self.pool_bytes = 0  # bytes of the running batch's cache and the prefill's
         self.last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0, "pool_bytes": 0}
-        make_cache(method, model, **self.options)  # calibrates now (or loads), not on the first request
+        probe = make_cache(method, model, **self.options)  # calibrates now (or loads), not on the first request
+        p = Prefill(model, probe, [self.eos_or_zero()] * 2)
+        p.step()
+        self.token_bytes, self.entries = probe.token_bytes(), probe.entries  # the cost model (admits)
+        if max_pool_bytes is None:
+            on_device = self.device.type == "cuda" and method not in ("infinigen", "offload")  # else: host memory
+            free = torch.cuda.mem_get_info(self.device)[0] if on_device else available_memory()
+            max_pool_bytes = int(POOL_SHARE * free)
+        self.max_pool_bytes = max_pool_bytes
         self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
         self.thread.start()
+
+    def eos_or_zero(self) -> int:
+        return min(self.eos) if self.eos else 0
 
     # --- API of the event loop side ----------------------------------------------------------------
 
@@ -144,8 +205,18 @@ class Engine:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def cost(self, rows: int, tokens: int) -> int:
+        """Cache bytes of `rows` sequences padded to `tokens` tokens each."""
+        return rows * self.entries(tokens) * self.token_bytes
+
     def submit(self, job: Job) -> Job:
+        need = self.cost(1, len(job.prompt_ids) + job.max_tokens)
+        if need > self.max_pool_bytes:
+            raise TooLarge(f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens ({job.max_tokens}) need "
+                           f"{need / 2**20:.1f} MiB of KV cache, over this server's --max-pool-bytes of "
+                           f"{self.max_pool_bytes / 2**20:.1f} MiB")
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        job.submitted = time.perf_counter()
         with self.cv:
             if not self.admitting or self.stopping:
                 raise ShuttingDown(SHUTDOWN_MESSAGE)
@@ -154,6 +225,10 @@ class Engine:
             self.pending.append(job)
             self.cv.notify()
         return job
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
 
     @property
     def queue_depth(self) -> int:
@@ -187,40 +262,168 @@ class Engine:
     # --- worker thread -----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        self.batch, self.rows = RunningBatch(self.model), []
+        self.prefill: tuple[Job, Prefill] | None = None
+        self.forming = False  # static batching: a batch is being formed (no decode step until it is)
+        self._window = [time.perf_counter(), 0]  # decode tokens/s: start of the window, tokens in it
         while True:
             with self.cv:
-                while not self.pending and not self.stopping:
+                while not (self.pending or self.rows or self.prefill or self.stopping):
                     self.cv.wait()
                 if self.stopping:
-                    return
-                batch = []
-                while self.pending and len(batch) < self.max_batch:
-                    job = self.pending.popleft()
-                    if not job.cancelled:
-                        batch.append(job)
-                self.running = len(batch)
-            try:
-                self._run_isolated(batch)
-            finally:
-                self.running = 0
+                    break
+                if self.prefill is None:
+                    self.prefill = self._admit()
+                self.running = len(self.rows) + (self.prefill is not None)
+            if self.prefill is not None:
+                self._prefill_step()
+            elif self.forming:
+                self.forming = False  # static: nothing more to admit, the batch decodes to its end
+            if self.rows and not self.forming:
+                self._decode_step()
+            self._publish()
+        for row in self.rows:
+            row.job.emit("error", SHUTDOWN_MESSAGE)
+        if self.prefill is not None:
+            self.prefill[0].emit("error", SHUTDOWN_MESSAGE)
+        self.rows, self.prefill, self.running = [], None, 0
 
-    def _run_isolated(self, batch: list[Job]) -> None:
-        """Run a batch; if it fails, run again alone each job that has not sent anything yet, so that one
-        bad request fails only itself, never its batch-mates (nor the server)."""
+    def _admit(self) -> tuple[Job, Prefill] | None:
+        """The next waiting job as a prefill, if the policy and memory allow it now (under the lock)."""
+        while self.pending and self.pending[0].cancelled:
+            self.pending.popleft()
+        if not self.pending or len(self.rows) >= self.max_batch:
+            return None
+        if self.batching == "static":
+            if self.rows and not self.forming:
+                return None  # a batch runs: the next one forms when it is over
+            self.forming = True
+        job = self.pending[0]
+        b = self.batch
+        columns = max(b.mask.shape[1] if len(b) else 0, len(job.prompt_ids)) + max(b.room(), job.max_tokens)
+        if self.cost(len(b) + 1, columns) > self.max_pool_bytes:
+            return None  # waits for rows to leave (it fits alone: submit checked)
+        self.pending.popleft()
         try:
-            if batch:
-                self._run(batch)
-            return
+            cache = make_cache(self.method, self.model, **self.options)
+            return job, Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk)
         except Exception as e:
-            log.exception("generation failed for a batch of %d", len(batch))
-            error = f"generation failed: {type(e).__name__}: {e}"
-        for job in batch:
-            if job.finished:
-                continue
-            if len(batch) > 1 and not job.started and not job.cancelled:
-                self._run_isolated([job])
-            else:
-                job.emit("error", error)
+            self._fail([job], e)
+            return None
+
+    def _prefill_step(self) -> None:
+        job, p = self.prefill
+        if job.cancelled:
+            self.prefill = None
+            return
+        try:
+            done = p.step()
+        except Exception as e:
+            self.prefill = None
+            self._fail([job], e)
+            return
+        if done:
+            self.prefill = None
+            try:
+                self.batch.join(p, job.temperature, job.top_p, job.seed, job.max_tokens)
+            except Exception as e:  # e.g. a seed torch refuses; the batch is unchanged unless its cache moved
+                self._fail([job], e)
+                if len(self.batch) != len(self.rows):
+                    self._fail_batch(e)
+                return
+            self.rows.append(Row(job, TextStream(self.tokenizer, job.stop)))
+
+    def _decode_step(self) -> None:
+        rows, now = self.rows, time.perf_counter()
+        top = max((r.job.logprobs for r in rows if r.job.logprobs is not None), default=None)
+        try:
+            ids, lps = self.batch.sample(top)
+            if lps is not None:  # (chosen (B,), top values (B, k), top ids (B, k)) -> lists, once a step
+                lps = [x.tolist() for x in lps]
+            live = [b for b, t in enumerate(ids.tolist()) if self._token(rows[b], t, lps, b, now)]
+            if not live:
+                self._snapshot()  # the batch's cache (and its statistics) goes with its last row
+            self.batch.retain(live)
+            self.rows = [rows[b] for b in live]
+            if self.rows:
+                self.batch.forward(ids[live])
+                self._window[1] += len(live)
+        except Exception as e:
+            self._fail_batch(e)
+
+    def _token(self, row: Row, t: int, lps, b: int, now: float) -> bool:
+        """Hand row's new token t to its job; False once the row is done (ended, cancelled, stopping)."""
+        job = row.job
+        if job.cancelled:
+            return False
+        if not row.last:
+            self.metrics.ttft.observe(now - job.submitted)
+        else:
+            self.metrics.itl.observe(now - row.last)
+        row.last = now
+        if t in self.eos:
+            return self._finish(row, "stop")
+        job.completion_tokens += 1
+        with self.tokenizer_lock:
+            delta, stopped = row.stream.push(t)
+            if job.logprobs is not None:
+                chosen, values, ids = lps[0][b], lps[1][b], lps[2][b]
+                row.entries.append(self._entry(t, chosen, zip(ids[: job.logprobs], values[: job.logprobs])))
+        if delta:
+            job.emit("text", delta, self._taken(row))
+        if stopped:
+            return self._finish(row, "stop")
+        if job.completion_tokens >= job.max_tokens:
+            return self._finish(row, "length")
+        return True
+
+    def _taken(self, row: Row) -> list | None:
+        """The logprob entries to send with the row's next event."""
+        if row.job.logprobs is None:
+            return None
+        out, row.entries = row.entries, []
+        return out
+
+    def _finish(self, row: Row, reason: str) -> bool:
+        with self.tokenizer_lock:
+            rest = row.stream.flush()
+        if rest:
+            row.job.emit("text", rest, self._taken(row))
+        row.job.emit("done", reason, self._taken(row))
+        return False
+
+    def _fail(self, jobs: list[Job], e: Exception) -> None:
+        log.error("generation failed for %d request(s): %s: %s", len(jobs), type(e).__name__, e,
+                  exc_info=log.isEnabledFor(logging.DEBUG))
+        for job in jobs:
+            if not job.finished:
+                job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+
+    def _fail_batch(self, e: Exception) -> None:
+        """A decode step (or a join) failed: no row can go on; the server does."""
+        self._fail([r.job for r in self.rows], e)
+        self.batch, self.rows = RunningBatch(self.model), []
+
+    def _publish(self) -> None:
+        """What the metrics read: pool bytes now; decode tokens/s and fetched fraction about once a second."""
+        caches = [self.batch.cache] + ([self.prefill[1].cache] if self.prefill else [])
+        self.pool_bytes = sum(c.buffer_bytes() for c in caches if c is not None)
+        self.running = len(self.rows) + (self.prefill is not None)
+        if time.perf_counter() - self._window[0] >= 1.0:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Decode tokens/s since the last snapshot, and the running cache's fetched fraction so far."""
+        start, tokens = self._window
+        now = time.perf_counter()
+        stats = self.batch.cache.stats if self.batch.cache is not None else {}
+        last = dict(self.last)
+        if tokens:
+            last["decode_tokens_per_s"] = tokens / (now - start)
+        if stats.get("decode_steps"):
+            last["fetched_fraction"] = stats["fetched_fraction"]
+        self.last = {**last, "pool_bytes": self.pool_bytes, "batch": len(self.rows)}
+        self._window = [now, 0]
 
     def _entry(self, token: int, logprob: float, alternatives) -> dict:
         """One token's logprob entry, in the chat API's form (the completions form is derived from it)."""
@@ -241,72 +444,3 @@ class Engine:
             if self._unbyte is not None and all(c in self._unbyte for c in piece):
                 return [self._unbyte[c] for c in piece]
         return list(text.encode("utf-8"))
-
-    def _run(self, batch: list[Job]) -> None:
-        n = max(len(j.prompt_ids) for j in batch)
-        ids = torch.full((len(batch), n), self.pad, dtype=torch.long)  # left-padded (B, n)
-        mask = torch.zeros(len(batch), n, dtype=torch.long)
-        for b, j in enumerate(batch):
-            ids[b, n - len(j.prompt_ids):] = torch.tensor(j.prompt_ids)
-            mask[b, n - len(j.prompt_ids):] = 1
-        streams = [TextStream(self.tokenizer, j.stop) for j in batch]
-        entries: list[list[dict]] = [[] for _ in batch]  # logprob entries of tokens not yet sent, per job
-        live = [True] * len(batch)
-        top = max((j.logprobs for j in batch if j.logprobs is not None), default=None)
-
-        def taken(b: int) -> list | None:  # the entries to send with the next event of job b
-            if batch[b].logprobs is None:
-                return None
-            out, entries[b] = entries[b], []
-            return out
-
-        def finish(b: int, reason: str) -> None:
-            with self.tokenizer_lock:
-                rest = streams[b].flush()
-            if rest:
-                batch[b].emit("text", rest, taken(b))
-            batch[b].emit("done", reason, taken(b))
-            live[b] = False
-
-        def on_step(step: int, new: torch.Tensor, logprobs) -> bool:
-            if logprobs is not None:  # (chosen (B,), top values (B, k), top ids (B, k)) -> lists, once a step
-                logprobs = [x.tolist() for x in logprobs]
-            for b, t in enumerate(new.tolist()):
-                job = batch[b]
-                if not live[b]:
-                    continue
-                if job.cancelled or self.stopping:
-                    live[b] = False
-                    if self.stopping:
-                        job.emit("error", SHUTDOWN_MESSAGE)
-                    continue
-                if t in self.eos:
-                    finish(b, "stop")
-                    continue
-                job.completion_tokens += 1
-                with self.tokenizer_lock:
-                    delta, stopped = streams[b].push(t)
-                    if job.logprobs is not None:
-                        chosen, values, ids = logprobs[0][b], logprobs[1][b], logprobs[2][b]
-                        entries[b].append(self._entry(t, chosen, zip(ids[: job.logprobs], values[: job.logprobs])))
-                if delta:
-                    job.emit("text", delta, taken(b))
-                if stopped:
-                    finish(b, "stop")
-                elif job.completion_tokens >= job.max_tokens:
-                    finish(b, "length")
-            return not any(live)
-
-        cache = make_cache(self.method, self.model, **self.options)
-        t0 = time.perf_counter()
-        r = generate(self.model, ids.to(self.device), mask.to(self.device), cache=cache,
-                     max_new_tokens=max(j.max_tokens for j in batch), temperature=[j.temperature for j in batch],
-                     top_p=[j.top_p for j in batch], seed=[j.seed for j in batch], stop_at_eos=False, on_step=on_step,
-                     logprobs=top)
-        for b in range(len(batch)):  # rows the loop ended before they finished (cannot happen; be safe)
-            if live[b]:
-                finish(b, "length")
-        stats = getattr(cache, "stats", {})
-        self.last = {"decode_tokens_per_s": r.decode_tokens_per_s, "batch": len(batch),
-                     "fetched_fraction": stats.get("fetched_fraction", 1.0),
-                     "pool_bytes": stats.get("pool_bytes", 0), "seconds": time.perf_counter() - t0}

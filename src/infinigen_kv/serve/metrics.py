@@ -1,0 +1,32 @@
+"""What /metrics shows (Prometheus): latency histograms observed by the engine's worker, and gauges read from
+the engine when scraped. The HTTP layer adds its request counters to the same registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+# seconds: a first token takes a prefill (and a wait in the queue); later tokens take one decode step
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+class Metrics:
+    def __init__(self, engine):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("infinigen_time_to_first_token_seconds", "from a request's arrival to its first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("infinigen_inter_token_latency_seconds", "between two tokens of one request",
+                             buckets=ITL_BUCKETS, registry=r)
+        for name, doc, read in [
+            ("infinigen_running_requests", "requests decoding or in prefill", lambda: engine.running),
+            ("infinigen_waiting_requests", "requests waiting to be admitted", lambda: engine.waiting),
+            ("infinigen_queue_depth", "requests waiting or running", lambda: engine.queue_depth),
+            ("infinigen_pool_bytes", "bytes of KV cache held now (running batch and prefill)", lambda: engine.pool_bytes),
+            ("infinigen_pool_limit_bytes", "the admission limit on them (--max-pool-bytes)",
+             lambda: engine.max_pool_bytes),
+            ("infinigen_decode_tokens_per_second", "decode tokens/s over the last second of decoding",
+             lambda: engine.last["decode_tokens_per_s"]),
+        ]:
+            Gauge(name, doc, registry=r).set_function(read)
+        Gauge("infinigen_fetched_fraction", "share of past KV entries fetched per layer and step (running batch)",
+              ["method"], registry=r).labels(engine.method).set_function(lambda: engine.last["fetched_fraction"])

@@ -1,0 +1,89 @@
+"""Continuous batching (issue 14, item 1): sequences join a running cache after their own (chunked) prefill and
+leave it when they end; what a sequence generates does not depend on what else shares its batch."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.batching import Prefill, RunningBatch
+
+# (name, method, options): exact at full budget for every method; infinigen also at its default budget
+METHODS = [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0}),
+           ("infinigen-0.1", "infinigen", {}), ("offload", "offload", {}), ("quant", "quant", {}),
+           ("h2o", "h2o", {"budget": 0.3}), ("streaming", "streaming", {"budget": 0.3})]
+
+
+def prompt(n, seed):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, method, options, plan, chunk=16, temperature=0.0):
+    """plan: {name: (step it arrives, prompt ids, max tokens, seed)}. Greedy (or seeded sampling) decode with
+    rows joining at their step and leaving when done; -> {name: generated ids}."""
+    batch, rows, out, step = RunningBatch(model), [], {k: [] for k in plan}, 0
+    while step == 0 or rows or any(s >= step for s, *_ in plan.values()):
+        for name, (start, ids, max_tokens, seed) in plan.items():
+            if start == step:
+                p = Prefill(model, ig.make_cache(method, model, **options), ids, chunk=chunk)
+                while not p.step():
+                    pass
+                batch.join(p, temperature, 1.0, seed, max_tokens)
+                rows.append(name)
+        if rows:
+            ids, _ = batch.sample()
+            for name, t in zip(rows, ids.tolist()):
+                out[name].append(t)
+            live = [i for i, name in enumerate(rows) if len(out[name]) < plan[name][2]]
+            batch.retain(live)
+            rows = [rows[i] for i in live]
+            if rows:
+                batch.forward(ids[live])
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("name,method,options", METHODS, ids=[m[0] for m in METHODS])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "gemma3", "opt"])
+def test_a_sequence_does_not_depend_on_its_batch(tiny_models, kind, name, method, options):
+    """Row "a" alone vs. sharing its steps with a longer prompt that joins later (a is then left-padded), a
+    shorter one, and one that leaves early (the padding columns are trimmed away)."""
+    model = tiny_models[kind]
+    a = {"a": (0, prompt(40, 1), 14, None)}
+    alone = run(model, method, options, a)
+    plan = {**a, "long": (3, prompt(70, 2), 6, None), "short": (5, prompt(9, 3), 12, None),
+            "first": (0, prompt(25, 4), 2, None)}
+    shared = run(model, method, options, plan)
+    assert shared["a"] == alone["a"]
+    assert run(model, method, options, {"long": (0, plan["long"][1], 6, None)})["long"] == shared["long"]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):
+    model = tiny_models["llama-gqa"]
+    a = {"a": (0, prompt(30, 1), 10, 7)}
+    alone = run(model, "infinigen", {}, a, temperature=1.0)
+    shared = run(model, "infinigen", {}, {**a, "b": (2, prompt(50, 2), 4, 8)}, temperature=1.0)
+    assert shared["a"] == alone["a"]
+
+
+def test_chunked_prefill_equals_one_pass(tiny_models):
+    """A prompt prefilled in chunks decodes as when prefilled at once (full and infinigen at budget 1.0)."""
+    model = tiny_models["llama-gqa"]
+    plan = {"a": (0, prompt(50, 5), 10, None)}
+    for method, options in (("full", {}), ("infinigen", {"budget": 1.0})):
+        assert run(model, method, options, plan, chunk=7) == run(model, method, options, plan, chunk=512)
+
+
+def test_rows_leaving_free_the_cache(tiny_models):
+    model = tiny_models["llama-gqa"]
+    batch = RunningBatch(model)
+    for n, seed in ((60, 1), (20, 2)):
+        p = Prefill(model, ig.make_cache("full", model), prompt(n, seed))
+        p.step()
+        batch.join(p, 0.0, 1.0, None, 5)
+    both = batch.cache.layers[0].nbytes
+    assert batch.mask.shape == (2, 60) and batch.mask[1].sum() == 20
+    batch.retain([1])  # the long row leaves: the short one's 40 columns of padding go with it
+    assert batch.mask.shape == (1, 20) and batch.cache.get_seq_length() == 20
+    assert batch.cache.layers[0].nbytes < both / 2
+    batch.retain([])
+    assert batch.cache is None and len(batch) == 0
