@@ -1,11 +1,13 @@
 """Load and fuzz test of `infinigen serve` on loopback (a command, not a test; results go to
 docs/BENCHMARKS.md).
 
-    python scripts/load_test.py [--model M] [--methods infinigen,full] [--clients 8] [--requests 25] [--fuzz 200]
+    python scripts/load_test.py [--model M] [--methods infinigen,full] [--batching static,continuous]
+        [--clients 8,32] [--requests 4] [--burst LIMIT,CLIENTS,WORDS,MAX_TOKENS] [--fuzz 500]
 
-Per method: one server, `clients` threads each sending `requests` requests of mixed kinds (chat or
-completions, streamed or not) and lengths with the openai client; reports errors, p50/p99 latency and
-generated tokens/s. Then `fuzz` request bodies drawn by hypothesis from the server's OpenAPI schema (and
+Per method and batching policy: one server; per client count, that many threads each sending `requests`
+requests of mixed kinds (chat or completions, 3/4 streamed), prompt lengths (--words) and max_tokens
+(16-256) with the openai client; reports errors, p50/p99 latency and time to first token (streamed ones)
+and generated tokens/s. --burst: admission under a small --max-pool-bytes (RSS measured). Then `fuzz` request bodies drawn by hypothesis from the server's OpenAPI schema (and
 valid bodies with one field replaced by arbitrary JSON) against a server with a small max_tokens limit:
 every answer must be < 500 and the server must still answer /health.
 """
@@ -60,32 +62,42 @@ def stop(proc) -> int:
 
 
 def one_request(client, model_id, rng, lengths):
+    """One request of a random kind, prompt length and max_tokens; -> (latency, time to first token or None
+    when not streamed, completion tokens)."""
     words = rng.choice(lengths)
     text = " ".join(rng.choice(WORDS) for _ in range(words))
-    max_tokens = rng.choice([16, 32, 64])
-    chat, stream = rng.random() < 0.5, rng.random() < 0.5
+    max_tokens = rng.choice([16, 32, 64, 128, 256])
+    chat, stream = rng.random() < 0.5, rng.random() < 0.75
     t0 = time.perf_counter()
     if chat:
         kw = dict(model=model_id, messages=[{"role": "user", "content": text + "\nSummarize."}],
                   max_tokens=max_tokens, temperature=0.7, seed=rng.randrange(1000))
-        if stream:
-            chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-            tokens = chunks[-1].usage.completion_tokens
-        else:
-            tokens = client.chat.completions.create(**kw).usage.completion_tokens
+        create, piece = client.chat.completions.create, lambda c: c.choices and c.choices[0].delta.content
     else:
         kw = dict(model=model_id, prompt=text, max_tokens=max_tokens, temperature=0)
-        if stream:
-            chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-            tokens = chunks[-1].usage.completion_tokens
-        else:
-            tokens = client.completions.create(**kw).usage.completion_tokens
-    return time.perf_counter() - t0, tokens
+        create, piece = client.completions.create, lambda c: c.choices and c.choices[0].text
+    if not stream:
+        return time.perf_counter() - t0, None, create(**kw).usage.completion_tokens
+    first = None
+    for chunk in create(**kw, stream=True, stream_options={"include_usage": True}):
+        if first is None and piece(chunk):
+            first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return time.perf_counter() - t0, first, tokens
+
+
+def quantiles(xs):
+    """(p50, p99) of xs, rounded."""
+    if not xs:
+        return None, None
+    q = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else xs * 99
+    return round(q[49], 2), round(q[98], 2)
 
 
 def load(url, model_id, clients, per_client, seed, lengths):
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    errors, latencies, tokens = [], [], 0
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    errors, latencies, ttfts, tokens = [], [], [], 0
 
     def worker(c):
         rng = random.Random(seed * 1000 + c)
@@ -100,14 +112,64 @@ def load(url, model_id, clients, per_client, seed, lengths):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         for out in pool.map(worker, range(clients)):
-            for lat, n in out:
+            for lat, first, n in out:
                 latencies.append(lat)
+                if first is not None:
+                    ttfts.append(first)
                 tokens += n
     wall = time.perf_counter() - t0
-    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else (latencies or [0]) * 99
-    return {"requests": clients * per_client, "errors": len(errors), "error_examples": errors[:3],
-            "p50_s": round(q[49], 2), "p99_s": round(q[98], 2), "completion_tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 1)}
+    (p50, p99), (t50, t99) = quantiles(latencies), quantiles(ttfts)
+    return {"clients": clients, "requests": clients * per_client, "errors": len(errors), "error_examples": errors[:3],
+            "p50_s": p50, "p99_s": p99, "ttft_n": len(ttfts), "ttft_p50_s": t50, "ttft_p99_s": t99,
+            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 1)}
+
+
+def rss(pid) -> int:
+    """Resident bytes of a process (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def burst(model, method, model_id, limit, clients, words, max_tokens):
+    """Admission under memory pressure: `clients` long requests at once against --max-pool-bytes `limit`;
+    every one must complete or be refused with 503 (none lost), and the server's RSS over its idle RSS must
+    stay under the limit + 10%."""
+    proc, url = start(model, method, ["--max-pool-bytes", str(limit), "--queue-size", str(clients)])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    idle, peak, pool_peak, done = rss(proc.pid), 0, 0, False
+    text = " ".join(random.Random(0).choice(WORDS) for _ in range(words))
+
+    def one(_):
+        try:
+            r = client.completions.create(model=model_id, prompt=text, max_tokens=max_tokens, temperature=0)
+            return "ok" if r.usage.completion_tokens == max_tokens else "short"
+        except openai.APIStatusError as e:
+            return str(e.status_code)
+        except Exception as e:  # noqa: BLE001 - reported
+            return type(e).__name__
+
+    def watch():
+        nonlocal peak, pool_peak
+        while not done:
+            peak = max(peak, rss(proc.pid))
+            text = requests.get(url + "/metrics", timeout=10).text
+            pool_peak = max(pool_peak, *(float(l.split()[-1]) for l in text.splitlines()
+                                         if l.startswith("infinigen_pool_bytes")))
+            time.sleep(0.05)
+
+    try:
+        with ThreadPoolExecutor(clients + 1) as pool:
+            watcher = pool.submit(watch)
+            outcomes = list(pool.map(one, range(clients)))
+            done = True
+            watcher.result()
+    finally:
+        status = stop(proc)
+    counts = {k: outcomes.count(k) for k in sorted(set(outcomes))}
+    return {"method": method, "limit_bytes": limit, "clients": clients, "words": words, "max_tokens": max_tokens,
+            "outcomes": counts, "idle_rss": idle, "peak_rss": peak, "rss_growth": peak - idle,
+            "growth_over_limit": round((peak - idle) / limit, 3), "pool_bytes_peak": int(pool_peak),
+            "exit_status": status}
 
 
 def fuzz(url, model_id, count):
@@ -168,23 +230,36 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--methods", default="infinigen,full")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=25, help="per client (0: no load run, fuzz only)")
-    ap.add_argument("--fuzz", type=int, default=200)
+    ap.add_argument("--batching", default="static,continuous", help="server policies to compare (--batching)")
+    ap.add_argument("--clients", default="8,32", help="concurrent clients, one run per count")
+    ap.add_argument("--requests", type=int, default=4, help="per client (0: no load run)")
+    ap.add_argument("--fuzz", type=int, default=500)
+    ap.add_argument("--burst", default=None, metavar="LIMIT,CLIENTS,WORDS,MAX_TOKENS",
+                    help="admission run: e.g. 400000000,12,2000,64 (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--words", default="50,200,800,2000", help="prompt lengths in words, drawn per request")
+    ap.add_argument("--server-args", default="", help="extra arguments for every server, e.g. '--max-batch 16'")
     args = ap.parse_args()
     model_id = args.model or "SmolLM2-135M-Instruct"
-    report = {"load": {}}
-    for method in args.methods.split(",") if args.requests else []:  # --requests 0: fuzz only
-        proc, url = start(args.model, method)
-        try:
-            report["load"][method] = load(url, model_id, args.clients, args.requests, args.seed,
-                                          [int(w) for w in args.words.split(",")])
-        finally:
-            status = stop(proc)
-        report["load"][method]["exit_status"] = status
-        print(method, json.dumps(report["load"][method]), flush=True)
+    report = {"load": []}
+    for method in args.methods.split(",") if args.requests else []:  # --requests 0: no load run
+        for batching in args.batching.split(","):
+            proc, url = start(args.model, method, ["--batching", batching, *args.server_args.split()])
+            try:
+                for clients in (int(c) for c in args.clients.split(",")):
+                    row = {"method": method, "batching": batching,
+                           **load(url, model_id, clients, args.requests, args.seed,
+                                  [int(w) for w in args.words.split(",")])}
+                    report["load"].append(row)
+                    print(json.dumps(row), flush=True)
+            finally:
+                status = stop(proc)
+            for row in report["load"]:
+                row.setdefault("exit_status", status)
+    if args.burst:
+        limit, clients, words, max_tokens = (int(x) for x in args.burst.split(","))
+        report["burst"] = burst(args.model, args.methods.split(",")[0], model_id, limit, clients, words, max_tokens)
+        print("burst", json.dumps(report["burst"]), flush=True)
     if args.fuzz:
         proc, url = start(args.model, args.methods.split(",")[0], ["--max-tokens-limit", "16"])
         try:
@@ -194,7 +269,7 @@ def main():
         report["fuzz"]["exit_status"] = status
         print("fuzz", json.dumps(report["fuzz"]), flush=True)
     print(json.dumps(report, indent=1))
-    ok = all(r["errors"] == 0 for r in report["load"].values()) and report.get("fuzz", {}).get("server_errors", 0) == 0
+    ok = all(r["errors"] == 0 for r in report["load"]) and report.get("fuzz", {}).get("server_errors", 0) == 0
     return 0 if ok else 1
 
 

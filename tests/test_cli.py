@@ -82,6 +82,11 @@ def one_line_error(r, text):
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2]"),
     (["generate", "--prompt", "hi", "--capacity", "-1MiB"], "capacity must be a fraction"),
     (["serve", "--grace-period", "-1"], "grace-period must be >= 0"),
+    (["serve", "--max-pool-bytes", "lots"], "expected a size such as 4GiB"),
+    (["serve", "--max-pool-bytes", "0"], "expected a size such as 4GiB"),
+    (["serve", "--batching", "dynamic"], "invalid choice"),
+    (["serve", "--method", "hf-dynamic"], "invalid choice"),
+    (["serve", "--capacity", "0.5"], "unrecognized arguments: --capacity"),
     (["generate", "--prompt", "hi", "--top-p", "nope"], "top-p must be a number"),
 ])
 def test_bad_input_exits_with_one_line(args, text):

@@ -214,7 +214,24 @@ def test_disconnect_mid_stream_frees_the_place(server, client):
         time.sleep(0.1)
     assert server.metric("infinigen_cancelled_requests_total") == before + 1
     assert server.metric("infinigen_queue_depth") == 0
+    # its rows left the batch: no request runs and no KV cache is held (issue 14)
+    assert server.metric("infinigen_running_requests") == 0 and server.metric("infinigen_pool_bytes") == 0
     assert chat(client, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_request_joins_the_running_batch(server, client):
+    """Continuous batching (issue 14): a short request sent while a long one streams is answered while the
+    long one is still generating (statically batched, it waited for the long one's end)."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0, "stream": True}
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")
+        assert chat(client, max_tokens=3).usage.completion_tokens == 3
+        assert server.metric("infinigen_running_requests") == 1  # the long one goes on
+        rest = [x for x in lines if x]
+    assert rest[-1] == b"data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert server.metric("infinigen_time_to_first_token_seconds_count") >= 2
+    assert server.metric("infinigen_inter_token_latency_seconds_count") >= 899
 
 
 def test_disconnect_of_a_plain_request_frees_the_place(server):
@@ -345,6 +362,38 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
         assert s.proc.wait(60) == 0
         assert "Traceback" not in open(tmp_path / "server.log").read()
+    finally:
+        s.stop()
+
+
+def test_admission_by_pool_bytes(model_dir, tmp_path):
+    """Memory-aware admission (issue 14): with the full cache's 1,024 bytes per token of the tiny model and a
+    300 kB limit, a request of 260 tokens runs, a second one waits until it is done (both together would
+    need ~530 kB), and one of 410 tokens is a 400 naming the limit."""
+    s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--max-pool-bytes", "300000")
+    try:
+        prompt = "The quick brown fox"
+        url, body = s.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "temperature": 0}
+        r = requests.post(url, json={**body, "max_tokens": 400})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "pool_limit_exceeded", r.text
+        assert "--max-pool-bytes" in r.json()["error"]["message"]
+        assert s.metric("infinigen_pool_limit_bytes") == 300000
+        second, seen, pools = {}, [], []
+        with requests.post(url, json={**body, "max_tokens": 250, "stream": True}, stream=True, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith(b"data: ")
+            t = threading.Thread(target=lambda: second.update(r=requests.post(url, json={**body, "max_tokens": 40})))
+            t.start()
+            deadline = time.time() + 30
+            while time.time() < deadline and not second:
+                seen.append((s.metric("infinigen_running_requests"), s.metric("infinigen_waiting_requests")))
+                pools.append(s.metric("infinigen_pool_bytes"))
+            first = [x for x in lines if x]
+        t.join(60)
+        assert json.loads(first[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert second["r"].status_code == 200 and second["r"].json()["usage"]["completion_tokens"] == 40
+        assert (1, 1) in seen  # one running, one waiting
+        assert 0 < max(pools) <= 300000
     finally:
         s.stop()
 
