@@ -95,12 +95,13 @@ def quantiles(xs):
     return round(q[49], 2), round(q[98], 2)
 
 
-def load(url, model_id, clients, per_client, seed, lengths):
+def load(url, model_id, clients, per_client, seed, lengths, ramp):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
     errors, latencies, ttfts, tokens = [], [], [], 0
 
     def worker(c):
         rng = random.Random(seed * 1000 + c)
+        time.sleep(ramp * c / clients)  # clients start spread over the ramp (0: all at once, a burst)
         out = []
         for _ in range(per_client):
             try:
@@ -119,7 +120,7 @@ def load(url, model_id, clients, per_client, seed, lengths):
                 tokens += n
     wall = time.perf_counter() - t0
     (p50, p99), (t50, t99) = quantiles(latencies), quantiles(ttfts)
-    return {"clients": clients, "requests": clients * per_client, "errors": len(errors), "error_examples": errors[:3],
+    return {"clients": clients, "ramp_s": ramp, "requests": clients * per_client, "errors": len(errors), "error_examples": errors[:3],
             "p50_s": p50, "p99_s": p99, "ttft_n": len(ttfts), "ttft_p50_s": t50, "ttft_p99_s": t99,
             "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 1)}
 
@@ -237,6 +238,7 @@ def main():
     ap.add_argument("--burst", default=None, metavar="LIMIT,CLIENTS,WORDS,MAX_TOKENS",
                     help="admission run: e.g. 400000000,12,2000,64 (default: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which the clients start (0: a burst)")
     ap.add_argument("--words", default="50,200,800,2000", help="prompt lengths in words, drawn per request")
     ap.add_argument("--server-args", default="", help="extra arguments for every server, e.g. '--max-batch 16'")
     args = ap.parse_args()
@@ -249,7 +251,7 @@ def main():
                 for clients in (int(c) for c in args.clients.split(",")):
                     row = {"method": method, "batching": batching,
                            **load(url, model_id, clients, args.requests, args.seed,
-                                  [int(w) for w in args.words.split(",")])}
+                                  [int(w) for w in args.words.split(",")], args.ramp)}
                     report["load"].append(row)
                     print(json.dumps(row), flush=True)
             finally:

@@ -227,6 +227,9 @@ def test_a_request_joins_the_running_batch(server, client):
         lines = r.iter_lines()
         assert next(lines).startswith(b"data: ")
         assert chat(client, max_tokens=3).usage.completion_tokens == 3
+        deadline = time.time() + 5  # the gauge follows at the end of the worker's step
+        while server.metric("infinigen_running_requests") != 1 and time.time() < deadline:
+            time.sleep(0.01)
         assert server.metric("infinigen_running_requests") == 1  # the long one goes on
         rest = [x for x in lines if x]
     assert rest[-1] == b"data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"

@@ -283,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--queue-size", type=_positive_int, default=64, help="waiting requests before 503")
     v.add_argument("--max-tokens-limit", type=_positive_int, default=2048, help="largest max_tokens accepted")
     v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (413 above)")
+    v.add_argument("--replicas", type=_positive_int, default=None,
+                   help="serve N replicas on Ray Serve behind its HTTP proxy (needs the ray extra; default: "
+                   "the plain single-process server)")
+    v.add_argument("--ray-address", default=None, help="with --replicas: a running Ray cluster to join, e.g. auto "
+                   "(default: start Ray on this machine)")
     v.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: time given to requests in flight before they end with an error event")
     return parser
@@ -434,18 +439,44 @@ def cmd_serve(args) -> None:
     except OSError as e:
         raise RunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another server "
                            "running there? pick another --port)") from None
+    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    engine_args = dict(max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
+                       prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes)
+    options = {k: v for k, v in _method_options(args).items() if v is not None}
+    if args.replicas is not None:  # Ray Serve: its proxy listens on the port
+        sock.close()
+        _serve_ray(args, model_id, options, engine_args)
+        return
     try:
         model, tok = _load(args)
-        model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-        engine = Engine(model, tok, args.method, {k: v for k, v in _method_options(args).items() if v is not None},
-                        max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
-                        prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes)
+        engine = Engine(model, tok, args.method, options, **engine_args)
     except BaseException:
         sock.close()
         raise
     print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit,
                args.grace_period, sock)
+
+
+def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
+    from .serve import ray_app
+
+    try:
+        ray_app.import_serve()
+    except RuntimeError as e:
+        raise RunError(str(e)) from None
+    import torch
+
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    app = ray_app.application(
+        args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map},
+        args.method, options, engine_args,
+        {"model_id": model_id, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
+         "max_tokens_limit": args.max_tokens_limit},
+        gpus=1 if cuda else 0, grace_s=args.grace_period)
+    print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1 "
+          f"({args.replicas} Ray Serve replicas)", file=sys.stderr)
+    ray_app.run(app, args.host, args.port, args.ray_address)
 
 
 def _summary(result: dict) -> str:

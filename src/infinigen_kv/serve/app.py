@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 
@@ -247,7 +248,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
 
     @app.get("/health")
     async def health():
-        state = {"model": model_id, "method": engine.method, "queue_depth": engine.queue_depth}
+        state = {"model": model_id, "method": engine.method, "queue_depth": engine.queue_depth,
+                 "replica": os.getpid()}  # which process answered (several behind a proxy: Ray Serve)
         if not engine.admitting:  # draining for shutdown: load balancers should stop sending
             return JSONResponse({"status": "draining", **state}, 503)
         return {"status": "ok", **state}

@@ -144,7 +144,7 @@ BATCHING = ("continuous", "static")
 class Engine:
     """`Engine(model, tokenizer, method, options)`: jobs in, streamed events out.
 
-    Each loop of the worker: start the prefill of the next waiting job if it fits (`admits`), run one chunk
+    Each loop of the worker: start the prefill of the next waiting job if it fits (`_admit`), run one chunk
     of the prefill in progress (a finished one joins the running batch), then one decode step of the batch,
     retiring the rows that ended or whose client left. `batching="static"` is the old policy, for
     comparison: a batch is formed only when none is running, and runs until its last row ends.
@@ -180,8 +180,7 @@ class Engine:
         self.pool_bytes = 0  # bytes of the running batch's cache and the prefill's
         self.last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0, "pool_bytes": 0}
         probe = make_cache(method, model, **self.options)  # calibrates now (or loads), not on the first request
-        p = Prefill(model, probe, [self.eos_or_zero()] * 2)
-        p.step()
+        Prefill(model, probe, [min(self.eos) if self.eos else 0] * 2).step()  # buffers to measure
         self.token_bytes, self.entries = probe.token_bytes(), probe.entries  # the cost model (admits)
         if max_pool_bytes is None:
             on_device = self.device.type == "cuda" and method not in ("infinigen", "offload")  # else: host memory
@@ -190,9 +189,6 @@ class Engine:
         self.max_pool_bytes = max_pool_bytes
         self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
         self.thread.start()
-
-    def eos_or_zero(self) -> int:
-        return min(self.eos) if self.eos else 0
 
     # --- API of the event loop side ----------------------------------------------------------------
 
@@ -316,8 +312,10 @@ class Engine:
         if job.cancelled:
             self.prefill = None
             return
+        t0, start = time.perf_counter(), p.done
         try:
             done = p.step()
+            self.metrics.prefill_tokens.inc(p.done - start)
         except Exception as e:
             self.prefill = None
             self._fail([job], e)
@@ -332,6 +330,7 @@ class Engine:
                     self._fail_batch(e)
                 return
             self.rows.append(Row(job, TextStream(self.tokenizer, job.stop)))
+        self.metrics.prefill_seconds.inc(time.perf_counter() - t0)
 
     def _decode_step(self) -> None:
         rows, now = self.rows, time.perf_counter()
@@ -350,6 +349,10 @@ class Engine:
                 self._window[1] += len(live)
         except Exception as e:
             self._fail_batch(e)
+        m = self.metrics
+        m.decode_seconds.inc(time.perf_counter() - now)
+        m.decode_steps.inc()
+        m.decode_rows.inc(len(rows))
 
     def _token(self, row: Row, t: int, lps, b: int, now: float) -> bool:
         """Hand row's new token t to its job; False once the row is done (ended, cancelled, stopping)."""

@@ -3,7 +3,7 @@ the engine when scraped. The HTTP layer adds its request counters to the same re
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # seconds: a first token takes a prefill (and a wait in the queue); later tokens take one decode step
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -17,6 +17,14 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("infinigen_inter_token_latency_seconds", "between two tokens of one request",
                              buckets=ITL_BUCKETS, registry=r)
+        # where the worker's time goes: prompt chunks or decode steps (and how full the steps are)
+        self.prefill_seconds = Counter("infinigen_prefill_seconds", "worker time in prefill chunks", registry=r)
+        self.prefill_tokens = Counter("infinigen_prefill_tokens", "prompt tokens prefilled", registry=r)
+        self.decode_seconds = Counter("infinigen_decode_seconds", "worker time in decode steps (with joins and "
+                                      "retires)", registry=r)
+        self.decode_rows = Counter("infinigen_decode_rows", "rows decoded, summed over steps (/ steps: the mean "
+                                   "batch)", registry=r)
+        self.decode_steps = Counter("infinigen_decode_steps", "decode steps", registry=r)
         for name, doc, read in [
             ("infinigen_running_requests", "requests decoding or in prefill", lambda: engine.running),
             ("infinigen_waiting_requests", "requests waiting to be admitted", lambda: engine.waiting),

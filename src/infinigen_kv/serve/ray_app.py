@@ -1,0 +1,108 @@
+"""Scale-out on Ray Serve: N replicas of the server (each its own engine, model and KV pool) behind Ray's
+HTTP proxy, which spreads requests over them and restarts a replica that dies. Needs the `ray` extra
+(`pip install 'infinigen-kv[ray]'`); the plain server (`infinigen serve`) does not.
+
+    infinigen serve --replicas 2 [--ray-address auto] ...         # the CLI: local Ray, or a running cluster
+    serve run infinigen_kv.serve.ray_app:app_builder model=/path/to/ckpt method=infinigen replicas=2
+
+Each replica serves the same OpenAI-compatible app as the plain server (serve/app.py), so clients, /health
+and /metrics (per replica: the proxy answers from whichever replica it picks) are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger("uvicorn.error")
+
+
+def import_serve():
+    try:
+        from ray import serve
+    except ImportError:
+        raise RuntimeError("--replicas needs Ray Serve: pip install 'infinigen-kv[ray]'") from None
+    return serve
+
+
+class Replica:
+    """One replica: loads the model, starts an engine and hands Ray the ASGI app (ray.serve.ingress)."""
+
+    def __init__(self, load: dict, method: str, options: dict, engine: dict, app: dict, threads: int | None):
+        import torch
+
+        from ..models import load_model
+        from .app import create_app
+        from .engine import Engine
+
+        if threads:
+            torch.set_num_threads(threads)  # replicas on one machine share its cores
+        model, tok = load_model(**load)
+        self.engine = Engine(model, tok, method, options, **engine)
+        self.app = create_app(self.engine, **app)
+
+    def __serve_build_asgi_app__(self):
+        return self.app
+
+    def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose engine worker died is restarted."""
+        if not self.engine.thread.is_alive():
+            raise RuntimeError("the engine's worker thread is gone")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close(timeout=5)
+
+
+def application(replicas: int, load: dict, method: str, options: dict, engine: dict, app: dict,
+                cpus: float | None = None, gpus: float = 0, grace_s: float = 30.0):
+    """The Ray Serve application: `replicas` copies of Replica, each asking Ray for `cpus` CPUs (default: the
+    machine's cores shared out) and `gpus` GPUs; a replica being stopped gets grace_s for its requests."""
+    serve = import_serve()
+    cpus = cpus if cpus is not None else max(1, (os.cpu_count() or 1) // replicas)
+    deployment = serve.deployment(serve.ingress()(Replica), name="infinigen", num_replicas=replicas,
+                                  ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+                                  max_ongoing_requests=engine.get("queue_size", 64) + engine.get("max_batch", 8),
+                                  health_check_period_s=5, health_check_timeout_s=30,
+                                  graceful_shutdown_timeout_s=grace_s)
+    return deployment.bind(load, method, options, engine, app, int(cpus) or None)
+
+
+def app_builder(args: dict):
+    """For `serve run infinigen_kv.serve.ray_app:app_builder key=value ...`: model, device, method, budget,
+    replicas, served_model_name, api_key, max_batch, queue_size, max_pool_bytes, prefill_chunk, batching
+    (strings, as Ray passes them)."""
+    model = args.get("model")
+    options = {"budget": float(args["budget"])} if "budget" in args else {}
+    engine = {k: int(args[k]) for k in ("max_batch", "queue_size", "max_pool_bytes", "prefill_chunk") if k in args}
+    if "batching" in args:
+        engine["batching"] = args["batching"]
+    app = {"model_id": args.get("served_model_name") or model or "SmolLM2-135M-Instruct",
+           "api_key": args.get("api_key")}
+    return application(int(args.get("replicas", 1)), {"name": model, "device": args.get("device")},
+                       args.get("method", "infinigen"), options, engine, app)
+
+
+def run(application_, host: str, port: int, address: str | None = None) -> None:
+    """Start Ray (or join the cluster at `address`), serve the application on host:port until SIGTERM or
+    SIGINT, then shut Serve down (each replica drains for the deployment's graceful_shutdown_timeout_s)."""
+    import ray
+
+    serve = import_serve()
+    ray.init(address=address, include_dashboard=False, log_to_driver=False,
+             **({} if address else {"num_cpus": os.cpu_count()}))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application_, name="infinigen", route_prefix="/")
+        log.info("serving on http://%s:%d/v1 with Ray Serve", host, port)
+        stop.wait()
+        log.info("shutting down Ray Serve")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
