@@ -51,7 +51,7 @@ def start(model, method, extra=()):
         try:
             if requests.get(url + "/health", timeout=1).ok:
                 return proc, url
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up yet (Ray's proxy: busy deploying)
             time.sleep(0.5)
     raise SystemExit("server did not start")
 
@@ -227,6 +227,55 @@ def fuzz(url, model_id, count):
             "server_errors": len(server_errors), "examples": server_errors[:3], "alive_after": alive}
 
 
+def failover(model, method, model_id, clients, seconds, kill_at):
+    """Ray Serve with 2 replicas: `clients` threads send requests for `seconds`; at `kill_at` one replica is
+    killed (SIGKILL). Reports what succeeded and failed before and after, and when Ray had replaced it."""
+    from infinigen_kv.serve.ray_app import replica_pids
+
+    proc, url = start(model, method, ["--replicas", "2"])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    results, t0 = [], time.time()
+    until = t0 + seconds
+
+    def worker(c):
+        rng = random.Random(c)
+        while time.time() < until:
+            start_t = time.time()
+            try:
+                text = " ".join(rng.choice(WORDS) for _ in range(rng.choice([50, 200, 800])))
+                r = client.completions.create(model=model_id, prompt=text, max_tokens=32, temperature=0)
+                results.append((start_t - t0, time.time() - t0, r.usage.completion_tokens == 32, ""))
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                results.append((start_t - t0, time.time() - t0, False, type(e).__name__))
+
+    try:
+        pids = replica_pids()
+        with ThreadPoolExecutor(clients) as pool:
+            futures = [pool.submit(worker, c) for c in range(clients)]
+            time.sleep(kill_at)
+            victim = min(pids)
+            os.kill(victim, signal.SIGKILL)
+            killed = time.time() - t0
+            replaced = None
+            while replaced is None and time.time() < until + 300:
+                now = replica_pids()
+                if victim not in now and len(now) == 2:
+                    replaced = time.time() - t0
+                time.sleep(0.5)
+            for f in futures:
+                f.result()
+    finally:
+        status = stop(proc)
+    before = [r for r in results if r[1] <= killed]
+    after = [r for r in results if r[1] > killed]
+    return {"method": method, "clients": clients, "seconds": seconds, "replicas_before": len(pids),
+            "killed_at_s": round(killed, 1), "replaced_after_s": round(replaced - killed, 1) if replaced else None,
+            "ok_before": sum(r[2] for r in before), "failed_before": sum(not r[2] for r in before),
+            "ok_after": sum(r[2] for r in after), "failed_after": sum(not r[2] for r in after),
+            "failures": sorted({r[3] for r in results if not r[2]}),
+            "ok_after_replacement": sum(r[2] for r in after if replaced and r[0] > replaced), "exit_status": status}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -237,6 +286,8 @@ def main():
     ap.add_argument("--fuzz", type=int, default=500)
     ap.add_argument("--burst", default=None, metavar="LIMIT,CLIENTS,WORDS,MAX_TOKENS",
                     help="admission run: e.g. 400000000,12,2000,64 (default: none)")
+    ap.add_argument("--failover", default=None, metavar="CLIENTS,SECONDS,KILL_AT",
+                    help="Ray Serve run: 2 replicas, one killed at KILL_AT s, e.g. 4,180,60 (needs the ray extra)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which the clients start (0: a burst)")
     ap.add_argument("--words", default="50,200,800,2000", help="prompt lengths in words, drawn per request")
@@ -262,6 +313,10 @@ def main():
         limit, clients, words, max_tokens = (int(x) for x in args.burst.split(","))
         report["burst"] = burst(args.model, args.methods.split(",")[0], model_id, limit, clients, words, max_tokens)
         print("burst", json.dumps(report["burst"]), flush=True)
+    if args.failover:
+        clients, seconds, kill_at = (int(x) for x in args.failover.split(","))
+        report["failover"] = failover(args.model, args.methods.split(",")[0], model_id, clients, seconds, kill_at)
+        print("failover", json.dumps(report["failover"]), flush=True)
     if args.fuzz:
         proc, url = start(args.model, args.methods.split(",")[0], ["--max-tokens-limit", "16"])
         try:

@@ -31,13 +31,13 @@ class Server:
             [sys.executable, "-m", "infinigen_kv.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
              "--port", str(self.port), "--max-tokens-limit", "900", "--max-body-bytes", "65536", *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 180
+        deadline = time.time() + 300
         while time.time() < deadline:
             assert self.proc.poll() is None, open(log).read()
             try:
                 if requests.get(self.url + "/health", timeout=1).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or (Ray's proxy) busy
                 time.sleep(0.3)
         raise TimeoutError(open(log).read())
 

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -14,19 +15,7 @@ from test_serve import MODEL, Server
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
-
-
-def replica_pids() -> set[int]:
-    """Processes of our deployment's replicas (Ray names them ServeReplica:<app>:<deployment>)."""
-    pids = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ServeReplica:infinigen" in f.read():
-                    pids.add(int(pid))
-        except OSError:
-            pass
-    return pids
+from infinigen_kv.serve.ray_app import replica_pids  # noqa: E402
 
 
 def test_two_replicas_serve_and_survive_a_killed_one(tmp_path):
@@ -44,8 +33,13 @@ def test_two_replicas_serve_and_survive_a_killed_one(tmp_path):
         assert plain.usage.completion_tokens == 6 and streamed == plain.choices[0].message.content
         pids = replica_pids()
         assert len(pids) == 2, open(tmp_path / "server.log").read()[-3000:]
-        answered = {requests.get(s.url + "/health", timeout=10).json()["replica"] for _ in range(30)}
-        assert answered == pids  # the proxy spreads requests over both
+        def busy(_):  # a request, then which replica answers /health
+            client.completions.create(model=MODEL, prompt="hi there", max_tokens=30)
+            return requests.get(s.url + "/health", timeout=30).json()["replica"]
+
+        with ThreadPoolExecutor(8) as pool:  # under concurrent load the proxy spreads requests over both
+            answered = set(pool.map(busy, range(32)))
+        assert answered == pids
 
         results, stop = [], threading.Event()
 

@@ -41,10 +41,10 @@ class Replica:
             torch.set_num_threads(threads)  # replicas on one machine share its cores
         model, tok = load_model(**load)
         self.engine = Engine(model, tok, method, options, **engine)
-        self.app = create_app(self.engine, **app)
+        self.asgi = create_app(self.engine, **app)  # (not self.app: a property of Ray's wrapper)
 
     def __serve_build_asgi_app__(self):
-        return self.app
+        return self.asgi
 
     def check_health(self) -> None:
         """Ray's periodic health check: a replica whose engine worker died is restarted."""
@@ -86,13 +86,26 @@ def app_builder(args: dict):
                        args.get("method", "infinigen"), options, engine, app)
 
 
+def replica_pids() -> set[int]:
+    """Processes of this machine running a replica of ours (Ray titles them ServeReplica:<app>:<deployment>)."""
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ServeReplica:infinigen:" in f.read():
+                    pids.add(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
 def run(application_, host: str, port: int, address: str | None = None) -> None:
     """Start Ray (or join the cluster at `address`), serve the application on host:port until SIGTERM or
     SIGINT, then shut Serve down (each replica drains for the deployment's graceful_shutdown_timeout_s)."""
     import ray
 
     serve = import_serve()
-    ray.init(address=address, include_dashboard=False, log_to_driver=False,
+    ray.init(address=address, include_dashboard=False, log_to_driver=True,
              **({} if address else {"num_cpus": os.cpu_count()}))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
