@@ -57,6 +57,31 @@ def test_a_sequence_does_not_depend_on_its_batch(tiny_models, kind, name, method
     assert run(model, method, options, {"long": (0, plan["long"][1], 6, None)})["long"] == shared["long"]
 
 
+def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatch):
+    """At the default budget every prefetch of row "a" picks the same positions (counted from its first real
+    token) alone and in a batch that others join and leave."""
+    from infinigen_kv.cache import InfiniGenCache
+
+    real, seen = InfiniGenCache.prefetch, []
+
+    def spy(self, target, fetch, keep, partial_row):
+        pad = int(keep[0, 0].long().argmax()) if keep is not None else 0  # row 0 ("a"): its padding
+        idx, got = fetch.idx[0], fetch.count[0] if fetch.count is not None else None
+        seen.append([sorted(int(i) - pad for i in (idx[g, : int(got[g])] if got is not None else idx[g][fetch.real[0, g]]))
+                     for g in range(idx.shape[0])])
+        return real(self, target, fetch, keep, partial_row)
+
+    monkeypatch.setattr(InfiniGenCache, "prefetch", spy)
+    model = tiny_models["llama-gqa"]
+    a = {"a": (0, prompt(40, 1), 14, None)}
+    run(model, "infinigen", {}, a)
+    alone, seen[:] = list(seen), []
+    run(model, "infinigen", {}, {**a, "long": (3, prompt(70, 2), 20, None), "short": (5, prompt(9, 3), 4, None)})
+    per_step = len(model.model.layers) - 1  # layer 1 for itself, then layers 2.. one layer ahead
+    assert len(alone) == 13 * per_step and len(seen) > 13 * per_step  # "long" goes on after "a" is done
+    assert seen[: 13 * per_step] == alone  # "a" is row 0 while it runs
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):
     model = tiny_models["llama-gqa"]
     a = {"a": (0, prompt(30, 1), 10, 7)}

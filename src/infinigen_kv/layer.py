@@ -57,13 +57,16 @@ class Rebatch:
 
     @torch.inference_mode()  # the buffers were made under it (a prefill): only written in place under it
     def join(self, other, room: int = 0) -> None:
-        """Append other's sequences (a cache of this method, prefilled, not decoding) after this one's."""
+        """Append other's sequences (a cache of this method, prefilled, not decoding) after this one's; other
+        is left empty."""
         n_self, n_other = self.get_seq_length(), other.get_seq_length()
         n = max(n_self, n_other)
         self.settle()
         other.settle()
         for a, b in zip(self.layers, other.layers):
             a.join(b, n - n_self, n - n_other, room)
+            for buf in b.row_buffers():  # other is used up: its memory goes now, not after the whole join
+                buf.free()
         self.rebatched()
 
     @torch.inference_mode()

@@ -13,9 +13,24 @@ recently fetched) or `counter` (fewest fetches, the paper's default), ties to th
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 CHUNK = 1024  # rows; growth is at least this and at least 50% of the current capacity
+MMAP_BYTES = 1 << 20  # host buffers at least this large get pages of their own (see host_empty)
+
+
+def host_empty(shape: tuple, dtype) -> torch.Tensor:
+    """An uninitialized host tensor. A large one is an anonymous mapping of its own, unmapped (returned to
+    the OS) as soon as the tensor is freed: buffers of changing sizes allocated and freed through malloc
+    (each batch a server's rows join or leave reallocates them) fragment its heap, and the process keeps
+    resident memory it no longer uses (measured: 3.6x a 400 MB pool limit; docs/BENCHMARKS.md)."""
+    numel = math.prod(shape)
+    if numel * dtype.itemsize < MMAP_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, numel * dtype.itemsize), dtype=dtype, count=numel).view(shape)
 
 
 def pinned_capacity(rows: int, row_bytes: int, max_rows: int | None = None) -> int:
@@ -41,6 +56,8 @@ class RowBuffer:
             row = self.batch * self.heads * self.width * self.dtype.itemsize
             capacity = pinned_capacity(capacity, row, self.max_rows)
         shape = (self.batch, self.heads, capacity, self.width)
+        if self.device.type == "cpu" and not self.pin:
+            return host_empty(shape, self.dtype)
         return torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
     @property
@@ -137,6 +154,10 @@ class RowBuffer:
         for i, r in enumerate(rows):
             data[i, :, :n].copy_(old[r, :, trim : self.length])
         self.data, self.length = data, n
+
+    def free(self) -> None:
+        """Drop the contents and their memory."""
+        self.length, self.data = 0, self._alloc(0)
 
     def _new(self, batch: int, capacity: int) -> torch.Tensor:
         if self.max_rows is not None:

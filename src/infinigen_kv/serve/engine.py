@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import json
 import logging
 import os
@@ -137,6 +138,24 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _libc_trim():
+    """glibc's malloc_trim, or None: freed cache buffers (a few MB each, below malloc's mmap threshold) stay
+    in the heap, resident, until it is trimmed; rows joining and leaving free such buffers all the time."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+malloc_trim = _libc_trim()
+
+
+def release_memory() -> None:
+    """Return the heap's free pages to the OS (after a batch's cache moved or shrank)."""
+    if malloc_trim is not None:
+        malloc_trim(0)
+
+
 POOL_SHARE = 0.5  # the default --max-pool-bytes: this share of the memory free when the server starts
 BATCHING = ("continuous", "static")
 
@@ -155,7 +174,7 @@ class Engine:
     (TooLarge, a 400)."""
 
     def __init__(self, model, tokenizer, method: str = "infinigen", options: dict | None = None,
-                 max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
+                 max_batch: int = 32, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
                  max_pool_bytes: int | None = None):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
@@ -315,6 +334,7 @@ class Engine:
         t0, start = time.perf_counter(), p.done
         try:
             done = p.step()
+            release_memory()  # a chunk's activations (tens of MB, larger as the prompt goes on)
             self.metrics.prefill_tokens.inc(p.done - start)
         except Exception as e:
             self.prefill = None
@@ -330,6 +350,7 @@ class Engine:
                     self._fail_batch(e)
                 return
             self.rows.append(Row(job, TextStream(self.tokenizer, job.stop)))
+            release_memory()  # the prefill's buffers and the batch's old ones
         self.metrics.prefill_seconds.inc(time.perf_counter() - t0)
 
     def _decode_step(self) -> None:
@@ -343,6 +364,8 @@ class Engine:
             if not live:
                 self._snapshot()  # the batch's cache (and its statistics) goes with its last row
             self.batch.retain(live)
+            if len(live) < len(rows):
+                release_memory()
             self.rows = [rows[b] for b in live]
             if self.rows:
                 self.batch.forward(ids[live])
