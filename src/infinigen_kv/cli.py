@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "SmolLM2-135M-Instruct)")
     v.add_argument("--api-key", default=os.environ.get("INFINIGEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $INFINIGEN_API_KEY; none = open)")
-    v.add_argument("--max-batch", type=_positive_int, default=32, help="rows of the running batch at most")
+    v.add_argument("--max-batch", type=_positive_int, default=8, help="rows of the running batch at most")
     v.add_argument("--batching", choices=["continuous", "static"], default="continuous",
                    help="continuous: requests join and leave the running batch at every step; static: a batch "
                    "forms when none runs and runs to its end (for comparison)")

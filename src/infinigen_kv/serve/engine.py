@@ -174,7 +174,7 @@ class Engine:
     (TooLarge, a 400)."""
 
     def __init__(self, model, tokenizer, method: str = "infinigen", options: dict | None = None,
-                 max_batch: int = 32, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
+                 max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
                  max_pool_bytes: int | None = None):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")

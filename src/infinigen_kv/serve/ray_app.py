@@ -65,7 +65,7 @@ def application(replicas: int, load: dict, method: str, options: dict, engine: d
     cpus = cpus if cpus is not None else max(1, (os.cpu_count() or 1) // replicas)
     deployment = serve.deployment(serve.ingress()(Replica), name="infinigen", num_replicas=replicas,
                                   ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
-                                  max_ongoing_requests=engine.get("queue_size", 64) + engine.get("max_batch", 32),
+                                  max_ongoing_requests=engine.get("queue_size", 64) + engine.get("max_batch", 8),
                                   health_check_period_s=5, health_check_timeout_s=30,
                                   graceful_shutdown_timeout_s=grace_s)
     return deployment.bind(load, method, options, engine, app, int(cpus) or None)
