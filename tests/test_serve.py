@@ -321,6 +321,11 @@ def test_metrics(server):
         assert name in text
     assert server.metric("infinigen_completion_tokens_total") > 0
     assert 0 < server.metric("infinigen_fetched_fraction") <= 1
+    # where the worker's time went (issue 14): prompt tokens and decode steps served so far
+    assert server.metric("infinigen_prefill_tokens_total") >= server.metric("infinigen_prompt_tokens_total") > 0
+    assert server.metric("infinigen_prefill_seconds_total") > 0 and server.metric("infinigen_decode_seconds_total") > 0
+    steps = server.metric("infinigen_decode_steps_total")
+    assert 0 < steps <= server.metric("infinigen_decode_rows_total")
 
 
 def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):

@@ -26,7 +26,7 @@ def host_empty(shape: tuple, dtype) -> torch.Tensor:
     """An uninitialized host tensor. A large one is an anonymous mapping of its own, unmapped (returned to
     the OS) as soon as the tensor is freed: buffers of changing sizes allocated and freed through malloc
     (each batch a server's rows join or leave reallocates them) fragment its heap, and the process keeps
-    resident memory it no longer uses (measured: 3.6x a 400 MB pool limit; docs/BENCHMARKS.md)."""
+    resident memory it no longer uses (measured: 3.8x a 400 MB pool limit; docs/BENCHMARKS.md)."""
     numel = math.prod(shape)
     if numel * dtype.itemsize < MMAP_BYTES:
         return torch.empty(shape, dtype=dtype)

@@ -197,7 +197,7 @@ class Engine:
         # what the worker shows the rest (read without a lock: ints and floats, replaced whole)
         self.running = 0  # rows decoding + the job in prefill
         self.pool_bytes = 0  # bytes of the running batch's cache and the prefill's
-        self.last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0, "pool_bytes": 0}
+        self.last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}  # snapshots (_snapshot)
         probe = make_cache(method, model, **self.options)  # calibrates now (or loads), not on the first request
         Prefill(model, probe, [min(self.eos) if self.eos else 0] * 2).step()  # buffers to measure
         self.token_bytes, self.entries = probe.token_bytes(), probe.entries  # the cost model (admits)
@@ -378,7 +378,7 @@ class Engine:
         m.decode_rows.inc(len(rows))
 
     def _token(self, row: Row, t: int, lps, b: int, now: float) -> bool:
-        """Hand row's new token t to its job; False once the row is done (ended, cancelled, stopping)."""
+        """Hand row's new token t to its job; False once the row is done (ended or cancelled)."""
         job = row.job
         if job.cancelled:
             return False
@@ -443,13 +443,12 @@ class Engine:
         start, tokens = self._window
         now = time.perf_counter()
         stats = self.batch.cache.stats if self.batch.cache is not None else {}
-        last = dict(self.last)
+        last = dict(self.last)  # replaced whole: the metrics read it from another thread
         if tokens:
             last["decode_tokens_per_s"] = tokens / (now - start)
         if stats.get("decode_steps"):
             last["fetched_fraction"] = stats["fetched_fraction"]
-        self.last = {**last, "pool_bytes": self.pool_bytes, "batch": len(self.rows)}
-        self._window = [now, 0]
+        self.last, self._window = last, [now, 0]
 
     def _entry(self, token: int, logprob: float, alternatives) -> dict:
         """One token's logprob entry, in the chat API's form (the completions form is derived from it)."""
