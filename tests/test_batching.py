@@ -34,10 +34,11 @@ def run(model, method, options, plan, chunk=16, temperature=0.0):
             for name, t in zip(rows, ids.tolist()):
                 out[name].append(t)
             live = [i for i, name in enumerate(rows) if len(out[name]) < plan[name][2]]
-            batch.retain(live)
-            rows = [rows[i] for i in live]
+            order = batch.retain(live)
+            assert sorted(order) == live
+            rows = [rows[i] for i in order]
             if rows:
-                batch.forward(ids[live])
+                batch.forward(ids[order])
         step += 1
     return out
 

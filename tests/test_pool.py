@@ -122,3 +122,42 @@ def test_staging_ring_is_shared_in_turn_and_refuses_overrun():
         ring.acquire()  # slot 1 is still held by its fetch: never overwrite it
     ring.reset()  # a cache reused for a new prompt: nothing is in flight
     assert ring.acquire() == 0
+
+
+def test_join_and_retain_copy_only_the_rows_that_move():
+    """Continuous batching on host memory: a sequence joining a batch whose rows stay where they are is
+    written into the store's spare rows, and one leaving has its place taken by the last row; the store
+    (and every other row) stays put."""
+    def buf(x):
+        b = RowBuffer(1, 2, 4, torch.float32, "cpu")
+        b.append(x)
+        return b
+
+    pad = lambda x, n: torch.nn.functional.pad(x, (0, 0, n - x.shape[2], 0))  # left padding to n columns
+    xa, xb, xc = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 8, 4)
+    a = buf(xa)
+    a.join(buf(xb), 0, 4, room=3)  # a new store, with spare rows and columns
+    store = a.store
+    a.join(buf(xc), 0, 2, room=3)
+    assert a.store is store and a.batch == 3 and a.length == 10
+    torch.testing.assert_close(a.valid(), torch.cat([xa, pad(xb, 10), pad(xc, 10)]))
+    a.retain([0, 2], 0, room=3)  # row 1 leaves: row 2 takes its place
+    assert a.store is store and a.batch == 2
+    torch.testing.assert_close(a.valid(), torch.cat([xa, pad(xc, 10)]))
+    a.retain([1], trim=2, room=3)  # columns go: a new, narrower store
+    assert a.store is not store and a.length == 8
+    torch.testing.assert_close(a.valid(), xc)
+
+
+def test_rows_that_leave_give_their_pages_back():
+    """A large host buffer is an anonymous mapping: the rows of sequences that left are released (they read
+    as zeros, and are not resident)."""
+    b = RowBuffer(1, 1, 256, torch.float32, "cpu")  # 1 KiB per column: mapped
+    b.append(torch.randn(1, 1, 1500, 256))
+    other = RowBuffer(1, 1, 256, torch.float32, "cpu")
+    other.append(torch.randn(1, 1, 1500, 256))
+    b.join(other, 0, 0, room=1)
+    assert b._map is not None and bool(b.store[1].abs().sum() > 0)
+    b.retain([0])
+    assert b.batch == 1 and b.nbytes == 1500 * 1024
+    assert float(b.store[1].abs().sum()) == 0.0

@@ -8,8 +8,8 @@ that are padding in every row are trimmed when a row leaves.
     while not p.step(): ...                        # interleave with batch steps
     batch.join(p, temperature=0.0, top_p=1.0, seed=None, max_tokens=64)
     ids, lp = batch.sample()                      # (B,) next ids, from the last logits
-    batch.retain([0, 2])                          # rows that go on (the others ended)
-    batch.forward(ids[[0, 2]])                    # their next logits
+    order = batch.retain([0, 2])                  # rows that go on (the others ended), in their new order
+    batch.forward(ids[order])                     # their next logits
 
 The caches implement `join` and `retain` (layer.Rebatch); a sequence's tokens do not depend on what else
 shares its batch (tests/test_batching.py).
@@ -105,22 +105,31 @@ class RunningBatch:
         return ids, (token_logprobs(self.logits, ids, logprobs) if logprobs is not None else None)
 
     @torch.inference_mode()
-    def retain(self, rows: list[int]) -> None:
-        """Keep only `rows` (their order); columns that are padding in all of them go."""
-        if rows == list(range(len(self))):
-            return
+    def retain(self, rows: list[int]) -> list[int]:
+        """Keep only `rows`; returns them in their new order: a row before the first that left keeps its
+        place, and each that left has its place taken by one of the last rows (one row's copy in the cache,
+        not the batch's). Columns that are padding in every kept row go once they are a quarter of the
+        batch's (dropping them copies every row)."""
+        k, keep = len(rows), set(rows)
+        if k == len(self):
+            return list(range(k))
         if not rows:
             self.__init__(self.model)
-            return
-        index = torch.tensor(rows, device=self.device)
+            return []
+        movers = iter(r for r in sorted(rows) if r >= k)
+        order = [i if i in keep else next(movers) for i in range(k)]
+        index = torch.tensor(order, device=self.device)
         mask = self.mask[index]
         trim = int(mask.any(0).long().argmax())  # leading all-padding columns
-        self.remaining = [self.remaining[i] for i in rows]
-        self.generators = [self.generators[i] for i in rows]
-        self.cache.retain(rows, trim, self.room())
+        if 4 * trim < mask.shape[1]:
+            trim = 0
+        self.remaining = [self.remaining[i] for i in order]
+        self.generators = [self.generators[i] for i in order]
+        self.cache.retain(order, trim, self.room())
         self.mask = mask[:, trim:]
         self.pos, self.logits = self.pos[index], self.logits[index]
         self.temperature, self.top_p = self.temperature[index], self.top_p[index]
+        return order
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> None:

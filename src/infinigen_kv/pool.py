@@ -27,10 +27,26 @@ def host_empty(shape: tuple, dtype) -> torch.Tensor:
     the OS) as soon as the tensor is freed: buffers of changing sizes allocated and freed through malloc
     (each batch a server's rows join or leave reallocates them) fragment its heap, and the process keeps
     resident memory it no longer uses (measured: 3.8x a 400 MB pool limit; docs/BENCHMARKS.md)."""
+    return host_mapped(shape, dtype)[0]
+
+
+def host_mapped(shape: tuple, dtype, min_bytes: int = MMAP_BYTES) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """host_empty, with its mapping (None for a tensor under min_bytes, from malloc). A mapping's pages take
+    memory only once written, and release_pages gives them back."""
     numel = math.prod(shape)
-    if numel * dtype.itemsize < MMAP_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, numel * dtype.itemsize), dtype=dtype, count=numel).view(shape)
+    if numel * dtype.itemsize < max(min_bytes, 1):
+        return torch.empty(shape, dtype=dtype), None
+    m = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: see release_pages
+    return torch.frombuffer(m, dtype=dtype, count=numel).view(shape), m
+
+
+def release_pages(m: mmap.mmap | None, start: int, end: int) -> None:
+    """Give the pages wholly inside bytes [start, end) of a private mapping back to the OS (they read as
+    zeros after; a shared one would keep them)."""
+    page = mmap.PAGESIZE
+    start, end = -(-start // page) * page, end // page * page
+    if m is not None and end > start and hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def pinned_capacity(rows: int, row_bytes: int, max_rows: int | None = None) -> int:
@@ -41,7 +57,12 @@ def pinned_capacity(rows: int, row_bytes: int, max_rows: int | None = None) -> i
 
 
 class RowBuffer:
-    """A (B, G, capacity, width) tensor whose first `length` rows along dim 2 are valid."""
+    """A (B, G, capacity, width) tensor whose first `length` rows along dim 2 are valid.
+
+    `data` is the first B sequences of `store`, which may hold more: on host memory mapped lazily (not
+    pinned) a buffer keeps spare sequences and columns, which cost nothing until written, so that a
+    sequence joining a running batch is one copy of its own rows and one leaving is one copy of the last
+    row into its place (continuous batching), not a copy of the whole batch."""
 
     def __init__(self, batch: int, heads: int, width: int, dtype, device, pin: bool = False,
                  max_rows: int | None = None):
@@ -49,16 +70,29 @@ class RowBuffer:
         self.dtype, self.device, self.pin = dtype, torch.device(device), pin
         self.max_rows = max_rows  # never allocate more rows than this (a byte-limited pool)
         self.length = 0
-        self.data = self._alloc(0)
+        self._set(*self._alloc(batch, 0))
 
-    def _alloc(self, capacity: int) -> torch.Tensor:
+    @property
+    def spare(self) -> bool:
+        """Whether this buffer allocates ahead (lazily mapped host memory: free until written)."""
+        return self.device.type == "cpu" and not self.pin
+
+    def _alloc(self, batch: int, capacity: int) -> tuple[torch.Tensor, mmap.mmap | None]:
         if self.pin and capacity:
-            row = self.batch * self.heads * self.width * self.dtype.itemsize
+            row = batch * self.heads * self.width * self.dtype.itemsize
             capacity = pinned_capacity(capacity, row, self.max_rows)
-        shape = (self.batch, self.heads, capacity, self.width)
-        if self.device.type == "cpu" and not self.pin:
-            return host_empty(shape, self.dtype)
-        return torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin)
+        shape = (batch, self.heads, capacity, self.width)
+        if self.spare:  # mapped whatever its size: its spare rows and columns must cost nothing
+            return host_mapped(shape, self.dtype, min_bytes=0)
+        return torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin), None
+
+    def _set(self, store: torch.Tensor, mapping: mmap.mmap | None, batch: int | None = None) -> None:
+        """Make `store` the allocation and its first `batch` sequences the data."""
+        self.store, self._map = store, mapping
+        if batch is not None:
+            self.batch = batch
+        self.data = store[: self.batch]
+        self._base_key = None  # row_base() changes with the capacity and the batch
 
     @property
     def capacity(self) -> int:
@@ -66,7 +100,9 @@ class RowBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes the sequences hold: their allocation, or the columns written where only those are resident."""
+        columns = self.length if self._map is not None else self.capacity
+        return self.batch * self.heads * columns * self.width * self.dtype.itemsize
 
     def reserve(self, rows: int, room: bool = True) -> None:
         """Make room for `rows` rows in total, keeping the contents; with `room`, for growth past them too
@@ -82,9 +118,9 @@ class RowBuffer:
             if rows > self.max_rows:
                 raise ValueError(f"{rows} rows asked of a buffer limited to {self.max_rows}")
             capacity = min(capacity, self.max_rows)
-        data = self._alloc(capacity)
-        data[:, :, : self.length].copy_(self.data[:, :, : self.length])
-        self.data = data
+        store, mapping = self._alloc(self.store.shape[0], capacity)
+        store[: self.batch, :, : self.length].copy_(self.valid())
+        self._set(store, mapping)
 
     def append(self, x: torch.Tensor) -> None:
         """Append rows x (B, G, T, width) after the valid ones."""
@@ -137,33 +173,55 @@ class RowBuffer:
     def join(self, other: "RowBuffer", at_self: int, at_other: int, room: int = 0) -> None:
         """Append other's sequences (dim 0) after this buffer's; this one's rows move to column at_self and
         other's to at_other (left padding: zeros), `length` becomes the longer end, with capacity for `room`
-        more rows. One copy of each buffer."""
+        more rows. In place (a copy of other's rows) when this one's stay where they are and the store has
+        the room; else one copy of each buffer into a new store."""
         n, B = max(self.length + at_self, other.length + at_other), self.batch
-        data = self._new(B + other.batch, n + room)
-        for rows, src, at in ((slice(0, B), self, at_self), (slice(B, None), other, at_other)):
-            data[rows, :, :at].zero_()
-            data[rows, :, at : at + src.length].copy_(src.valid())
-            data[rows, :, at + src.length : n].zero_()
-        self.data, self.length = data, n
+        total = B + other.batch
+        moves = [(slice(B, total), other, at_other)]
+        if at_self or total > self.store.shape[0] or n + room > self.capacity:
+            store, mapping = self._alloc(2 * total if self.spare else total, self._columns(n + room))
+            moves.insert(0, (slice(0, B), self, at_self))
+        else:
+            store, mapping = self.store, self._map
+            store[:B, :, self.length : n].zero_()
+        for rows, src, at in moves:
+            data = store[rows]
+            data[:, :, :at].zero_()
+            data[:, :, at : at + src.length].copy_(src.valid())
+            data[:, :, at + src.length : n].zero_()
+        self._set(store, mapping, total)
+        self.length = n
 
     def retain(self, rows: list[int], trim: int = 0, room: int = 0) -> None:
-        """Keep the sequences `rows` only, without their first `trim` columns (padding every row
-        has), with capacity for `room` more rows. One copy."""
-        n, old = self.length - trim, self.data
-        data = self._new(len(rows), n + room)
+        """Keep the sequences `rows` only, without their first `trim` columns (padding every row has), with
+        capacity for `room` more rows. In place when nothing is trimmed and each kept sequence stays or
+        moves into the place of one that left (a copy of the moved ones); else one copy into a new store."""
+        n, k = self.length - trim, len(rows)
+        if not trim and n + room <= self.capacity and all(r == i or r >= k for i, r in enumerate(rows)):
+            for i, r in enumerate(rows):
+                if r != i:
+                    self.store[i, :, :n].copy_(self.store[r, :, :n])
+            row = self.heads * self.capacity * self.width * self.dtype.itemsize
+            release_pages(self._map, k * row, self.batch * row)  # the sequences that left
+            self._set(self.store, self._map, k)
+            return
+        store, mapping = self._alloc(max(k, self.store.shape[0]) if self.spare else k, self._columns(n + room))
         for i, r in enumerate(rows):
-            data[i, :, :n].copy_(old[r, :, trim : self.length])
-        self.data, self.length = data, n
+            store[i, :, :n].copy_(self.data[r, :, trim : self.length])
+        self._set(store, mapping, k)
+        self.length = n
+
+    def _columns(self, needed: int) -> int:
+        """Columns to allocate for `needed`: spare ones where they cost nothing until written, so that the
+        sequences joining later fit without a new store (a multiple of CHUNK: each sequence's rows then
+        start on a page, and release_pages frees them whole)."""
+        columns = -(-(needed + CHUNK) // CHUNK) * CHUNK if self.spare else needed
+        return min(columns, self.max_rows) if self.max_rows is not None else columns
 
     def free(self) -> None:
         """Drop the contents and their memory."""
-        self.length, self.data = 0, self._alloc(0)
-
-    def _new(self, batch: int, capacity: int) -> torch.Tensor:
-        if self.max_rows is not None:
-            capacity = min(capacity, self.max_rows)
-        self.batch, self._base_key = batch, None  # row_base() changes with the batch
-        return self._alloc(capacity)
+        self.length = 0
+        self._set(*self._alloc(self.batch, 0))
 
 
 POLICIES = ("fifo", "lru", "counter")

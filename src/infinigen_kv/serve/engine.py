@@ -363,12 +363,12 @@ class Engine:
             live = [b for b, t in enumerate(ids.tolist()) if self._token(rows[b], t, lps, b, now)]
             if not live:
                 self._snapshot()  # the batch's cache (and its statistics) goes with its last row
-            self.batch.retain(live)
+            order = self.batch.retain(live)
             if len(live) < len(rows):
                 release_memory()
-            self.rows = [rows[b] for b in live]
+            self.rows = [rows[b] for b in order]
             if self.rows:
-                self.batch.forward(ids[live])
+                self.batch.forward(ids[order])
                 self._window[1] += len(live)
         except Exception as e:
             self._fail_batch(e)
