@@ -1,7 +1,7 @@
 """Continuous (iteration-level) batching: sequences decode together through one running cache; each joins
 between two decode steps once its own prefill (chunked, in a cache of its own) is done, and leaves at the
 step it ends. Rows are left-padded to a common length; the attention mask marks the padding, and columns
-that are padding in every row are trimmed when a row leaves.
+that are padding in every row are trimmed when a row leaves and they are a quarter of the batch's.
 
     batch = RunningBatch(model)
     p = Prefill(model, make_cache("infinigen", model), ids, chunk=512)
@@ -106,10 +106,10 @@ class RunningBatch:
 
     @torch.inference_mode()
     def retain(self, rows: list[int]) -> list[int]:
-        """Keep only `rows`; returns them in their new order: a row before the first that left keeps its
-        place, and each that left has its place taken by one of the last rows (one row's copy in the cache,
-        not the batch's). Columns that are padding in every kept row go once they are a quarter of the
-        batch's (dropping them copies every row)."""
+        """Keep only `rows`; returns them in their new order: a kept row among the first len(rows) keeps its
+        place, and the places of those that left are taken by the kept rows after them (a copy of those
+        rows in the cache, not of the batch). Columns that are padding in every kept row go once they are a
+        quarter of the batch's (dropping them copies every row)."""
         k, keep = len(rows), set(rows)
         if k == len(self):
             return list(range(k))
