@@ -113,3 +113,18 @@ def test_rows_leaving_free_the_cache(tiny_models):
     assert batch.cache.layers[0].nbytes < both / 2
     batch.retain([])
     assert batch.cache is None and len(batch) == 0
+
+
+def test_a_row_leaving_moves_only_the_last_row(tiny_models):
+    """A retire keeps the rows in place, the last one taking the place of the one that left, and keeps
+    padding columns that are under a quarter of the batch's (dropping them would copy every row)."""
+    model = tiny_models["llama-gqa"]
+    batch = RunningBatch(model)
+    for n, seed in ((60, 1), (50, 2), (55, 3)):
+        p = Prefill(model, ig.make_cache("full", model), prompt(n, seed))
+        p.step()
+        batch.join(p, 0.0, 1.0, None, 5)
+    store = batch.cache.layers[0].k.store
+    assert batch.retain([1, 2]) == [2, 1]  # row 0 (60 tokens) leaves; row 2 takes its place
+    assert batch.cache.layers[0].k.store is store  # in place
+    assert batch.mask.shape == (2, 60) and batch.mask.sum(1).tolist() == [55, 50]  # 5 padding columns stay

@@ -19,22 +19,16 @@ import mmap
 import torch
 
 CHUNK = 1024  # rows; growth is at least this and at least 50% of the current capacity
-MMAP_BYTES = 1 << 20  # host buffers at least this large get pages of their own (see host_empty)
 
 
-def host_empty(shape: tuple, dtype) -> torch.Tensor:
-    """An uninitialized host tensor. A large one is an anonymous mapping of its own, unmapped (returned to
-    the OS) as soon as the tensor is freed: buffers of changing sizes allocated and freed through malloc
-    (each batch a server's rows join or leave reallocates them) fragment its heap, and the process keeps
-    resident memory it no longer uses (measured: 3.8x a 400 MB pool limit; docs/BENCHMARKS.md)."""
-    return host_mapped(shape, dtype)[0]
-
-
-def host_mapped(shape: tuple, dtype, min_bytes: int = MMAP_BYTES) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """host_empty, with its mapping (None for a tensor under min_bytes, from malloc). A mapping's pages take
-    memory only once written, and release_pages gives them back."""
+def host_mapped(shape: tuple, dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """An uninitialized host tensor in an anonymous private mapping of its own, and the mapping (None when
+    empty). Its pages take memory only once written, release_pages gives them back, and all of it goes
+    back to the OS when the tensor is freed: buffers of changing sizes allocated and freed through malloc
+    (rows join and leave a server's batch all the time) fragment its heap, and the process keeps resident
+    memory it no longer uses (measured: 3.8x a 400 MB pool limit; docs/BENCHMARKS.md)."""
     numel = math.prod(shape)
-    if numel * dtype.itemsize < max(min_bytes, 1):
+    if numel == 0:
         return torch.empty(shape, dtype=dtype), None
     m = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: see release_pages
     return torch.frombuffer(m, dtype=dtype, count=numel).view(shape), m
@@ -82,8 +76,8 @@ class RowBuffer:
             row = batch * self.heads * self.width * self.dtype.itemsize
             capacity = pinned_capacity(capacity, row, self.max_rows)
         shape = (batch, self.heads, capacity, self.width)
-        if self.spare:  # mapped whatever its size: its spare rows and columns must cost nothing
-            return host_mapped(shape, self.dtype, min_bytes=0)
+        if self.spare:  # its spare rows and columns cost nothing until written
+            return host_mapped(shape, self.dtype)
         return torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin), None
 
     def _set(self, store: torch.Tensor, mapping: mmap.mmap | None, batch: int | None = None) -> None:
