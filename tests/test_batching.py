@@ -6,6 +6,8 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.batching import Prefill, RunningBatch
+from infinigen_kv.baselines import make_cache
+from infinigen_kv.generation import generate, prefill
 
 # (name, method, options): exact at full budget for every method; infinigen also at its default budget
 METHODS = [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0}),
@@ -128,3 +130,30 @@ def test_a_row_leaving_moves_only_the_last_row(tiny_models):
     assert batch.retain([1, 2]) == [2, 1]  # row 0 (60 tokens) leaves; row 2 takes its place
     assert batch.cache.layers[0].k.store is store  # in place
     assert batch.mask.shape == (2, 60) and batch.mask.sum(1).tolist() == [55, 50]  # 5 padding columns stay
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "opt"])
+def test_a_fork_decodes_as_a_fresh_cache(tiny_models, kind):
+    """Prefill once, fork per budget: each fork decodes exactly as a cache prefilled on its own (tokens and
+    logprobs), and decoding a fork leaves the prefilled cache as it was."""
+    model = tiny_models[kind]
+    ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0))
+
+    def run(cache, prefilled=None):
+        steps = []
+        r = generate(model, ids, cache=cache, max_new_tokens=10, stop_at_eos=False, prefilled=prefilled,
+                     logprobs=1, on_step=lambda i, t, lp: steps.append(lp[0]))
+        return r.tokens, torch.stack(steps), cache.stats["fetched_fraction"]
+
+    for method, budgets in (("infinigen", [0.2, 16, 0.5]), ("h2o", [0.2, 16]), ("streaming", [0.3, 16]),
+                            ("full", [None]), ("quant", [None])):
+        base = make_cache(method, model, budget=budgets[0])
+        logits = prefill(model, ids, None, base, 10)
+        for b in budgets:
+            tokens, lp, fetched = run(base.fork(budget=b), logits)
+            ref_tokens, ref_lp, ref_fetched = run(make_cache(method, model, budget=b))
+            assert torch.equal(tokens, ref_tokens), (method, b)
+            torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0)
+            assert fetched == ref_fetched
+    with pytest.raises(ValueError, match="no budget"):
+        make_cache("full", model).fork(budget=0.1)

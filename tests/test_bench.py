@@ -178,3 +178,33 @@ def test_bench_accuracy_ruler_suite_and_mean(tmp_path, capsys):
         got = [r["value"] for r in rows if (r["method"], r["budget"]) == key and r["task"] != "ruler-mean-880"]
         assert mean == pytest.approx(sum(got) / len(got), abs=1e-4)
     one_line_error(cli("bench", "accuracy", "--tasks", "niah_single_2", ok=False), "need text")
+
+
+def test_bench_accuracy_resumes_from_its_samples(tmp_path, capsys, monkeypatch):
+    """Per-sample results go to OUT/samples.jsonl; --resume runs only what is missing and gives the same table
+    as one run; other settings are a one-line error, not a mixed table."""
+    from infinigen_kv.bench import accuracy
+    from infinigen_kv.cli import main
+
+    model_dir = save_tiny(tmp_path / "model")
+    args = ["bench", "accuracy", "--model", model_dir, "--methods", "full,infinigen,h2o", "--tasks", "passkey,niah",
+            "--budget", "0.2,32", "--lengths", "200", "--json"]
+    assert main([*args, "--samples", "2", "--out", str(tmp_path / "one")]) == 0
+    one = json.loads(capsys.readouterr().out)["rows"]
+    lines = (tmp_path / "one" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 2 * 2 * 5  # header; 2 tasks x 2 samples x (full, infinigen x 2, h2o x 2)
+
+    prefills = []
+    real = accuracy.prefill
+    monkeypatch.setattr(accuracy, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    out = str(tmp_path / "two")
+    assert main([*args, "--samples", "1", "--out", out]) == 0
+    assert len(prefills) == 2 * 3  # one prefill per prompt and method, whatever the budgets
+    capsys.readouterr()
+    prefills.clear()
+    assert main([*args, "--samples", "2", "--out", out, "--resume"]) == 0
+    assert len(prefills) == 2 * 3  # only the second sample's
+    assert json.loads(capsys.readouterr().out)["rows"] == one
+    r = cli(*[a for a in args if a != "--json"], "--samples", "2", "--out", out, "--resume", "--alpha", "3", ok=False)
+    one_line_error(r, "holds results of other settings")
+    one_line_error(cli("bench", "accuracy", "--tasks", "passkey", "--resume", ok=False), "--resume needs --out")

@@ -14,6 +14,8 @@ The cache reports the logical length, so transformers builds masks and positions
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
@@ -293,6 +295,23 @@ class InfiniGenCache(Rebatch, Cache):
         pool grows inside decode (a pinned pool's growth re-allocates and re-pins every layer at one step).
         `ig.generate` calls it before the prefill; beyond it, buffers still grow in chunks."""
         self.reserved = max(self.reserved, int(tokens))
+
+    def set_budget(self, budget: float) -> None:
+        """A new budget (the cap of each decode step's fetch)."""
+        self.config = dataclasses.replace(self.config, budget=budget)
+        self.selection.reset()  # per-step caps memoized under the old budget
+
+    def shared(self) -> dict:
+        """A fork shares the model's modules, the calibration and what is derived from it; it gets transfer
+        engines of its own (a CUDA one owns its stream, events and staging buffers)."""
+        memo = super().shared()
+        for obj in (self.calibration, self.skew_partial, self.pq_weight, self.pq_bias, self.pq_rows,
+                    self.pq_channels):
+            if obj is not None:
+                memo[id(obj)] = obj
+        for device, transfer in self._transfers.items():
+            memo[id(transfer)] = make_transfer(device)
+        return memo
 
     def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """Storage of the partial key cache for a model computing in `dtype` on `device`: "auto" stores

@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--lmeval-include", default=None, help="lmeval task: directory of task YAMLs (local data) (default: lm-eval's own)")
     a.add_argument("--lmeval-limit", type=_positive_int, default=None, help="lmeval task: documents per task (default: all)")
     a.add_argument("--out", default=None, help="directory for JSON and markdown results (default: none, stdout only)")
+    a.add_argument("--resume", action="store_true", help="go on from the per-sample results a run with the same "
+                   "settings left in --out (samples.jsonl); without it a run starts over")
     a.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)")
@@ -410,6 +412,8 @@ def cmd_bench_accuracy(args) -> dict:
         except ImportError:
             raise CLIError("the lmeval task needs lm-evaluation-harness: pip install 'infinigen-kv[lmeval]'") from None
         lmeval = {"tasks": args.lmeval_tasks.split(","), "include_path": args.lmeval_include, "limit": args.lmeval_limit}
+    if args.resume and not args.out:
+        raise CLIError("--resume needs --out (the directory of the run to go on from)")
     if args.prefix >= args.window:
         raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
     model, tok = _load(args)
@@ -417,7 +421,7 @@ def cmd_bench_accuracy(args) -> dict:
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
                         new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval,
-                        windows=args.windows)
+                        windows=args.windows, resume=args.resume)
 
 
 def cmd_bench_speed(args) -> dict:

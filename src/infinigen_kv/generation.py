@@ -66,6 +66,22 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int):
 
 
 @torch.inference_mode()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+            max_new_tokens: int = 0) -> torch.Tensor:
+    """The prompt input_ids (B, n) (left-padded, with attention_mask (B, n)) into `cache`, sized for
+    max_new_tokens more: the last position's logits (B, V)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if hasattr(cache, "reserve"):  # our caches: buffers sized for the whole run, none grows inside decode
+        cache.reserve(input_ids.shape[1] + max_new_tokens)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
+    return model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    ).logits[:, -1]
+
+
+@torch.inference_mode()
 def generate(
     model,
     input_ids: torch.Tensor,
@@ -80,6 +96,7 @@ def generate(
     progress: str | None = None,
     on_step=None,
     logprobs: int | None = None,
+    prefilled: torch.Tensor | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
 
@@ -88,7 +105,8 @@ def generate(
     (streaming); it returns True to stop. logprobs is None unless `logprobs` = k is given: then it is
     (logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)), of the model's own
     distribution (before temperature and top-p, as OpenAI-style servers report them). Stops early once
-    every sequence has produced an EOS (when stop_at_eos).
+    every sequence has produced an EOS (when stop_at_eos). prefilled: the prefill's last logits (B, V) when
+    `cache` already holds input_ids (a `fork` of a cache prefilled by `prefill`): decoding starts from them.
     """
     device = input_ids.device
     B, n = input_ids.shape
@@ -114,15 +132,12 @@ def generate(
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     # a bar only when asked for and on a terminal (disable=None: tqdm's own TTY check)
     bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=True if progress is None else None)
-    if hasattr(cache, "reserve"):  # our caches: buffers sized for the whole run, none grows inside decode
-        cache.reserve(n + max_new_tokens)
-
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(
-        input_ids=input_ids, attention_mask=mask[:, :n], position_ids=positions,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
-    ).logits[:, -1]
+    if prefilled is None:
+        logits = prefill(model, input_ids, attention_mask, cache, max_new_tokens)
+    else:
+        logits = prefilled
     next_pos = positions[:, -1:] + 1  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -77,6 +79,25 @@ class Rebatch:
         for layer in self.layers:
             layer.retain(list(rows), trim, room)
         self.rebatched()
+
+    @torch.inference_mode()
+    def fork(self, budget: float | None = None):
+        """An independent copy of this cache between two forwards, with `budget` if given: prefill a prompt
+        once, then decode it under several budgets (the budget acts only in decode). Buffers and state are
+        copied; what the cache shares with the model (its modules, the calibration) stays shared."""
+        self.settle()
+        twin = copy.deepcopy(self, self.shared())
+        if budget is not None:
+            twin.set_budget(budget)
+        return twin
+
+    def shared(self) -> dict:
+        """deepcopy memo of what a fork shares with this cache: id -> the object itself."""
+        arch = getattr(self, "arch", None)
+        return {id(arch): arch} if arch is not None else {}
+
+    def set_budget(self, budget: float) -> None:
+        raise ValueError(f"{type(self).__name__} has no budget")
 
     def token_bytes(self) -> int:
         """Bytes one kept token of one sequence takes, over all layers (an initialized cache)."""

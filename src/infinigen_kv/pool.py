@@ -13,6 +13,7 @@ recently fetched) or `counter` (fewest fetches, the paper's default), ties to th
 
 from __future__ import annotations
 
+import copy
 import math
 import mmap
 
@@ -211,6 +212,13 @@ class RowBuffer:
         start on a page, and release_pages frees them whole)."""
         columns = -(-(needed + CHUNK) // CHUNK) * CHUNK if self.spare else needed
         return min(columns, self.max_rows) if self.max_rows is not None else columns
+
+    def __deepcopy__(self, memo) -> "RowBuffer":
+        """A buffer of its own with the same valid rows (Rebatch.fork): a new allocation of the same kind."""
+        twin = copy.copy(self)
+        twin._set(*self._alloc(self.batch, self.capacity))
+        twin.valid().copy_(self.valid())
+        return twin
 
     def free(self) -> None:
         """Drop the contents and their memory."""

@@ -196,6 +196,13 @@ class EvictingCache(Rebatch, Cache):
     def entries(self, tokens: int) -> int:
         return budget_caps(tokens, self.budget)
 
+    def set_budget(self, budget: float) -> None:
+        """A new budget, before the first decode step (the prefill keeps everything until then)."""
+        if any(l.is_initialized and not l.compact_due for l in self.layers):
+            raise RuntimeError(f"{self.method}: the budget is fixed once decoding has evicted entries")
+        check_budget(budget)
+        self.budget = budget
+
     def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
         """The pre-hook: remember which positions of this forward are valid (padding excluded)."""
         if layer_idx == 0:  # (not layer 0's window: keep_source)

@@ -10,11 +10,14 @@ Tasks (deterministic for a seed):
   up to the first divergence (`agreement_prefix`) and overall (`agreement_overall`).
 - `lmeval`: lm-evaluation-harness tasks (`lmeval.py`), for users with the datasets locally; not in the
   default list.
-Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null).
+Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null). A generated
+task's prompt is prefilled once per method; each budget decodes from a fork of that prefill. Its per-sample
+results go to OUT/samples.jsonl as they come, and `--resume` goes on from them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..baselines import make_cache
-from ..generation import generate
+from ..generation import generate, prefill
 from . import ruler
 from . import tasks as task_lib
 from . import save_plot, write_tables
@@ -93,28 +96,84 @@ def run_ppl(model, ids: torch.Tensor, method, budget, options, window: int, pref
     return math.exp(nll / count), sum(fetched) / len(fetched)
 
 
-def run_generated(model, tokenizer, task, method, budget, options, length, samples, seed, essay=None):
-    """Mean score of `samples` generated prompts of ~`length` tokens (our tasks, or RULER's)."""
+GENERATED = ("passkey", "niah", "vt", *ruler.TASKS)
+
+
+def make_prompt(tokenizer, task, length, seed, essay=None):
+    """(prompt, answers, tokens to generate, scorer: output -> score) of a generated task."""
+    if task in ruler.TASKS:
+        s = ruler.generate(task, tokenizer, length, seed, essay)
+        return s.prompt, s.answers, ruler.MAX_NEW[task], lambda out: ruler.score(out, s.answers)
+    s = task_lib.GENERATORS[task](tokenizer, length, seed=seed)
+    return s.prompt, [s.answer], 24 if task == "vt" else 10, lambda out: task_lib.score(task, out, s.answer)
+
+
+class SampleLog:
+    """Per-sample results, a JSON line each in OUT/samples.jsonl after a header line with the run's settings:
+    a run that stops (a long RULER table is hours of CPU) goes on where it stopped with --resume."""
+
+    def __init__(self, path: Path | None, header: dict, resume: bool = False):
+        self.path, self.done = path, {}
+        if path is None:
+            return
+        if resume and path.is_file():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            if lines and json.loads(lines[0]) != header:
+                raise DataError(f"--resume: {path} holds results of other settings ({lines[0][:200]}); "
+                                "rerun without --resume to start over, or with the same settings")
+            for line in lines[1:]:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short when the run stopped
+                    continue
+                self.done[self.key(r)] = r
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as f:  # header, then what is kept
+            f.write(json.dumps(header) + "\n")
+            for r in self.done.values():
+                f.write(json.dumps(r) + "\n")
+
+    @staticmethod
+    def key(r: dict) -> tuple:
+        return r["task"], r["length"], r["seed"], r["method"], r["budget"]
+
+    def add(self, r: dict) -> None:
+        self.done[self.key(r)] = r
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(r) + "\n")
+
+
+def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, samples, seed, essay, log):
+    """Every generated task's `samples` prompts per length, scored per method and budget into `log`. Each
+    prompt is prefilled once per method and decoded under each budget from a fork of that prefill (the
+    budget acts only in decode). Sample-major: a run cut short has every task at about the same count."""
     device = next(model.parameters()).device
-    total, fetched = 0.0, []
     for i in range(samples):
-        if task in ruler.TASKS:
-            s = ruler.generate(task, tokenizer, length, seed + i, essay)
-            answers, max_new = s.answers, ruler.MAX_NEW[task]
-            scorer = lambda out: ruler.score(out, answers)  # noqa: E731
-        else:
-            s = task_lib.GENERATORS[task](tokenizer, length, seed=seed + i)
-            answers, max_new = [s.answer], 24 if task == "vt" else 10
-            scorer = lambda out: task_lib.score(task, out, s.answer)  # noqa: E731
-        enc = tokenizer(s.prompt, return_tensors="pt").to(device)
-        cache = _cache(model, method, budget, options)
-        r = generate(model, enc["input_ids"], enc["attention_mask"], cache=cache, max_new_tokens=max_new)
-        out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
-        total += scorer(out)
-        fetched.append(_fetched(cache))
-        print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: {out.strip()[:30]!r} "
-              f"(answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
-    return total / samples, sum(fetched) / len(fetched)
+        for length in lengths:
+            for task in tasks:
+                prompt, answers, max_new, scorer = make_prompt(tokenizer, task, length, seed + i, essay)
+                enc = None
+                for method in methods:
+                    todo = [b for b in (budgets if method in BUDGETED else [None])
+                            if (task, length, seed + i, method, b) not in log.done]
+                    if not todo:
+                        continue
+                    enc = enc or tokenizer(prompt, return_tensors="pt").to(device)
+                    ids, mask = enc["input_ids"], enc["attention_mask"]
+                    base = _cache(model, method, todo[0], options)
+                    logits = prefill(model, ids, mask, base, max_new)
+                    for j, budget in enumerate(todo):
+                        cache = base if j == len(todo) - 1 else base.fork(budget=budget)
+                        if cache is base and budget is not None and j > 0:
+                            base.set_budget(budget)
+                        r = generate(model, ids, mask, cache=cache, max_new_tokens=max_new, prefilled=logits)
+                        out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
+                        log.add({"task": task, "length": length, "seed": seed + i, "method": method,
+                                 "budget": budget, "score": scorer(out), "fetched_fraction": _fetched(cache),
+                                 "output": out})
+                        print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: {out.strip()[:30]!r} "
+                              f"(answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
 
 
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
@@ -152,14 +211,21 @@ def run_agreement(model, ids: torch.Tensor, method, budget, options, length, sam
 
 def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), data=None,
                  window=4096, prefix=1024, new_tokens=256, out=None, model_name=None, lmeval=None,
-                 windows=None) -> dict:
+                 windows=None, resume=False) -> dict:
     """samples: prompts per generated task and length (and ppl windows unless `windows` is given).
-    lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task."""
+    lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task.
+    resume: reuse the per-sample results of generated tasks in out/samples.jsonl (same settings)."""
     if {"ppl", "agreement"} & set(tasks):
         text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
     essay = load_essay(data) if ruler.NEEDS_ESSAY & set(tasks) else None
+    header = json.loads(json.dumps({"model": model_name or "SmolLM2-135M-Instruct", "options": options,
+                                    "data": data}, default=str))  # as it reads back from the file
+    log = SampleLog(Path(out) / "samples.jsonl" if out else None, header, resume)
     options = {**options, "tokenizer": tokenizer}
     rows, references = [], {}
+    generated = [t for t in tasks if t in GENERATED]
+    if generated:
+        run_generated(model, tokenizer, generated, methods, budgets, options, lengths, samples, seed, essay, log)
 
     def row(task, method, budget, metric, value, n, fetched):
         rows.append({"task": task, "method": method, "budget": budget, "metric": metric,
@@ -186,11 +252,11 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
                                                 new_tokens, references)
                         row(f"agreement-{length}", method, budget, "agreement_prefix", p, samples, f)
                         row(f"agreement-{length}", method, budget, "agreement_overall", o, samples, f)
-                    else:
-                        v, f = run_generated(model, tokenizer, task, method, budget, options, length, samples, seed,
-                                             essay)
+                    elif task in GENERATED:
+                        got = [log.done[(task, length, seed + i, method, budget)] for i in range(samples)]
                         metric = "score" if task == "vt" or task in ruler.TASKS else "accuracy"
-                        row(f"{task}-{length}", method, budget, metric, v, samples, f)
+                        row(f"{task}-{length}", method, budget, metric, sum(r["score"] for r in got) / samples,
+                            samples, sum(r["fetched_fraction"] for r in got) / samples)
     suite = [t for t in tasks if t in ruler.TASKS]
     if len(suite) > 1:  # RULER's summary: the mean over its tasks, per method, budget and length
         for length in lengths:
