@@ -132,28 +132,49 @@ def test_a_row_leaving_moves_only_the_last_row(tiny_models):
     assert batch.mask.shape == (2, 60) and batch.mask.sum(1).tolist() == [55, 50]  # 5 padding columns stay
 
 
+def _decode(model, ids, cache, prefilled=None):
+    """(tokens, per-step logprob of each chosen token, fetched fraction) of 10 greedy steps."""
+    steps = []
+    r = generate(model, ids, cache=cache, max_new_tokens=10, stop_at_eos=False, prefilled=prefilled, logprobs=1,
+                 on_step=lambda i, t, lp: steps.append(lp[0]))
+    return r.tokens, torch.stack(steps), cache.stats["fetched_fraction"]
+
+
+def _assert_same(got, ref, what):
+    assert torch.equal(got[0], ref[0]), what
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    assert got[2] == ref[2], what
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "opt"])
 def test_a_fork_decodes_as_a_fresh_cache(tiny_models, kind):
-    """Prefill once, fork per budget: each fork decodes exactly as a cache prefilled on its own (tokens and
-    logprobs), and decoding a fork leaves the prefilled cache as it was."""
+    """Prefill once, fork per budget: each fork decodes exactly as a cache prefilled on its own (tokens,
+    logprobs, fetched share), and decoding a fork leaves the prefilled cache as it was."""
     model = tiny_models[kind]
     ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0))
-
-    def run(cache, prefilled=None):
-        steps = []
-        r = generate(model, ids, cache=cache, max_new_tokens=10, stop_at_eos=False, prefilled=prefilled,
-                     logprobs=1, on_step=lambda i, t, lp: steps.append(lp[0]))
-        return r.tokens, torch.stack(steps), cache.stats["fetched_fraction"]
-
     for method, budgets in (("infinigen", [0.2, 16, 0.5]), ("h2o", [0.2, 16]), ("streaming", [0.3, 16]),
                             ("full", [None]), ("quant", [None])):
         base = make_cache(method, model, budget=budgets[0])
         logits = prefill(model, ids, None, base, 10)
         for b in budgets:
-            tokens, lp, fetched = run(base.fork(budget=b), logits)
-            ref_tokens, ref_lp, ref_fetched = run(make_cache(method, model, budget=b))
-            assert torch.equal(tokens, ref_tokens), (method, b)
-            torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0)
-            assert fetched == ref_fetched
+            _assert_same(_decode(model, ids, base.fork(budget=b), logits),
+                         _decode(model, ids, make_cache(method, model, budget=b)), (method, b))
     with pytest.raises(ValueError, match="no budget"):
         make_cache("full", model).fork(budget=0.1)
+
+
+def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
+    """TeeCache: one prefill lands in full, infinigen, h2o (its prefill scores too), streaming and offload
+    caches; each, forked per budget, decodes exactly as if prefilled alone."""
+    from infinigen_kv.tee import TeeCache
+
+    for kind in ("llama-gqa", "gemma3", "qwen2"):
+        model = tiny_models[kind]
+        ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(1))
+        plan = [("full", None), ("infinigen", 0.2), ("h2o", 0.2), ("streaming", 0.3), ("offload", None)]
+        caches = [make_cache(m, model, budget=b) for m, b in plan]
+        logits = prefill(model, ids, None, TeeCache(caches), 10)
+        for (method, budget), cache in zip(plan, caches):
+            for b in ([budget, 16] if budget else [None]):
+                _assert_same(_decode(model, ids, cache.fork(budget=b), logits),
+                             _decode(model, ids, make_cache(method, model, budget=b)), (kind, method, b))

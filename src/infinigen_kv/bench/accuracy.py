@@ -11,8 +11,9 @@ Tasks (deterministic for a seed):
 - `lmeval`: lm-evaluation-harness tasks (`lmeval.py`), for users with the datasets locally; not in the
   default list.
 Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null). A generated
-task's prompt is prefilled once per method; each budget decodes from a fork of that prefill. Its per-sample
-results go to OUT/samples.jsonl as they come, and `--resume` goes on from them.
+task's prompt is prefilled once for every method but quant and hf-dynamic (TeeCache), once for each of
+those; each method and budget decodes from a fork of that prefill. Its per-sample results go to
+OUT/samples.jsonl as they come, and `--resume` goes on from them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from ..baselines import make_cache
 from ..generation import generate, prefill
+from ..tee import TeeCache
 from . import ruler
 from . import tasks as task_lib
 from . import save_plot, write_tables
@@ -33,6 +35,7 @@ from . import save_plot, write_tables
 TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval", *ruler.TASKS)
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
 BUDGETED = {"infinigen", "h2o", "streaming"}
+SHARED_PREFILL = {"full", "infinigen", "offload", "h2o", "streaming"}  # see _groups
 NEEDS_TEXT = {"ppl", "agreement", *ruler.NEEDS_ESSAY}
 
 
@@ -144,36 +147,44 @@ class SampleLog:
                 f.write(json.dumps(r) + "\n")
 
 
+def _groups(methods) -> list[list[str]]:
+    """Methods that can share a prefill (TeeCache: those whose prefill attends over the prompt itself), then
+    each other one alone (quant attends over its dequantized entries; hf-dynamic cannot fork)."""
+    shared = [m for m in methods if m in SHARED_PREFILL]
+    return ([shared] if shared else []) + [[m] for m in methods if m not in SHARED_PREFILL]
+
+
 def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, samples, seed, essay, log):
     """Every generated task's `samples` prompts per length, scored per method and budget into `log`. Each
-    prompt is prefilled once per method and decoded under each budget from a fork of that prefill (the
-    budget acts only in decode). Sample-major: a run cut short has every task at about the same count."""
+    prompt is prefilled once for all the methods that can share it (TeeCache) and decoded under each budget
+    from a fork of that prefill (the budget acts only in decode). Sample-major: a run cut short has every
+    task at about the same count."""
     device = next(model.parameters()).device
     for i in range(samples):
         for length in lengths:
             for task in tasks:
                 prompt, answers, max_new, scorer = make_prompt(tokenizer, task, length, seed + i, essay)
+                todo = {m: [b for b in (budgets if m in BUDGETED else [None])
+                            if (task, length, seed + i, m, b) not in log.done] for m in methods}
                 enc = None
-                for method in methods:
-                    todo = [b for b in (budgets if method in BUDGETED else [None])
-                            if (task, length, seed + i, method, b) not in log.done]
-                    if not todo:
-                        continue
+                for group in _groups([m for m in methods if todo[m]]):
                     enc = enc or tokenizer(prompt, return_tensors="pt").to(device)
                     ids, mask = enc["input_ids"], enc["attention_mask"]
-                    base = _cache(model, method, todo[0], options)
-                    logits = prefill(model, ids, mask, base, max_new)
-                    for j, budget in enumerate(todo):
-                        cache = base if j == len(todo) - 1 else base.fork(budget=budget)
-                        if cache is base and budget is not None and j > 0:
-                            base.set_budget(budget)
-                        r = generate(model, ids, mask, cache=cache, max_new_tokens=max_new, prefilled=logits)
-                        out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
-                        log.add({"task": task, "length": length, "seed": seed + i, "method": method,
-                                 "budget": budget, "score": scorer(out), "fetched_fraction": _fetched(cache),
-                                 "output": out})
-                        print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: {out.strip()[:30]!r} "
-                              f"(answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
+                    caches = [_cache(model, m, todo[m][0], options) for m in group]
+                    logits = prefill(model, ids, mask, caches[0] if len(caches) == 1 else TeeCache(caches), max_new)
+                    for method, base in zip(group, caches):
+                        for j, budget in enumerate(todo[method]):
+                            last = j == len(todo[method]) - 1
+                            cache = base if last else base.fork(budget=budget)
+                            if last and j > 0:
+                                base.set_budget(budget)
+                            r = generate(model, ids, mask, cache=cache, max_new_tokens=max_new, prefilled=logits)
+                            out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
+                            log.add({"task": task, "length": length, "seed": seed + i, "method": method,
+                                     "budget": budget, "score": scorer(out), "fetched_fraction": _fetched(cache),
+                                     "output": out})
+                            print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: "
+                                  f"{out.strip()[:30]!r} (answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
 
 
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:

@@ -1,0 +1,58 @@
+"""One prefill into several caches: `TeeCache([full, infinigen, h2o, ...])` passes the model's K/V (and each
+hook call) to every cache in it, so that methods whose prefill attends over the prompt itself (all here but
+quant, which attends over its dequantized entries) share one prefill; each then decodes on its own (or
+forks, `Rebatch.fork`). This is how `bench accuracy` compares methods on a prompt at the cost of one
+prefill."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .layer import LogicalLayer
+
+
+class TeeLayer(LogicalLayer):
+    """Layer l of every cache: each stores the update; attention gets the first one's answer (the same K/V)."""
+
+    def __init__(self, layers: list):
+        super().__init__()
+        self.children = layers
+        self.needs_probs = any(getattr(layer, "needs_probs", False) for layer in layers)  # H2O scores the prefill
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing of its own: the caches in it make their buffers."""
+
+    @torch.no_grad()
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.is_initialized:
+            raise NotImplementedError("a TeeCache serves one prefill forward; decode with each cache in it")
+        self.is_initialized = True
+        out = [layer.update(key_states, value_states, *args, **kwargs) for layer in self.children]
+        return out[0]
+
+    def add_prefill_scores(self, *args) -> None:
+        for layer in self.children:
+            if getattr(layer, "needs_probs", False):
+                layer.add_prefill_scores(*args)
+
+    def get_seq_length(self) -> int:
+        return self.children[0].get_seq_length()
+
+
+class TeeCache(Cache):
+    """`TeeCache(caches)`: a prefill through it lands in every cache of the list (same model)."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+        super().__init__(layers=[TeeLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
+
+    def reserve(self, tokens: int) -> None:
+        for c in self.caches:
+            if hasattr(c, "reserve"):
+                c.reserve(tokens)
+
+    def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
+        for c in self.caches:
+            if hasattr(c, "before_attention"):
+                c.before_attention(layer_idx, x, rope, attention_mask)
