@@ -208,3 +208,21 @@ def test_bench_accuracy_resumes_from_its_samples(tmp_path, capsys, monkeypatch):
     r = cli(*[a for a in args if a != "--json"], "--samples", "2", "--out", out, "--resume", "--alpha", "3", ok=False)
     one_line_error(r, "holds results of other settings")
     one_line_error(cli("bench", "accuracy", "--tasks", "passkey", "--resume", ok=False), "--resume needs --out")
+
+
+def test_bench_accuracy_batched_decode_gives_the_same_outputs(tmp_path, capsys):
+    """--batch 3 writes the same output for every sample, method and budget as --batch 1 (the niah prompts
+    differ in length: 510, 510 and 507 tokens of the tiny tokenizer, so rows join left-padded)."""
+    from infinigen_kv.cli import main
+
+    model_dir = save_tiny(tmp_path / "model")
+    got = {}
+    for batch in (1, 3):
+        out = tmp_path / f"b{batch}"
+        assert main(["bench", "accuracy", "--model", model_dir, "--methods", "full,infinigen,h2o,streaming,quant",
+                     "--tasks", "niah,passkey", "--budget", "0.2,24", "--lengths", "300", "--samples", "3",
+                     "--batch", str(batch), "--out", str(out)]) == 0
+        lines = [json.loads(l) for l in (out / "samples.jsonl").read_text().splitlines()[1:]]
+        got[batch] = {(r["task"], r["seed"], r["method"], r["budget"]): r["output"] for r in lines}
+    capsys.readouterr()
+    assert len(got[1]) == 2 * 3 * 8 and got[1] == got[3]

@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
     a.add_argument("--windows", type=_positive_int, default=None, help="ppl windows (default: --samples)")
     a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated")
+    a.add_argument("--batch", type=_positive_int, default=4, help="prompts of a generated task decoded together (the "
+                   "same tokens as one by one; memory: batch x methods prefilled caches)")
     a.add_argument("--lmeval-tasks", default=None, help="lmeval task: comma-separated lm-eval task names (default: none)")
     a.add_argument("--lmeval-include", default=None, help="lmeval task: directory of task YAMLs (local data) (default: lm-eval's own)")
     a.add_argument("--lmeval-limit", type=_positive_int, default=None, help="lmeval task: documents per task (default: all)")
@@ -421,7 +423,7 @@ def cmd_bench_accuracy(args) -> dict:
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
                         new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval,
-                        windows=args.windows, resume=args.resume)
+                        windows=args.windows, resume=args.resume, batch=args.batch)
 
 
 def cmd_bench_speed(args) -> dict:

@@ -27,6 +27,7 @@ import torch
 
 from ..baselines import make_cache
 from ..generation import generate, prefill
+from ..layer import Rebatch
 from ..tee import TeeCache
 from . import ruler
 from . import tasks as task_lib
@@ -154,37 +155,65 @@ def _groups(methods) -> list[list[str]]:
     return ([shared] if shared else []) + [[m] for m in methods if m not in SHARED_PREFILL]
 
 
-def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, samples, seed, essay, log):
-    """Every generated task's `samples` prompts per length, scored per method and budget into `log`. Each
-    prompt is prefilled once for all the methods that can share it (TeeCache) and decoded under each budget
-    from a fork of that prefill (the budget acts only in decode). Sample-major: a run cut short has every
-    task at about the same count."""
+def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, samples, seed, essay, log, batch=4):
+    """Every generated task's `samples` prompts per length, scored per method and budget into `log`.
+
+    `batch` prompts at a time: each is prefilled alone, once for all the methods that can share it
+    (TeeCache); then per method and budget, forks of their prefilled caches (the budget acts only in
+    decode) join one batch that decodes together (a row's tokens do not depend on its batch:
+    tests/test_batching.py). Sample-major: a run cut short has every task at about the same count."""
     device = next(model.parameters()).device
-    for i in range(samples):
+    for start in range(0, samples, batch):
+        seeds = range(seed + start, seed + min(samples, start + batch))
         for length in lengths:
             for task in tasks:
-                prompt, answers, max_new, scorer = make_prompt(tokenizer, task, length, seed + i, essay)
-                todo = {m: [b for b in (budgets if m in BUDGETED else [None])
-                            if (task, length, seed + i, m, b) not in log.done] for m in methods}
-                enc = None
-                for group in _groups([m for m in methods if todo[m]]):
-                    enc = enc or tokenizer(prompt, return_tensors="pt").to(device)
-                    ids, mask = enc["input_ids"], enc["attention_mask"]
-                    caches = [_cache(model, m, todo[m][0], options) for m in group]
-                    logits = prefill(model, ids, mask, caches[0] if len(caches) == 1 else TeeCache(caches), max_new)
-                    for method, base in zip(group, caches):
-                        for j, budget in enumerate(todo[method]):
-                            last = j == len(todo[method]) - 1
-                            cache = base if last else base.fork(budget=budget)
-                            if last and j > 0:
-                                base.set_budget(budget)
-                            r = generate(model, ids, mask, cache=cache, max_new_tokens=max_new, prefilled=logits)
-                            out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
-                            log.add({"task": task, "length": length, "seed": seed + i, "method": method,
-                                     "budget": budget, "score": scorer(out), "fetched_fraction": _fetched(cache),
-                                     "output": out})
-                            print(f"  {task}-{length} {method} budget {budget} seed {seed + i}: "
-                                  f"{out.strip()[:30]!r} (answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
+                todo = {(m, b): [s for s in seeds if (task, length, s, m, b) not in log.done]
+                        for m in methods for b in (budgets if m in BUDGETED else [None])}
+                prompts = {}
+                for group in _groups([m for m in methods if any(todo[k] for k in todo if k[0] == m)]):
+                    rows = {}  # seed -> (ids (1, n), {method: prefilled cache}, logits (1, V))
+                    for s in sorted({s for (m, _), got in todo.items() if m in group for s in got}):
+                        prompts[s] = prompts.get(s) or make_prompt(tokenizer, task, length, s, essay)
+                        ids = tokenizer(prompts[s][0], return_tensors="pt")["input_ids"].to(device)
+                        caches = {m: _cache(model, m, None, options) for m in group}
+                        tee = next(iter(caches.values())) if len(caches) == 1 else TeeCache(list(caches.values()))
+                        rows[s] = ids, caches, prefill(model, ids, None, tee, prompts[s][2])
+                    for method in group:
+                        for budget in (budgets if method in BUDGETED else [None]):
+                            got = todo[(method, budget)]
+                            if not got:
+                                continue
+                            forks = [rows[s][1][method].fork(budget=budget) for s in got]
+                            outs, fetched = _decode_rows(model, [rows[s][0] for s in got], forks,
+                                                         [rows[s][2] for s in got], prompts[got[0]][2])
+                            for s, out in zip(got, outs):
+                                out = tokenizer.decode(out, skip_special_tokens=True)
+                                answers, score = prompts[s][1], prompts[s][3](out)
+                                log.add({"task": task, "length": length, "seed": s, "method": method,
+                                         "budget": budget, "score": score, "fetched_fraction": fetched,
+                                         "output": out})
+                                print(f"  {task}-{length} {method} budget {budget} seed {s}: {out.strip()[:30]!r} "
+                                      f"(answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
+
+
+def _decode_rows(model, ids, caches, logits, max_new):
+    """Greedy decode of prefilled caches (one row each; ids (1, n_i), logits (1, V)): joined into one batch
+    (left-padded) where the method can join, else one by one. -> (generated ids per row, fetched share)."""
+    if len(caches) > 1 and all(isinstance(c, Rebatch) and not getattr(c, "limited", False) for c in caches):
+        batch = caches[0]  # (a pool with a capacity cannot join)
+        for c in caches[1:]:
+            batch.join(c, room=max_new)
+        n = max(x.shape[1] for x in ids)
+        mask = torch.stack([torch.arange(n) >= n - x.shape[1] for x in ids]).long().to(ids[0].device)  # (B, n)
+        r = generate(model, torch.zeros_like(mask), mask, cache=batch, max_new_tokens=max_new,
+                     prefilled=torch.cat(logits))
+        return [r.tokens[i, : r.lengths[i]] for i in range(len(ids))], _fetched(batch)
+    outs, fetched = [], []
+    for x, cache, lg in zip(ids, caches, logits):
+        r = generate(model, x, cache=cache, max_new_tokens=max_new, prefilled=lg)
+        outs.append(r.tokens[0, : r.lengths[0]])
+        fetched.append(_fetched(cache))
+    return outs, sum(fetched) / len(fetched)
 
 
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
@@ -222,10 +251,11 @@ def run_agreement(model, ids: torch.Tensor, method, budget, options, length, sam
 
 def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), data=None,
                  window=4096, prefix=1024, new_tokens=256, out=None, model_name=None, lmeval=None,
-                 windows=None, resume=False) -> dict:
+                 windows=None, resume=False, batch=4) -> dict:
     """samples: prompts per generated task and length (and ppl windows unless `windows` is given).
     lmeval: {"tasks": [...], "include_path": dir or None, "limit": n or None} for the lmeval task.
-    resume: reuse the per-sample results of generated tasks in out/samples.jsonl (same settings)."""
+    resume: reuse the per-sample results of generated tasks in out/samples.jsonl (same settings).
+    batch: prompts of a generated task decoded together (the same tokens as alone, less time)."""
     if {"ppl", "agreement"} & set(tasks):
         text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
     essay = load_essay(data) if ruler.NEEDS_ESSAY & set(tasks) else None
@@ -236,7 +266,8 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
     rows, references = [], {}
     generated = [t for t in tasks if t in GENERATED]
     if generated:
-        run_generated(model, tokenizer, generated, methods, budgets, options, lengths, samples, seed, essay, log)
+        run_generated(model, tokenizer, generated, methods, budgets, options, lengths, samples, seed, essay, log,
+                      batch)
 
     def row(task, method, budget, metric, value, n, fetched):
         rows.append({"task": task, "method": method, "budget": budget, "metric": metric,
