@@ -2,16 +2,20 @@
 
 import math
 
+import pytest
 import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch
 
 
-def test_prefill_scores_are_attention_column_sums(tiny_models):
+@pytest.mark.parametrize("chunk", [256, 7])  # one chunk of queries, or several (each over its causal keys)
+def test_prefill_scores_are_attention_column_sums(tiny_models, monkeypatch, chunk):
     from infinigen_kv.adapters import get_arch
+    from infinigen_kv.baselines import h2o
     from infinigen_kv.calibrate import collect_qk
 
+    monkeypatch.setattr(h2o, "QUERY_CHUNK", chunk)
     model = tiny_models["llama-mha"]
     ids = torch.randint(3, 256, (1, 30))
     cache = ig.make_cache("h2o", model, budget=0.5)

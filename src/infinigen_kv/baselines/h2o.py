@@ -22,22 +22,25 @@ class H2OLayer(EvictingLayer):
 
     @torch.no_grad()
     def add_prefill_scores(self, query, key, attention_mask, scaling) -> None:
-        """Accumulated attention of every prefill query on every key: column sums, chunked."""
+        """Accumulated attention of every prefill query on every key: column sums, a chunk of queries at a
+        time, each over the keys it may see (causal: those up to its last query; half the work of all n)."""
         B, H, T, d = query.shape
         G, n = key.shape[1], key.shape[2]
-        q = query.reshape(B, G, H // G, T, d)
+        q = query.reshape(B, G, H // G, T, d).float()
+        k = key.float().unsqueeze(2).transpose(-1, -2)  # (B, G, 1, d, n)
         total = torch.zeros(B, G, n, device=query.device)
-        cols = torch.arange(n, device=query.device)
+        future = torch.ones(QUERY_CHUNK, QUERY_CHUNK, dtype=torch.bool, device=query.device).triu_(1)
         for i in range(0, T, QUERY_CHUNK):
-            qc = q[:, :, :, i : i + QUERY_CHUNK]  # (B, G, r, c, d)
-            s = torch.matmul(qc.float(), key.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B, G, r, c, n)
-            if attention_mask is not None:
-                allowed = attention_mask[:, :, i : i + QUERY_CHUNK].unsqueeze(1)  # (B, 1, 1, c, n)
-            else:
-                rows = torch.arange(i, i + qc.shape[3], device=query.device) + (n - T)
-                allowed = (cols <= rows.view(-1, 1)).view(1, 1, 1, -1, n)
-            s = s.masked_fill(~allowed, float("-inf"))
-            total += torch.softmax(s, dim=-1).nan_to_num_(0.0).sum(dim=(2, 3))  # fully masked rows: 0
+            c = min(QUERY_CHUNK, T - i)
+            end = n - T + i + c  # keys past the chunk's last query are masked for all of it
+            s = torch.matmul(q[:, :, :, i : i + c], k[..., :end]).mul_(scaling)  # (B, G, r, c, end)
+            if attention_mask is not None:  # padding, windows: the model's own mask
+                s.masked_fill_(~attention_mask[:, :, i : i + c, :end].unsqueeze(1), float("-inf"))
+                p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # fully masked (padding) rows: 0
+            else:  # causal: only the chunk's own keys are masked (each query sees itself)
+                s[..., end - c :].masked_fill_(future[:c, :c], float("-inf"))
+                p = torch.softmax(s, dim=-1)
+            total[..., :end] += p.sum(dim=(2, 3))
         self.score.data[:, :, :n, 0] += total
 
 

@@ -159,41 +159,62 @@ def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, s
     """Every generated task's `samples` prompts per length, scored per method and budget into `log`.
 
     `batch` prompts at a time: each is prefilled alone, once for all the methods that can share it
-    (TeeCache); then per method and budget, forks of their prefilled caches (the budget acts only in
-    decode) join one batch that decodes together (a row's tokens do not depend on its batch:
-    tests/test_batching.py). Sample-major: a run cut short has every task at about the same count."""
-    device = next(model.parameters()).device
+    (TeeCache); then, per method and budget, forks of their prefilled caches (the budget acts only in
+    decode; the last budget takes the caches themselves) join one batch that decodes together (a row's
+    tokens do not depend on its batch: tests/test_batching.py). Sample-major: a run cut short has every
+    task at about the same count."""
     for start in range(0, samples, batch):
         seeds = range(seed + start, seed + min(samples, start + batch))
         for length in lengths:
             for task in tasks:
                 todo = {(m, b): [s for s in seeds if (task, length, s, m, b) not in log.done]
                         for m in methods for b in (budgets if m in BUDGETED else [None])}
-                prompts = {}
+                needed = sorted({s for got in todo.values() for s in got})
+                prompts = {s: make_prompt(tokenizer, task, length, s, essay) for s in needed}
                 for group in _groups([m for m in methods if any(todo[k] for k in todo if k[0] == m)]):
-                    rows = {}  # seed -> (ids (1, n), {method: prefilled cache}, logits (1, V))
-                    for s in sorted({s for (m, _), got in todo.items() if m in group for s in got}):
-                        prompts[s] = prompts.get(s) or make_prompt(tokenizer, task, length, s, essay)
-                        ids = tokenizer(prompts[s][0], return_tensors="pt")["input_ids"].to(device)
-                        caches = {m: _cache(model, m, None, options) for m in group}
-                        tee = next(iter(caches.values())) if len(caches) == 1 else TeeCache(list(caches.values()))
-                        rows[s] = ids, caches, prefill(model, ids, None, tee, prompts[s][2])
+                    wanted = sorted({s for (m, _), got in todo.items() if m in group for s in got})
+                    rows = _prefill_rows(model, tokenizer, group, {s: prompts[s] for s in wanted}, options)
                     for method in group:
-                        for budget in (budgets if method in BUDGETED else [None]):
+                        runs = [b for b in (budgets if method in BUDGETED else [None]) if todo[(method, b)]]
+                        for j, budget in enumerate(runs):
                             got = todo[(method, budget)]
-                            if not got:
-                                continue
-                            forks = [rows[s][1][method].fork(budget=budget) for s in got]
-                            outs, fetched = _decode_rows(model, [rows[s][0] for s in got], forks,
+                            caches = [_for_budget(rows[s][1][method], budget, last=j == len(runs) - 1) for s in got]
+                            outs, fetched = _decode_rows(model, [rows[s][0] for s in got], caches,
                                                          [rows[s][2] for s in got], prompts[got[0]][2])
                             for s, out in zip(got, outs):
-                                out = tokenizer.decode(out, skip_special_tokens=True)
-                                answers, score = prompts[s][1], prompts[s][3](out)
-                                log.add({"task": task, "length": length, "seed": s, "method": method,
-                                         "budget": budget, "score": score, "fetched_fraction": fetched,
-                                         "output": out})
-                                print(f"  {task}-{length} {method} budget {budget} seed {s}: {out.strip()[:30]!r} "
-                                      f"(answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
+                                _record(log, tokenizer, prompts[s], out, task=task, length=length, seed=s,
+                                        method=method, budget=budget, fetched_fraction=fetched)
+
+
+def _prefill_rows(model, tokenizer, group, prompts, options) -> dict:
+    """seed -> (ids (1, n), {method: its cache, prefilled}, last logits (1, V)): one prefill per prompt for
+    every method of the group."""
+    device = next(model.parameters()).device
+    rows = {}
+    for s, (prompt, _, max_new, _) in prompts.items():
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+        caches = {m: _cache(model, m, None, options) for m in group}
+        into = next(iter(caches.values())) if len(caches) == 1 else TeeCache(list(caches.values()))
+        rows[s] = ids, caches, prefill(model, ids, None, into, max_new)
+    return rows
+
+
+def _record(log, tokenizer, prompt, tokens, **fields) -> None:
+    """One sample's result into the log (and a line on stderr)."""
+    out = tokenizer.decode(tokens, skip_special_tokens=True)
+    answers, scorer = prompt[1], prompt[3]
+    log.add({**fields, "score": scorer(out), "output": out})
+    print(f"  {fields['task']}-{fields['length']} {fields['method']} budget {fields['budget']} seed {fields['seed']}: "
+          f"{out.strip()[:30]!r} (answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
+
+
+def _for_budget(cache, budget, last: bool):
+    """A prefilled cache to decode under `budget`: a fork of it, or itself for its last use."""
+    if not last:
+        return cache.fork(budget=budget)
+    if budget is not None:
+        cache.set_budget(budget)
+    return cache
 
 
 def _decode_rows(model, ids, caches, logits, max_new):
