@@ -180,6 +180,19 @@ def test_bench_accuracy_ruler_suite_and_mean(tmp_path, capsys):
     one_line_error(cli("bench", "accuracy", "--tasks", "niah_single_2", ok=False), "need text")
 
 
+def test_ruler_summary_table():
+    from infinigen_kv.bench.accuracy import ruler_summary
+
+    rows = [{"task": t, "method": m, "budget": b, "value": v, "n": 10, "fetched_fraction": f}
+            for m, b, f, vs in (("full", None, 1.0, (1.0, 0.5)), ("infinigen", 0.1, 0.12, (1.0, 0.0)))
+            for t, v in zip(("niah_single_1-4000", "niah_multikey_2-4000", "ruler-mean-4000"), (*vs, sum(vs) / 2))]
+    lines = ruler_summary({"rows": rows}).splitlines()
+    assert "| method | budget | s1 | mk2 | **mean** | fetched | n |" in lines
+    assert "| infinigen | 0.1 | 1.00 | 0.00 | **0.500** | 0.120 | 10 |" in lines
+    assert "| full | - | 1.00 | 0.50 | **0.750** | 1.000 | 10 |" in lines
+    assert ruler_summary({"rows": rows[:2]}) == ""
+
+
 def test_bench_accuracy_resumes_from_its_samples(tmp_path, capsys, monkeypatch):
     """Per-sample results go to OUT/samples.jsonl; --resume runs only what is missing and gives the same table
     as one run; other settings are a one-line error, not a mixed table."""

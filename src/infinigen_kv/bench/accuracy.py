@@ -344,7 +344,36 @@ def markdown_table(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['task']} | {r['method']} | {budget_label(r['budget'])} | {r['metric']} | "
                      f"{r['value']:.4g} | {r['n']} | {r['fetched_fraction']:.3f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [ruler_summary(result)])
+
+
+def _short(task: str) -> str:
+    """niah_single_1 -> s1, niah_multikey_2 -> mk2, niah_multivalue -> mv, ruler_cwe -> cwe."""
+    for long, short in (("niah_single_", "s"), ("niah_multikey_", "mk"), ("niah_multivalue", "mv"),
+                        ("niah_multiquery", "mq"), ("ruler_", "")):
+        task = task.replace(long, short)
+    return task
+
+
+def ruler_summary(result: dict) -> str:
+    """RULER's table per length: a row per method and budget, a column per task, their mean and the fetched
+    share ("" when no RULER mean was computed)."""
+    rows = result["rows"]
+    cell = {(r["task"], r["method"], r["budget"]): r for r in rows}
+    text = []
+    for mean in dict.fromkeys(r["task"] for r in rows if r["task"].startswith("ruler-mean-")):
+        length = mean.removeprefix("ruler-mean-")
+        tasks = [t for t in dict.fromkeys(r["task"] for r in rows) if t.removesuffix(f"-{length}") in ruler.TASKS]
+        names = [_short(t.removesuffix(f"-{length}")) for t in tasks]
+        text += ["", f"RULER at {length} tokens (fetched: mean share of the past fetched per step)", "",
+                 "| method | budget | " + " | ".join(names) + " | **mean** | fetched | n |",
+                 "|---|---|" + "---|" * (len(names) + 3)]
+        for r in rows:
+            if r["task"] == mean:
+                scores = " | ".join(f"{cell[(t, r['method'], r['budget'])]['value']:.2f}" for t in tasks)
+                text.append(f"| {r['method']} | {budget_label(r['budget'])} | {scores} | **{r['value']:.3f}** | "
+                            f"{r['fetched_fraction']:.3f} | {r['n']} |")
+    return "\n".join(text)
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
