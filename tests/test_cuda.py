@@ -113,3 +113,25 @@ def test_reset_mid_run_leaves_nothing_in_flight(gpu_model):
     cache.reset()
     assert torch.equal(ig.generate(gpu_model, ids, mask, cache=cache, max_new_tokens=6, stop_at_eos=False).tokens,
                        ref)
+
+
+def test_a_fork_on_gpu_has_its_own_pinned_pool_and_stream(gpu_model):
+    """Rebatch.fork on the CUDA path (the accuracy bench's per-budget decodes): a copy with its own pinned pool
+    and transfer engine decodes as a cache prefilled alone, and leaves the original as it was."""
+    from infinigen_kv.generation import generate, prefill
+    from infinigen_kv.tee import TeeCache
+
+    ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0)).cuda()
+    base, full = ig.make_cache("infinigen", gpu_model, budget=0.2), ig.make_cache("full", gpu_model)
+    logits = prefill(gpu_model, ids, None, TeeCache([base, full]), 8)
+    for budget in (0.2, 16, 0.5):
+        twin = base.fork(budget=budget)
+        assert twin.transfer is not base.transfer and twin.layers[2].k.data.is_pinned()
+        assert twin.layers[2].k.data.data_ptr() != base.layers[2].k.data.data_ptr()
+        got = generate(gpu_model, ids, cache=twin, max_new_tokens=8, stop_at_eos=False, prefilled=logits).tokens
+        ref = generate(gpu_model, ids, cache=ig.make_cache("infinigen", gpu_model, budget=budget), max_new_tokens=8,
+                       stop_at_eos=False).tokens
+        assert torch.equal(got, ref)
+    got = generate(gpu_model, ids, cache=full.fork(), max_new_tokens=8, stop_at_eos=False, prefilled=logits).tokens
+    assert torch.equal(got, generate(gpu_model, ids, cache=ig.make_cache("full", gpu_model), max_new_tokens=8,
+                                     stop_at_eos=False).tokens)
