@@ -161,6 +161,12 @@ def test_a_fork_decodes_as_a_fresh_cache(tiny_models, kind):
                          _decode(model, ids, make_cache(method, model, budget=b)), (method, b))
     with pytest.raises(ValueError, match="no budget"):
         make_cache("full", model).fork(budget=0.1)
+    decoded = make_cache("h2o", model, budget=0.2)
+    _decode(model, ids, decoded)
+    with pytest.raises(RuntimeError, match="fixed once decoding"):  # its entries are gone: no other budget
+        decoded.set_budget(0.5)
+    with pytest.raises(ValueError, match="budget must be"):
+        make_cache("streaming", model).fork(budget=0)
 
 
 def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
