@@ -169,6 +169,30 @@ def test_a_fork_decodes_as_a_fresh_cache(tiny_models, kind):
         make_cache("streaming", model).fork(budget=0)
 
 
+def test_a_cache_goes_with_its_last_reference(tiny_models):
+    """No reference cycle holds a cache (or a fork) of any method: its buffers go when its last holder drops
+    it, with the garbage collector off (a benchmark's forks or a server's finished requests would otherwise
+    pile up until a collection: 8k-token caches ran a 24 GiB machine out of memory)."""
+    import gc
+    import weakref
+
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    gc.collect()
+    gc.disable()
+    try:
+        for method in ("full", "infinigen", "offload", "h2o", "streaming", "quant"):
+            cache = make_cache(method, model)
+            logits = prefill(model, ids, None, cache, 4)
+            twin = cache.fork()
+            _decode(model, ids, twin, logits)
+            gone = [weakref.ref(cache), weakref.ref(twin)]
+            del cache, twin
+            assert [w() for w in gone] == [None, None], method
+    finally:
+        gc.enable()
+
+
 def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
     """TeeCache: one prefill lands in full, infinigen, h2o (its prefill scores too), streaming and offload
     caches; each, forked per budget, decodes exactly as if prefilled alone."""

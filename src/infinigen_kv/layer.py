@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -18,6 +19,17 @@ class LogicalLayer(CacheLayerMixin):
     # `working` is set (None: all of it), and with transformers' own mask otherwise.
     working = False
     work_mask = None
+    _cache = None
+
+    # A layer's link to its cache is weak (the cache owns its layers): a cache nobody holds any more (a finished
+    # request, a decoded fork) frees its buffers at once, not at some later garbage collection.
+    @property
+    def cache(self):
+        return self._cache() if self._cache is not None else None
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        self._cache = weakref.ref(cache)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -87,6 +99,9 @@ class Rebatch:
         copied; what the cache shares with the model (its modules, the calibration) stays shared."""
         self.settle()
         twin = copy.deepcopy(self, self.shared())
+        for layer in twin.layers:  # deepcopy keeps a weak reference as it is: the twin's layers are its own
+            if layer.cache is self:
+                layer.cache = twin
         if budget is not None:
             twin.set_budget(budget)
         return twin

@@ -184,6 +184,8 @@ def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, s
                             for s, out in zip(got, outs):
                                 _record(log, tokenizer, prompts[s], out, task=task, length=length, seed=s,
                                         method=method, budget=budget, fetched_fraction=fetched)
+                        for s in wanted:  # its last use: its memory goes now (at 8k, 4 prompts' caches are 1.5 GB)
+                            rows[s][1].pop(method, None)
 
 
 def _prefill_rows(model, tokenizer, group, prompts, options) -> dict:
