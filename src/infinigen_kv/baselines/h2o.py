@@ -9,7 +9,8 @@ import torch
 from ..config import DEFAULT_BUDGET
 from .evicting import EvictingCache, EvictingLayer
 
-QUERY_CHUNK = 256  # prefill queries scored at a time: bounds the (B, G, r, chunk, n) score tensor
+QUERY_CHUNK = 64  # prefill queries scored at a time: the (B, G, r, chunk, n) scores stay small enough to be
+# read back from cache (at 8k tokens 1.8x faster than 256 on a 2-core EPYC)
 
 
 class H2OLayer(EvictingLayer):
@@ -26,14 +27,16 @@ class H2OLayer(EvictingLayer):
         time, each over the keys it may see (causal: those up to its last query; half the work of all n)."""
         B, H, T, d = query.shape
         G, n = key.shape[1], key.shape[2]
-        q = query.reshape(B, G, H // G, T, d).float()
-        k = key.float().unsqueeze(2).transpose(-1, -2)  # (B, G, 1, d, n)
+        r = H // G
+        q = (query.float() * scaling).reshape(B, G, r, T, d)
+        kt = key.float().transpose(-1, -2)  # (B, G, d, n)
         total = torch.zeros(B, G, n, device=query.device)
         future = torch.ones(QUERY_CHUNK, QUERY_CHUNK, dtype=torch.bool, device=query.device).triu_(1)
         for i in range(0, T, QUERY_CHUNK):
             c = min(QUERY_CHUNK, T - i)
             end = n - T + i + c  # keys past the chunk's last query are masked for all of it
-            s = torch.matmul(q[:, :, :, i : i + c], k[..., :end]).mul_(scaling)  # (B, G, r, c, end)
+            s = torch.matmul(q[:, :, :, i : i + c].reshape(B, G, r * c, d), kt[..., :end])  # (B, G, r*c, end)
+            s = s.view(B, G, r, c, end)
             if attention_mask is not None:  # padding, windows: the model's own mask
                 s.masked_fill_(~attention_mask[:, :, i : i + c, :end].unsqueeze(1), float("-inf"))
                 p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # fully masked (padding) rows: 0
