@@ -1,0 +1,70 @@
+"""Why does InfiniGen miss a RULER sample the full cache gets? Prefill the prompt once; decode it with the
+full cache, with InfiniGen at `--budget` (recall diagnostic on: the share of each layer's true attention mass
+on the entries it fetched), and with InfiniGen with one layer at a time attending densely. The layers whose
+dense attention alone recovers the full cache's score are where the speculation loses the answer.
+
+    python scripts/ruler_miss.py --task niah_single_2 --length 8000 --seed 0 --budget 0.1 --data ../shared/data
+
+Prints the outputs, the per-layer recall and those layers (docs/BENCHMARKS.md, "RULER at 8k").
+"""
+
+import argparse
+
+import infinigen_kv as ig
+from infinigen_kv.baselines import make_cache
+from infinigen_kv.bench import accuracy, ruler
+from infinigen_kv.generation import generate, prefill
+from infinigen_kv.tee import TeeCache
+
+
+def decode(model, tokenizer, ids, cache, logits, max_new, scorer, dense=()):
+    for layer in dense:  # attends over all of its cache, as layer 0 does
+        cache.layers[layer].dense = True
+    r = generate(model, ids, cache=cache, max_new_tokens=max_new, prefilled=logits)
+    out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
+    return scorer(out), out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="niah_single_2", choices=ruler.TASKS)
+    p.add_argument("--length", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument("--model", default=None)
+    p.add_argument("--data", default=None, help="text for the essay haystacks (../shared/data)")
+    args = p.parse_args()
+
+    model, tokenizer = ig.load_model(args.model)
+    essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
+    prompt, answers, max_new, scorer = accuracy.make_prompt(tokenizer, args.task, args.length, args.seed, essay)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    full, spec = make_cache("full", model), make_cache("infinigen", model, budget=args.budget)
+    logits = prefill(model, ids, None, TeeCache([full, spec]), max_new)
+
+    ref = decode(model, tokenizer, ids, full, logits, max_new, scorer)
+    run = spec.fork()
+    run.track_recall = True
+    got = decode(model, tokenizer, ids, run, logits, max_new, scorer)
+    recall = run.stats["recall_per_layer"]
+    print(f"{args.task} at {args.length} tokens, seed {args.seed}, answer {answers}")
+    for name, (score, out) in (("full", ref), (f"infinigen {args.budget:g}", got)):
+        print(f"{name + ':':16s} score {score:.2f} {out[:60]!r}")
+    print("recall per layer (share of the true attention mass fetched; layer 0 is dense):")
+    print("  " + " ".join(f"{i}:{r:.3f}" for i, r in enumerate(recall) if i > 0))
+    lowest = sorted(range(1, len(recall)), key=recall.__getitem__)[:3]
+    print("  lowest: " + ", ".join(f"layer {i} {recall[i]:.3f}" for i in lowest))
+    if got[0] >= ref[0]:
+        print("InfiniGen scores as the full cache does here: nothing to locate.")
+        return
+    fixes = []
+    for layer in range(1, len(recall)):
+        score, out = decode(model, tokenizer, ids, spec.fork(), logits, max_new, scorer, dense=[layer])
+        if score >= ref[0]:
+            fixes.append(layer)
+            print(f"layer {layer} dense: score {score:.2f} {out[:60]!r}")
+    print(f"layers whose dense attention alone recovers the full cache's score: {fixes or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
