@@ -13,6 +13,7 @@ import argparse
 import infinigen_kv as ig
 from infinigen_kv.baselines import make_cache
 from infinigen_kv.bench import accuracy, ruler
+from infinigen_kv.cli import _budget
 from infinigen_kv.generation import generate, prefill
 from infinigen_kv.tee import TeeCache
 
@@ -30,13 +31,16 @@ def main() -> None:
     p.add_argument("--task", default="niah_single_2", choices=ruler.TASKS)
     p.add_argument("--length", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument("--budget", type=_budget, default=0.1, help="a fraction (0.1) or a token count (1024)")
     p.add_argument("--model", default=None)
     p.add_argument("--data", default=None, help="text for the essay haystacks (../shared/data)")
     args = p.parse_args()
 
+    try:
+        essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
+    except accuracy.DataError as e:
+        p.error(str(e))
     model, tokenizer = ig.load_model(args.model)
-    essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
     prompt, answers, max_new, scorer = accuracy.make_prompt(tokenizer, args.task, args.length, args.seed, essay)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     full, spec = make_cache("full", model), make_cache("infinigen", model, budget=args.budget)

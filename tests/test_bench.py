@@ -178,6 +178,10 @@ def test_bench_accuracy_ruler_suite_and_mean(tmp_path, capsys):
         got = [r["value"] for r in rows if (r["method"], r["budget"]) == key and r["task"] != "ruler-mean-880"]
         assert mean == pytest.approx(sum(got) / len(got), abs=1e-4)
     one_line_error(cli("bench", "accuracy", "--tasks", "niah_single_2", ok=False), "need text")
+    from infinigen_kv.bench.accuracy import DataError, load_essay
+
+    with pytest.raises(DataError, match="essay haystacks .* need text"):  # library callers: no --data check
+        load_essay(None)
 
 
 def test_ruler_summary_table():

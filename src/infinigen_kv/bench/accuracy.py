@@ -63,8 +63,11 @@ def load_text(data: str | None) -> str:
 def load_essay(data: str | None) -> str:
     """Prose for RULER's essay haystacks: a file, or a directory's pg19/*.txt (books) if it has them, else
     its other text."""
-    path = Path(data) if data is not None else None
-    books = sorted((path / "pg19").glob("*.txt")) if path is not None and path.is_dir() else []
+    if data is None:
+        raise DataError(f"RULER's essay haystacks ({', '.join(sorted(ruler.NEEDS_ESSAY))}) need text: pass --data "
+                        "../shared/data (or any text file)")
+    path = Path(data)
+    books = sorted((path / "pg19").glob("*.txt")) if path.is_dir() else []
     if books:
         return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in books)
     return load_text(data)
