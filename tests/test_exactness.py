@@ -158,6 +158,24 @@ def test_sliding_window_respected():
     assert not torch.allclose(unwindowed, ref, atol=1e-3)  # the window did change the outputs
 
 
+@pytest.mark.parametrize("T", [17, 50, 64])
+def test_local_prefill_equals_the_masked_one(T):
+    """A sliding-window prompt attended block by block (only the keys each block can reach) gives what the
+    whole (T, T) window mask gives, with grouped KV heads."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from infinigen_kv.attention import _local_prefill
+
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    i = torch.arange(T)
+    mask = ((i.view(1, -1) <= i.view(-1, 1)) & (i.view(1, -1) > i.view(-1, 1) - 16)).view(1, 1, T, T)
+    ref = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+    torch.testing.assert_close(_local_prefill(module, q, k, v, 16, 0.3, {}), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():
     """sample() takes the nucleus from the top NUCLEUS_TOPK ids when it lies there and sorts the whole
     vocabulary when it does not: either way the draws of a full sort's nucleus, same seed."""

@@ -29,6 +29,36 @@ def test_prefill_scores_are_attention_column_sums(tiny_models, monkeypatch, chun
     torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
+    """A sliding-window layer (Mistral, window 16, 40 tokens): each chunk scores only the keys from its first
+    query's window on, and the sums still equal the windowed attention's column sums."""
+    from conftest import tiny_model
+
+    from infinigen_kv.adapters import get_arch
+    from infinigen_kv.baselines import h2o
+    from infinigen_kv.calibrate import collect_qk
+
+    monkeypatch.setattr(h2o, "QUERY_CHUNK", 7)
+    model = tiny_model("mistral")
+    model.config.sliding_window = 16
+    try:
+        ids = torch.randint(3, 256, (1, 40))
+        cache = ig.make_cache("h2o", model, budget=0.5)
+        with torch.inference_mode():
+            model(ids, past_key_values=cache)
+        arch = get_arch(model)
+        qs, ks = collect_qk(model, arch, ids)
+        r = qs[1].shape[0] // ks[1].shape[0]
+        s = qs[1] @ ks[1].repeat_interleave(r, 0).transpose(-1, -2) * arch.score_scale  # (H, n, n)
+        i = torch.arange(40)
+        seen = (i.view(1, -1) <= i.view(-1, 1)) & (i.view(1, -1) > i.view(-1, 1) - 16)
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).sum(dim=1)  # (H, n)
+        ref = p.view(-1, r, 40).sum(1)  # summed over the query heads of a KV head
+        torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
+    finally:
+        model.config.sliding_window = 4096
+
+
 def test_keeps_heavy_hitters_and_recent(tiny_models):
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(40,))

@@ -102,9 +102,9 @@ def _pre_hook(module, args, kwargs):
 def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
     """A fresh prefill of a left-padded batch, row by row over each row's own tokens, exactly as the row
     alone is computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie
-    selections) would depend on its batch-mates. A row longer than the layer's sliding window gets its
-    part of the mask (as alone), a shorter one plain causal attention. (B, T, H, d), pad positions 0; None
-    where it does not apply (no mask: nothing padded; a past)."""
+    selections) would depend on its batch-mates. A row longer than the layer's sliding window attends inside
+    it block by block (`_local_prefill`), a shorter one plain causal attention. (B, T, H, d), pad positions
+    0; None where it does not apply (no mask: nothing padded; a past)."""
     T = query.shape[2]
     if attention_mask is None or attention_mask.dtype != torch.bool or key.shape[2] != T:
         return None
@@ -114,8 +114,26 @@ def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
     out = query.new_zeros(query.shape[0], T, query.shape[1], query.shape[3])
     for b, s in enumerate(pads):
         row = [t[b : b + 1, :, s:].contiguous() for t in (query, key, value)]
-        mask = attention_mask[b : b + 1, :, s:, s:] if window and T - s > window else None
-        out[b, s:] = sdpa_attention_forward(module, *row, mask, scaling=scaling, **kwargs)[0][0]
+        if window and T - s > window:
+            out[b, s:] = _local_prefill(module, *row, window, scaling, kwargs)[0]
+        else:
+            out[b, s:] = sdpa_attention_forward(module, *row, None, scaling=scaling, **kwargs)[0][0]
+    return out
+
+
+def _local_prefill(module, query, key, value, window: int, scaling, kwargs):
+    """Sliding-window attention of a prompt (one row; query (1, H, T, d), key/value (1, G, T, d)), `window`
+    queries at a time over the keys they can reach (query i sees keys i - window < j <= i, transformers'
+    window): O(T W) work where the (T, T) mask costs O(T^2), 16x less for Gemma 3 at 8k. -> (1, T, H, d)"""
+    T = query.shape[2]
+    out = query.new_empty(1, T, query.shape[1], query.shape[3])
+    for a in range(0, T, window):
+        b, lo = min(T, a + window), max(0, a - window + 1)
+        qi = torch.arange(a, b, device=query.device).view(-1, 1)
+        kj = torch.arange(lo, b, device=query.device).view(1, -1)
+        mask = ((kj <= qi) & (kj > qi - window)).view(1, 1, b - a, b - lo)
+        out[:, a:b] = sdpa_attention_forward(module, query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b], mask,
+                                             scaling=scaling, **kwargs)[0]
     return out
 
 

@@ -25,7 +25,8 @@ class H2OLayer(EvictingLayer):
     @torch.no_grad()
     def add_prefill_scores(self, query, key, attention_mask, scaling) -> None:
         """Accumulated attention of every prefill query on every key: column sums, a chunk of queries at a
-        time, each over the keys it may see (causal: those up to its last query; half the work of all n)."""
+        time, each over the keys it may see (causal: those up to its last query, half the work of all n; on
+        a sliding-window layer only those from its first query's window on)."""
         B, H, T, d = query.shape
         G, n = key.shape[1], key.shape[2]
         r = H // G
@@ -36,15 +37,16 @@ class H2OLayer(EvictingLayer):
         for i in range(0, T, QUERY_CHUNK):
             c = min(QUERY_CHUNK, T - i)
             end = n - T + i + c  # keys past the chunk's last query are masked for all of it
-            s = torch.matmul(q[:, :, :, i : i + c].reshape(B, G, r * c, d), kt[..., :end])  # (B, G, r*c, end)
-            s = s.view(B, G, r, c, end)
+            lo = max(0, n - T + i - self.window + 1) if self.window else 0  # and those before its first's window
+            s = torch.matmul(q[:, :, :, i : i + c].reshape(B, G, r * c, d), kt[..., lo:end])  # (B, G, r*c, end-lo)
+            s = s.view(B, G, r, c, end - lo)
             if attention_mask is not None:  # padding, windows: the model's own mask
-                s.masked_fill_(~attention_mask[:, :, i : i + c, :end].unsqueeze(1), float("-inf"))
+                s.masked_fill_(~attention_mask[:, :, i : i + c, lo:end].unsqueeze(1), float("-inf"))
                 p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # fully masked (padding) rows: 0
             else:  # causal: only the chunk's own keys are masked (each query sees itself)
                 s[..., end - c :].masked_fill_(future[:c, :c], float("-inf"))
                 p = torch.softmax(s, dim=-1)
-            total[..., :end] += p.sum(dim=(2, 3))
+            total[..., lo:end] += p.sum(dim=(2, 3))
         self.score.data[:, :, :n, 0] += total
 
 
