@@ -44,6 +44,7 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
     try:
         ids = torch.randint(3, 256, (1, 40))
         cache = ig.make_cache("h2o", model, budget=0.5)
+        assert cache.layers[1].window == 16  # the path under test: chunks start at their window's edge
         with torch.inference_mode():
             model(ids, past_key_values=cache)
         arch = get_arch(model)
