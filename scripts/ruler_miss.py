@@ -51,18 +51,19 @@ def main() -> None:
     run.track_recall = True
     got = decode(model, tokenizer, ids, run, logits, max_new, scorer)
     recall = run.stats["recall_per_layer"]
+    speculated = [i for i, layer in enumerate(run.layers) if not layer.dense]  # not layer 0, local layers
     print(f"{args.task} at {args.length} tokens, seed {args.seed}, answer {answers}")
     for name, (score, out) in (("full", ref), (f"infinigen {args.budget:g}", got)):
         print(f"{name + ':':16s} score {score:.2f} {out[:60]!r}")
-    print("recall per layer (share of the true attention mass fetched; layer 0 is dense):")
-    print("  " + " ".join(f"{i}:{r:.3f}" for i, r in enumerate(recall) if i > 0))
-    lowest = sorted(range(1, len(recall)), key=recall.__getitem__)[:3]
+    print("recall per speculated layer (share of the true attention mass fetched; the others are dense):")
+    print("  " + " ".join(f"{i}:{recall[i]:.3f}" for i in speculated))
+    lowest = sorted(speculated, key=recall.__getitem__)[:3]
     print("  lowest: " + ", ".join(f"layer {i} {recall[i]:.3f}" for i in lowest))
     if got[0] >= ref[0]:
         print("InfiniGen scores as the full cache does here: nothing to locate.")
         return
     fixes = []
-    for layer in range(1, len(recall)):
+    for layer in speculated:
         score, out = decode(model, tokenizer, ids, spec.fork(), logits, max_new, scorer, dense=[layer])
         if score >= ref[0]:
             fixes.append(layer)
