@@ -33,6 +33,9 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     B, H, T, d = query.shape
     G = key.shape[1]
     if layer is None or not layer.working:
+        first = getattr(layer, "kv_offset", 0)  # a sliding window's buffers begin at that position
+        if first and attention_mask is not None:
+            attention_mask = attention_mask[..., first : first + key.shape[2]]
         if getattr(layer, "needs_probs", False) and T > 1:  # H2O scores the prefill
             layer.add_prefill_scores(query, key, attention_mask, scaling)
         if T == 1 and getattr(layer, "dense_kernel", False):

@@ -41,6 +41,11 @@ class InfiniGenLayer(LogicalLayer):
         # A dense layer attends over all of its cache, which lives on the device (InfiniGen's layer 0: it has
         # no previous layer to speculate from); every other layer lives in the pool.
         self.dense = cache.selection.dense(cache, layer_idx)
+        # A dense local layer keeps only its sliding window (between W - 1 and 2W rows: it slides in one copy
+        # every ~W steps), not the whole context: on a GPU it stays on the device at the window's size.
+        self.window = cache.arch.windows[layer_idx] if self.dense and cache.arch.local(layer_idx) else None
+        self.offset = 0  # the position (column) of the buffers' first row: > 0 once a window has slid
+        self.kv_offset = 0  # that of the first key the last update returned (its mask starts there)
         self.pending = None  # Fetch of this step, set by the previous layer's selection
         self.working = False  # the last update returned a fetched working set (not the whole layer)
         self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
@@ -59,8 +64,8 @@ class InfiniGenLayer(LogicalLayer):
         pool_dev = dev if (self.dense or not on_gpu) else torch.device("cpu")
         pin = pool_dev.type == "cpu" and on_gpu
         c = self.cache.config
-        calibrated = self.cache.selection.calibrated
-        if calibrated and not self.dense and (c.capacity is not None or c.capacity_bytes is not None):
+        calibrated = self.cache.selection.calibrated and not self.dense  # a dense layer is never scored
+        if calibrated and (c.capacity is not None or c.capacity_bytes is not None):
             self.slots = Slots(B, G, dev, c.eviction)
             if c.capacity_bytes is not None:
                 row = G * (d + value_states.shape[-1]) * key_states.element_size()  # one token, all KV heads
@@ -77,7 +82,7 @@ class InfiniGenLayer(LogicalLayer):
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
         self.transfer = self.cache.transfer_for(dev)
         if self.cache.reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
-            rows = self.limit(self.cache.reserved) or self.cache.reserved
+            rows = self.limit(self.cache.reserved) or self.kept(self.cache.reserved)
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
                     buf.reserve(rows, room=False)
@@ -101,7 +106,9 @@ class InfiniGenLayer(LogicalLayer):
             self.seen += T
             self.work_mask, self.working = None, False
             if past == 0:
+                self.kv_offset = 0
                 return key_states, value_states  # prefill: attend over the prompt itself
+            self.kv_offset = self.offset
             if T == 1:
                 self.cache._count_dense(self.layer_idx)
             return transfer.dense(self)
@@ -147,6 +154,8 @@ class InfiniGenLayer(LogicalLayer):
             self.slots.replace(slot, past)
             self.new_slot = slot
             return
+        if self.window is not None:
+            k, v = self.slide(k, v)
         pos = None
         if limit is not None and self.k.length + T > limit:  # only a first prefill gets here (see update)
             drop = self.k.length + T - limit
@@ -164,6 +173,25 @@ class InfiniGenLayer(LogicalLayer):
         if self.slots is not None:
             self.slots.append(past, T, pos)
         self.new_slot = self.k.length - 1
+
+    def slide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A window layer's room for the new rows k, v (B, G, T, d): a first prefill keeps its last W - 1 (all
+        the next query may attend); past 2W rows, the buffers drop all but the last W - 1 before the new
+        ones (a chunk of prompt attends over those and itself, so it is stored whole). -> rows to store"""
+        keep, T = self.window - 1, k.shape[2]
+        if self.k.length == 0 and T > keep:
+            self.offset += T - keep
+            return k[:, :, T - keep :], v[:, :, T - keep :]
+        drop = self.k.length - keep
+        if self.k.length + T > 2 * self.window and drop > 0:
+            self.k.drop_front(drop)
+            self.v.drop_front(drop)
+            self.offset += drop
+        return k, v
+
+    def kept(self, tokens: int) -> int:
+        """Rows this layer holds per (sequence, KV head) at most, for a sequence of `tokens` tokens."""
+        return min(tokens, 2 * self.window) if self.window is not None else tokens
 
     def partial_keys(self, k: torch.Tensor) -> torch.Tensor:
         """Skewed partial channels k A_P of keys k (B, G, T, d): (B, G, T, p)."""
@@ -194,12 +222,16 @@ class InfiniGenLayer(LogicalLayer):
         return [b for b in (self.k, self.v, self.partial) if b is not None]
 
     def join(self, other, at_self: int, at_other: int, room: int) -> None:
-        super().join(other, at_self, at_other, room)
+        # the buffers' columns start at each one's offset: the joined ones at the lower of the two
+        a, b = self.offset + at_self, other.offset + at_other
+        self.offset = min(a, b)
+        super().join(other, a - self.offset, b - self.offset, self.kept(room))
         self.seen += at_self
         self._clear_step()
 
     def retain(self, rows, trim: int, room: int) -> None:
-        super().retain(rows, trim, room)
+        super().retain(rows, max(0, trim - self.offset), self.kept(room))
+        self.offset = max(0, self.offset - trim)
         self.seen -= trim
         self._clear_step()
 
@@ -209,7 +241,7 @@ class InfiniGenLayer(LogicalLayer):
         self.working = False
 
     def reset(self) -> None:
-        self.seen = 0
+        self.seen = self.offset = self.kv_offset = 0
         if self.slots is not None:
             self.slots.reset()
         if self.is_initialized:
@@ -397,7 +429,7 @@ class InfiniGenCache(Rebatch, Cache):
         """A dense decode step: every past entry it may attend counts as fetched (a local layer's window)."""
         layer = self.layers[layer_idx]
         rows = layer.k.batch * layer.k.heads
-        past = layer.k.length - 1
+        past = layer.seen - 1
         window = self.arch.windows[layer_idx]
         read = min(past, window - 1) if window is not None else past
         self._fetched[layer_idx] += rows * read

@@ -58,6 +58,10 @@ class LogicalLayer(CacheLayerMixin):
         """Bytes one token of one sequence takes in this layer's buffers."""
         return sum(b.heads * b.width * b.data.element_size() for b in self.row_buffers()) if self.is_initialized else 0
 
+    def kept(self, tokens: int) -> int:
+        """Rows this layer holds per (sequence, head) for a sequence of `tokens` tokens (a window: fewer)."""
+        return tokens
+
     def buffer_bytes(self) -> int:
         """Bytes this layer's buffers hold now (allocated, valid or not)."""
         return sum(b.nbytes for b in self.row_buffers()) if self.is_initialized else 0
@@ -114,9 +118,11 @@ class Rebatch:
     def set_budget(self, budget: float) -> None:
         raise ValueError(f"{type(self).__name__} has no budget")
 
-    def token_bytes(self) -> int:
-        """Bytes one kept token of one sequence takes, over all layers (an initialized cache)."""
-        return sum(layer.token_bytes() for layer in self.layers)
+    def sequence_bytes(self, tokens: int) -> int:
+        """Bytes one sequence of `tokens` tokens takes in this cache (an initialized one: the cost model of
+        the server's admission): what each layer keeps of it, a budget's or a window's worth where less."""
+        n = self.entries(tokens)
+        return sum(layer.token_bytes() * layer.kept(n) for layer in self.layers)
 
     def buffer_bytes(self) -> int:
         """Bytes the cache's buffers hold now."""

@@ -163,6 +163,15 @@ class RowBuffer:
     def reset(self) -> None:
         self.length = 0
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first n valid rows: the rest move to the front (a sliding window's buffer)."""
+        keep = self.length - n
+        src = self.data[:, :, n : self.length]
+        if keep > n:  # source and destination overlap
+            src = src.clone()
+        self.data[:, :, :keep].copy_(src)
+        self.length = keep
+
     # --- continuous batching: sequences join and leave between decode steps ---------------------------
 
     def join(self, other: "RowBuffer", at_self: int, at_other: int, room: int = 0) -> None:

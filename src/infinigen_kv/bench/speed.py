@@ -147,6 +147,7 @@ def summarize(method, batch, prompt_len, new_tokens, runs, machine) -> dict:
         "prefill_s": round(statistics.median(r.prefill_s for r in res), 4),
         "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
         "bytes_read_per_step": read,
+        "pool_bytes": stats.get("pool_bytes"),  # the cache's K/V memory at the end of the run
         "step_s": round(step_s, 5),
         "floor_s": round(floor_s, 5),
         "step_over_floor": round(step_s / floor_s, 3) if floor_s > 0 else None,

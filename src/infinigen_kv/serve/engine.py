@@ -202,7 +202,7 @@ class Engine:
         self.last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}  # snapshots (_snapshot)
         probe = make_cache(method, model, **self.options)  # calibrates now (or loads), not on the first request
         Prefill(model, probe, [min(self.eos) if self.eos else 0] * 2).step()  # buffers to measure
-        self.token_bytes, self.entries = probe.token_bytes(), probe.entries  # the cost model (admits)
+        self.sequence_bytes = probe.sequence_bytes  # the cost model (admits)
         if max_pool_bytes is None:
             on_device = self.device.type == "cuda" and method not in ("infinigen", "offload")  # else: host memory
             free = torch.cuda.mem_get_info(self.device)[0] if on_device else available_memory()
@@ -224,7 +224,7 @@ class Engine:
 
     def cost(self, rows: int, tokens: int) -> int:
         """Cache bytes of `rows` sequences padded to `tokens` tokens each."""
-        return rows * self.entries(tokens) * self.token_bytes
+        return rows * self.sequence_bytes(tokens)
 
     def submit(self, job: Job) -> Job:
         need = self.cost(1, len(job.prompt_ids) + job.max_tokens)
