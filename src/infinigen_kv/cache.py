@@ -41,11 +41,9 @@ class InfiniGenLayer(LogicalLayer):
         # A dense layer attends over all of its cache, which lives on the device (InfiniGen's layer 0: it has
         # no previous layer to speculate from); every other layer lives in the pool.
         self.dense = cache.selection.dense(cache, layer_idx)
-        # A dense local layer keeps only its sliding window (between W - 1 and 2W rows: it slides in one copy
-        # every ~W steps), not the whole context: on a GPU it stays on the device at the window's size.
-        self.window = cache.arch.windows[layer_idx] if self.dense and cache.arch.local(layer_idx) else None
-        self.offset = 0  # the position (column) of the buffers' first row: > 0 once a window has slid
-        self.kv_offset = 0  # that of the first key the last update returned (its mask starts there)
+        # A dense layer with a sliding window (Gemma's local layers) keeps only the window (LogicalLayer.slide),
+        # not the whole context: on a GPU it stays on the device at the window's size.
+        self.window = cache.arch.windows[layer_idx] if self.dense else None
         self.pending = None  # Fetch of this step, set by the previous layer's selection
         self.working = False  # the last update returned a fetched working set (not the whole layer)
         self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
@@ -154,8 +152,7 @@ class InfiniGenLayer(LogicalLayer):
             self.slots.replace(slot, past)
             self.new_slot = slot
             return
-        if self.window is not None:
-            k, v = self.slide(k, v)
+        k, v = self.slide(k, v)
         pos = None
         if limit is not None and self.k.length + T > limit:  # only a first prefill gets here (see update)
             drop = self.k.length + T - limit
@@ -173,25 +170,6 @@ class InfiniGenLayer(LogicalLayer):
         if self.slots is not None:
             self.slots.append(past, T, pos)
         self.new_slot = self.k.length - 1
-
-    def slide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A window layer's room for the new rows k, v (B, G, T, d): a first prefill keeps its last W - 1 (all
-        the next query may attend); past 2W rows, the buffers drop all but the last W - 1 before the new
-        ones (a chunk of prompt attends over those and itself, so it is stored whole). -> rows to store"""
-        keep, T = self.window - 1, k.shape[2]
-        if self.k.length == 0 and T > keep:
-            self.offset += T - keep
-            return k[:, :, T - keep :], v[:, :, T - keep :]
-        drop = self.k.length - keep
-        if self.k.length + T > 2 * self.window and drop > 0:
-            self.k.drop_front(drop)
-            self.v.drop_front(drop)
-            self.offset += drop
-        return k, v
-
-    def kept(self, tokens: int) -> int:
-        """Rows this layer holds per (sequence, KV head) at most, for a sequence of `tokens` tokens."""
-        return min(tokens, 2 * self.window) if self.window is not None else tokens
 
     def partial_keys(self, k: torch.Tensor) -> torch.Tensor:
         """Skewed partial channels k A_P of keys k (B, G, T, d): (B, G, T, p)."""
@@ -222,16 +200,12 @@ class InfiniGenLayer(LogicalLayer):
         return [b for b in (self.k, self.v, self.partial) if b is not None]
 
     def join(self, other, at_self: int, at_other: int, room: int) -> None:
-        # the buffers' columns start at each one's offset: the joined ones at the lower of the two
-        a, b = self.offset + at_self, other.offset + at_other
-        self.offset = min(a, b)
-        super().join(other, a - self.offset, b - self.offset, self.kept(room))
+        super().join(other, at_self, at_other, room)
         self.seen += at_self
         self._clear_step()
 
     def retain(self, rows, trim: int, room: int) -> None:
-        super().retain(rows, max(0, trim - self.offset), self.kept(room))
-        self.offset = max(0, self.offset - trim)
+        super().retain(rows, trim, room)
         self.seen -= trim
         self._clear_step()
 

@@ -20,6 +20,12 @@ class LogicalLayer(CacheLayerMixin):
     working = False
     work_mask = None
     _cache = None
+    # A layer with a sliding `window` W keeps only what its next queries may attend: between W - 1 and 2W rows
+    # (it slides in one copy every ~W steps), the first at position `offset`; `kv_offset` is the position of
+    # the first key the last update returned, where the attention function starts reading its mask.
+    window = None
+    offset = 0
+    kv_offset = 0
 
     # A layer's link to its cache is weak (the cache owns its layers): a cache nobody holds any more (a finished
     # request, a decoded fork) frees its buffers at once, not at some later garbage collection.
@@ -45,22 +51,43 @@ class LogicalLayer(CacheLayerMixin):
         return []
 
     def join(self, other: "LogicalLayer", at_self: int, at_other: int, room: int) -> None:
-        """Other's sequences after this layer's, each moved right by its `at` columns of padding."""
-        for a, b in zip(self.row_buffers(), other.row_buffers()):
-            a.join(b, at_self, at_other, room)
+        """Other's sequences after this layer's, each moved right by its `at` columns of padding (a window's
+        buffers start at their offsets: the joined ones at the lower of the two)."""
+        a, b = self.offset + at_self, other.offset + at_other
+        self.offset = min(a, b)
+        for x, y in zip(self.row_buffers(), other.row_buffers()):
+            x.join(y, a - self.offset, b - self.offset, self.kept(room))
 
     def retain(self, rows: list[int], trim: int, room: int) -> None:
         """Only the sequences `rows`, without the first `trim` columns (padding in every one of them)."""
         for buf in self.row_buffers():
-            buf.retain(rows, trim, room)
+            buf.retain(rows, max(0, trim - self.offset), self.kept(room))
+        self.offset = max(0, self.offset - trim)
+
+    def slide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make a window layer's room for new rows k, v (B, G, T, d) -> the rows to store: a first prefill
+        keeps its last W - 1 (all the next query may attend); past 2W rows, the buffers drop all but the
+        last W - 1 before the new ones (a chunk of prompt attends over those and itself: stored whole)."""
+        if self.window is None:
+            return k, v
+        keep, T, bufs = self.window - 1, k.shape[2], self.row_buffers()
+        length = bufs[0].length
+        if length == 0 and T > keep:
+            self.offset += T - keep
+            return k[:, :, T - keep :], v[:, :, T - keep :]
+        if length + T > 2 * self.window and length > keep:
+            for buf in bufs:
+                buf.drop_front(length - keep)
+            self.offset += length - keep
+        return k, v
+
+    def kept(self, tokens: int) -> int:
+        """Rows this layer holds per (sequence, head) for a sequence of `tokens` tokens (a window: fewer)."""
+        return min(tokens, 2 * self.window) if self.window is not None else tokens
 
     def token_bytes(self) -> int:
         """Bytes one token of one sequence takes in this layer's buffers."""
         return sum(b.heads * b.width * b.data.element_size() for b in self.row_buffers()) if self.is_initialized else 0
-
-    def kept(self, tokens: int) -> int:
-        """Rows this layer holds per (sequence, head) for a sequence of `tokens` tokens (a window: fewer)."""
-        return tokens
 
     def buffer_bytes(self) -> int:
         """Bytes this layer's buffers hold now (allocated, valid or not)."""

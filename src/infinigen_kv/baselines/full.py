@@ -20,7 +20,7 @@ class FullLayer(LogicalLayer):
     def __init__(self, reserved: int = 0, window: int | None = None):
         super().__init__()
         self.reserved = reserved  # rows the buffers are made with (FullCache.reserve)
-        self.window = window  # sliding window (None: global): a decode step reads only its last rows
+        self.window = window  # sliding window (None: global): the layer keeps and reads only its last rows
         self.k = self.v = None
         self.bytes_read = 0  # KV bytes read by decode steps
         self.steps = 0
@@ -37,8 +37,14 @@ class FullLayer(LogicalLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.k.append(key_states)
-        self.v.append(value_states)
+        first = self.k.length == 0
+        k, v = self.slide(key_states, value_states)
+        self.k.append(k)
+        self.v.append(v)
+        if first:  # a prompt attends over itself (a window layer kept only its end)
+            self.kv_offset = 0
+            return key_states, value_states
+        self.kv_offset = self.offset
         if key_states.shape[2] == 1:
             self.steps += 1
             n = self.k.length
@@ -47,12 +53,13 @@ class FullLayer(LogicalLayer):
         return self.k.valid(), self.v.valid()  # (B, G, n, d) views of the preallocated buffers
 
     def get_seq_length(self) -> int:
-        return self.k.length if self.is_initialized else 0
+        return self.offset + self.k.length if self.is_initialized else 0
 
     def row_buffers(self) -> list:
         return [self.k, self.v]
 
     def reset(self) -> None:
+        self.offset = self.kv_offset = 0
         if self.is_initialized:
             self.k.reset()
             self.v.reset()
