@@ -210,3 +210,21 @@ def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():
         for seed in range(5):
             got = sample(logits, torch.full((6,), 0.8), torch.full((6,), 0.9), [torch.Generator().manual_seed(seed)])
             assert torch.equal(got, reference(logits, 0.8, 0.9, seed))
+
+
+@pytest.mark.parametrize("method", ["full", "infinigen", "offload", "quant", "h2o", "streaming"])
+def test_sequence_bytes_of_every_method(tiny_models, method):
+    """The server's cost model on Gemma's local and global layers: window layers count at most 2W rows;
+    the evicting caches count their budget's entries in every layer (what the window has left stays)."""
+    model = tiny_models["gemma3"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    cache = ig.make_cache(method, model, **({"budget": 0.3} if method in ("h2o", "streaming") else {}))
+    step_logits(model, cache, ids, mask, steps=2)
+    per_token = sum(layer.token_bytes() for layer in cache.layers)
+    got = cache.sequence_bytes(1000)
+    if method in ("h2o", "streaming"):
+        assert got == cache.entries(1000) * per_token
+    elif method in ("full", "infinigen"):
+        assert 0 < got < 1000 * per_token  # three of the four layers hold a window
+    else:  # offload and quant keep every layer whole
+        assert got == 1000 * per_token

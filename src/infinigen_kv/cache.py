@@ -80,7 +80,7 @@ class InfiniGenLayer(LogicalLayer):
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
         self.transfer = self.cache.transfer_for(dev)
         if self.cache.reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
-            rows = self.limit(self.cache.reserved) or self.kept(self.cache.reserved)
+            rows = self.limit(self.cache.reserved) or self.rows_for(self.cache.reserved)
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
                     buf.reserve(rows, room=False)

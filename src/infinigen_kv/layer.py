@@ -56,12 +56,12 @@ class LogicalLayer(CacheLayerMixin):
         a, b = self.offset + at_self, other.offset + at_other
         self.offset = min(a, b)
         for x, y in zip(self.row_buffers(), other.row_buffers()):
-            x.join(y, a - self.offset, b - self.offset, self.kept(room))
+            x.join(y, a - self.offset, b - self.offset, self.rows_for(room))
 
     def retain(self, rows: list[int], trim: int, room: int) -> None:
         """Only the sequences `rows`, without the first `trim` columns (padding in every one of them)."""
         for buf in self.row_buffers():
-            buf.retain(rows, max(0, trim - self.offset), self.kept(room))
+            buf.retain(rows, max(0, trim - self.offset), self.rows_for(room))
         self.offset = max(0, self.offset - trim)
 
     def slide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ class LogicalLayer(CacheLayerMixin):
             self.offset += length - keep
         return k, v
 
-    def kept(self, tokens: int) -> int:
+    def rows_for(self, tokens: int) -> int:
         """Rows this layer holds per (sequence, head) for a sequence of `tokens` tokens (a window: fewer)."""
         return min(tokens, 2 * self.window) if self.window is not None else tokens
 
@@ -149,7 +149,7 @@ class Rebatch:
         """Bytes one sequence of `tokens` tokens takes in this cache (an initialized one: the cost model of
         the server's admission): what each layer keeps of it, a budget's or a window's worth where less."""
         n = self.entries(tokens)
-        return sum(layer.token_bytes() * layer.kept(n) for layer in self.layers)
+        return sum(layer.token_bytes() * layer.rows_for(n) for layer in self.layers)
 
     def buffer_bytes(self) -> int:
         """Bytes the cache's buffers hold now."""

@@ -137,6 +137,10 @@ class EvictingLayer(LogicalLayer):
             buf.append(kept)
         self.kept = cap.clone()
 
+    def rows_for(self, tokens: int) -> int:
+        """A budget's entries, windowed or not (entries the window has left stay, masked): all it is given."""
+        return tokens
+
     # --- continuous batching: columns are slots here, so sequences join slot-aligned; padding shifts the
     # positions they hold ---------------------------------------------------------------------------
 
