@@ -219,6 +219,11 @@ def test_bench_accuracy_resumes_from_its_samples(tmp_path, capsys, monkeypatch):
     assert len(prefills) == 2  # one prefill per prompt for the three methods and all budgets (TeeCache, fork)
     capsys.readouterr()
     prefills.clear()
+    samples = tmp_path / "two" / "samples.jsonl"  # a run made before a knob existed: its header lacks it
+    header, *rest = samples.read_text().splitlines()
+    old = json.loads(header)
+    del old["options"]["layer_budget"]
+    samples.write_text("\n".join([json.dumps(old), *rest]) + "\n")
     assert main([*args, "--samples", "2", "--out", out, "--resume"]) == 0
     assert len(prefills) == 2  # only the second sample's
     assert json.loads(capsys.readouterr().out)["rows"] == one

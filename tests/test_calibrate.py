@@ -5,7 +5,8 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.adapters import get_arch
-from infinigen_kv.calibrate import Calibration, CalibrationError, calibrate, collect_qk, fingerprint, load_or_calibrate
+from infinigen_kv.calibrate import (Calibration, CalibrationError, calibrate, collect_qk, default_path, fingerprint,
+                                   load_or_calibrate)
 from conftest import KINDS, tiny_model
 
 
@@ -120,3 +121,24 @@ def test_arch_queries_and_keys_are_the_models(kind):
                 torch.testing.assert_close(ahead[l], rope, rtol=0, atol=0)
     if arch.rope:  # the kernel's scale (Gemma 3: query_pre_attn_scalar^-0.5, not d^-0.5)
         assert arch.score_scale == pytest.approx(arch.attns[0].scaling)
+
+
+def test_recall_is_measured_once_and_kept(tmp_path, tiny_models):
+    """layer_budget "recall" needs each layer's recall: `calibrate(recall=True)` measures it; a cached
+    calibration without it gets it on first use (saved); a named file without it is refused."""
+    model = tiny_models["qwen2"]
+    cal = calibrate(model, tokens=512, recall=True)
+    assert cal.meta["recall"][0] is None and all(0 < r <= 1 for r in cal.meta["recall"][1:])
+    assert len(cal.meta["recall"]) == get_arch(model).num_layers
+
+    config = ig.InfiniGenConfig(partial_ratio=0.5, layer_budget="recall")
+    default_path(model, config).unlink(missing_ok=True)  # whatever another test cached
+    plain = load_or_calibrate(model, ig.InfiniGenConfig(partial_ratio=0.5))  # cached without recall
+    assert "recall" not in plain.meta
+    with_recall = load_or_calibrate(model, config)  # measured now, and saved in the cache file
+    assert with_recall.meta["recall"][1] is not None
+    assert load_or_calibrate(model, ig.InfiniGenConfig(partial_ratio=0.5)).meta["recall"] == with_recall.meta["recall"]
+
+    path = plain.save(tmp_path / "old.safetensors")
+    with pytest.raises(CalibrationError, match="no per-layer recall"):
+        load_or_calibrate(model, ig.InfiniGenConfig(partial_ratio=0.5, layer_budget="recall", calibration=str(path)))

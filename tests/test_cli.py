@@ -233,6 +233,17 @@ def test_local_layers_reaches_the_cache_options():
     one_line_error(cli("generate", "--prompt", "x", "--local-layers", "sparse", ok=False), "--local-layers")
 
 
+def test_layer_budget_reaches_the_cache_options():
+    """--layer-budget is passed to InfiniGen (default: unset, the config's uniform); a bad value is an
+    argparse error."""
+    from infinigen_kv.cli import _method_options, build_parser
+
+    p = build_parser()
+    assert _method_options(p.parse_args(["serve", "--layer-budget", "recall"]))["layer_budget"] == "recall"
+    assert _method_options(p.parse_args(["generate", "--prompt", "x"]))["layer_budget"] is None
+    one_line_error(cli("generate", "--prompt", "x", "--layer-budget", "more", ok=False), "--layer-budget")
+
+
 def test_gemma3_alias_without_its_package_is_one_clear_error(monkeypatch):
     from infinigen_kv import models
 

@@ -148,3 +148,50 @@ def test_unpadded_decode_builds_no_keep():
     cache = ig.make_cache("infinigen", model)
     ig.generate(model, ids, torch.ones_like(ids), cache=cache, max_new_tokens=4, stop_at_eos=False)
     assert all(t is None for t in cache._possible_t) and cache._possible[2] > 0
+
+
+def test_layer_scales_follow_the_misses_and_keep_the_mean():
+    from infinigen_kv.speculate import layer_budgets, layer_scales
+
+    recall = [None, 0.95, 0.80, 0.99, 0.90, None]  # dense layers (None) take no share
+    s = layer_scales(recall)
+    spec = [v for v in s if v is not None]
+    assert s[0] is None and s[5] is None
+    assert abs(sum(spec) / len(spec) - 1) < 1e-6 and all(0.5 - 1e-9 <= v <= 3 + 1e-9 for v in spec)
+    assert s[2] == max(spec) and s[3] == min(spec) and s[4] > s[1]  # more misses, more budget
+    assert layer_scales([None, 0.9, 0.9, 0.9]) == [None, 1.0, 1.0, 1.0]
+
+    b = layer_budgets(0.1, s)
+    assert b[0] == b[5] == 0.1 and abs(sum(b[1:5]) / 4 - 0.1) < 1e-6
+    assert layer_budgets(1.0, s) == [1.0] * 6  # everything fetched: exact, as uniform
+    capped = layer_budgets(0.6, s)  # a layer capped at 1.0 passes its excess to the others
+    assert max(capped) == 1.0 and abs(sum(capped[1:5]) / 4 - 0.6) < 1e-6
+    tokens = layer_budgets(256, s)  # token counts stay counts (> 1)
+    assert all(v > 1 and v == int(v) for v in tokens) and tokens[2] > 256 > tokens[3]
+    assert layer_budgets(0.1, None) is None
+
+
+def test_layer_budget_recall_shares_the_fetch_by_layer():
+    """layer_budget "recall": each speculated layer fetches its own share (from the calibration's recall),
+    the total about the uniform budget's; at budget 1.0 it is still exact."""
+    import infinigen_kv as ig
+    from test_exactness import step_logits
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 256, (2, 200), generator=torch.Generator().manual_seed(1))
+    cache = ig.make_cache("infinigen", model, budget=0.2, alpha=50.0, layer_budget="recall")
+    recall = cache.calibration.meta["recall"]
+    assert recall[0] is None and all(0 < r <= 1 for r in recall[1:])
+    budgets = cache._budgets
+    assert len(set(round(b, 6) for b in budgets[1:])) > 1  # not uniform
+    ig.generate(model, ids, cache=cache, max_new_tokens=6, stop_at_eos=False)
+    share = cache.stats["fetched_fraction_per_layer"][1:]
+    for got, want in zip(share, budgets[1:]):  # the cap binds at alpha 50: ceil(budget x past) per row
+        assert want - 1e-6 <= got <= want + 0.01
+    assert abs(sum(share) / len(share) - 0.2) < 0.01
+
+    with torch.inference_mode():
+        full = step_logits(model, ig.make_cache("full", model), ids, torch.ones_like(ids))
+        every = step_logits(model, ig.make_cache("infinigen", model, budget=1.0, layer_budget="recall"), ids,
+                            torch.ones_like(ids))
+    torch.testing.assert_close(every, full)

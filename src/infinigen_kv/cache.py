@@ -22,13 +22,13 @@ from transformers.cache_utils import Cache
 
 from .adapters import get_arch
 from .attention import install
-from .calibrate import Calibration, load_or_calibrate, rope_channels
+from .calibrate import Calibration, ensure_recall, load_or_calibrate, rope_channels
 from .config import InfiniGenConfig
 from .layer import LogicalLayer, Rebatch
 from .pool import RowBuffer, Slots
 from . import kernels
 from .selection import Speculate
-from .speculate import approx_scores, counted, relative
+from .speculate import approx_scores, counted, layer_budgets, layer_scales, relative
 from .transfer import Fetch, make_transfer
 
 
@@ -253,6 +253,11 @@ class InfiniGenCache(Rebatch, Cache):
         else:
             calibration.check(model, self.config.partial_ratio)
         self.calibration = calibration
+        # layer_budget "recall": each speculated layer's share of the budget, from the calibration's recall
+        self.budget_scale = None
+        if calibration is not None and self.config.layer_budget == "recall":
+            self.budget_scale = layer_scales(ensure_recall(model, calibration, self.config, tokenizer))
+        self._budgets = layer_budgets(self.config.budget, self.budget_scale)
         self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
@@ -302,9 +307,14 @@ class InfiniGenCache(Rebatch, Cache):
         `ig.generate` calls it before the prefill; beyond it, buffers still grow in chunks."""
         self.reserved = max(self.reserved, int(tokens))
 
+    def budget_of(self, layer: int) -> float:
+        """Layer `layer`'s budget: the config's, or its share under layer_budget "recall"."""
+        return self.config.budget if self._budgets is None else self._budgets[layer]
+
     def set_budget(self, budget: float) -> None:
         """A new budget (the cap of each decode step's fetch)."""
         self.config = dataclasses.replace(self.config, budget=budget)
+        self._budgets = layer_budgets(budget, self.budget_scale)
         self.selection.reset()  # per-step caps memoized under the old budget
 
     def shared(self) -> dict:

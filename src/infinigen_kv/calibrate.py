@@ -269,18 +269,13 @@ def calibrate(
     skew: str = "auto",
     tokens: int = 4096,
     seed: int = 0,
+    recall: bool = False,
 ) -> Calibration:
-    """Calibrate `model` on a text file (needs a tokenizer) or on text the model generates itself."""
+    """Calibrate `model` on a text file (needs a tokenizer) or on text the model generates itself; with
+    `recall`, also measure each layer's speculation recall on that text (for layer_budget "recall")."""
     t0 = time.perf_counter()
     arch = get_arch(model)
-    if text_file is not None:
-        if tokenizer is None:
-            raise CalibrationError("calibrating on a text file needs the model's tokenizer")
-        ids = text_file_ids(text_file, tokenizer, tokens)
-        source = f"file:{Path(text_file).name}"
-    else:
-        ids = generated_text_ids(model, tokens, seed)
-        source = "generated"
+    ids, source = calibration_ids(model, tokenizer, text_file, tokens, seed)
     skew = resolve_skew(skew, arch)
     qs, ks = collect_qk(model, arch, ids)
     p = math.ceil(partial_ratio * arch.head_dim)
@@ -304,27 +299,80 @@ def calibrate(
     pq_w = pq_b = None
     if not arch.rope:
         pq_w, pq_b = partial_query_weights(arch, mats, channels)
-    return Calibration(mats, channels, meta, pq_w, pq_b)
+    cal = Calibration(mats, channels, meta, pq_w, pq_b)
+    if recall:
+        cal.meta["recall"] = measure_recall(model, cal, ids)
+        cal.meta["seconds"] = round(time.perf_counter() - t0, 2)
+    return cal
+
+
+def calibration_ids(model, tokenizer, text_file: str | None, tokens: int = 4096, seed: int = 0):
+    """The calibration text: (rows, T) ids of `text_file` (needs the tokenizer) or of text the model writes,
+    and its name for the file's metadata."""
+    if text_file is None:
+        return generated_text_ids(model, tokens, seed), "generated"
+    if tokenizer is None:
+        raise CalibrationError("calibrating on a text file needs the model's tokenizer")
+    return text_file_ids(text_file, tokenizer, tokens), f"file:{Path(text_file).name}"
+
+
+RECALL_BUDGET, RECALL_STEPS = 0.1, 16  # the setting each layer's recall is measured at
+
+
+@torch.inference_mode()
+def measure_recall(model, cal: Calibration, ids: torch.Tensor, steps: int = RECALL_STEPS) -> list:
+    """Per layer: the share of its true attention mass on the entries InfiniGen fetches at budget 0.1 (other
+    knobs at their defaults), over `steps` greedy decode steps after the calibration text joined into one row
+    (its rows are short; joined, the budget binds as at long context). None for a layer attended densely
+    (layer 0, local layers). Where it is low, the partial channels predict that layer's attention worst."""
+    from .cache import InfiniGenCache
+    from .generation import generate
+
+    config = InfiniGenConfig(partial_ratio=cal.meta["partial_ratio"], budget=RECALL_BUDGET)
+    cache = InfiniGenCache(model, config, calibration=cal)
+    cache.track_recall = True
+    row = ids.reshape(1, -1).to(next(model.parameters()).device)
+    generate(model, row, cache=cache, max_new_tokens=steps, stop_at_eos=False)
+    got = cache.stats["recall_per_layer"]
+    return [None if layer.dense else round(float(got[i]), 4) for i, layer in enumerate(cache.layers)]
+
+
+def ensure_recall(model, cal: Calibration, config, tokenizer=None) -> list:
+    """The calibration's per-layer recall (measure_recall), measured now on the calibration text if it has
+    none yet (a calibration made without it) and kept in its metadata."""
+    if cal.meta.get("recall") is None:
+        ids, _ = calibration_ids(model, tokenizer, config.calibration_text)
+        cal.meta["recall"] = measure_recall(model, cal, ids)
+    return cal.meta["recall"]
 
 
 def load_or_calibrate(model, config, tokenizer=None) -> Calibration:
-    """The calibration named by config.calibration, else the per-model cached one, else a new one (cached)."""
+    """The calibration named by config.calibration, else the per-model cached one, else a new one (cached).
+    With layer_budget "recall" it carries each layer's recall (a cached one without it is measured once and
+    saved; a named file without it is refused: `infinigen calibrate` writes it)."""
+    recall = config.layer_budget == "recall"
     if config.calibration:
         cal = Calibration.load(config.calibration)
         cal.check(model, config.partial_ratio)
+        if recall and cal.meta.get("recall") is None:
+            raise CalibrationError(f"calibration file {config.calibration} has no per-layer recall, which "
+                                   "layer_budget 'recall' needs: make it again with `infinigen calibrate`")
         return cal
     path = default_path(model, config)
+    if config.calibration_text and tokenizer is None and (recall or not path.is_file()):
+        tokenizer = tokenizer_for(model)  # only to read the text
     if path.is_file():
         try:
             cal = Calibration.load(path)
             cal.check(model, config.partial_ratio)
+            if recall and cal.meta.get("recall") is None:
+                ensure_recall(model, cal, config, tokenizer)
+                cal.save(path)
             return cal
         except CalibrationError:
             pass  # stale or damaged cache entry: calibrate again and overwrite it
-    if config.calibration_text and tokenizer is None:
-        tokenizer = tokenizer_for(model)
     cal = calibrate(model, tokenizer, config.calibration_text, config.partial_ratio, config.channel_rule,
-                    config.skew)
+                    config.skew, recall=recall)
     cal.save(path)
     return cal
 

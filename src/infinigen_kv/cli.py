@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULT_BUDGET, LOCAL_LAYERS, METHOD_NAMES, InfiniGenConfig
+from .config import DEFAULT_BUDGET, LAYER_BUDGETS, LOCAL_LAYERS, METHOD_NAMES, InfiniGenConfig
 
 
 class CLIError(Exception):
@@ -190,6 +190,10 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     p.add_argument("--local-layers", choices=list(LOCAL_LAYERS), default=None,
                    help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
                    "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
+    p.add_argument("--layer-budget", choices=list(LAYER_BUDGETS), default=None,
+                   help="InfiniGen: the same budget for every layer, or more for the layers whose speculation recalls "
+                   "least on the calibration text (measured once per model), the mean unchanged (default: %s)"
+                   % InfiniGenConfig.layer_budget)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,7 +305,7 @@ def _method_options(args) -> dict:
     kind, value = getattr(args, "capacity", None) or (None, None)
     return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
             "calibration": args.calibration, "bits": args.quant_bits, "eviction": getattr(args, "eviction", None),
-            "local_layers": args.local_layers,
+            "local_layers": args.local_layers, "layer_budget": args.layer_budget,
             "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
 
 
@@ -370,7 +374,8 @@ def cmd_calibrate(args) -> dict:
     if args.text_file is not None and not Path(args.text_file).is_file():
         raise CLIError(f"calibration text file not found: {args.text_file}")
     model, tok = _load(args)
-    cal = calibrate(model, tok, args.text_file, args.partial_ratio, args.channel_rule, args.skew, args.tokens)
+    cal = calibrate(model, tok, args.text_file, args.partial_ratio, args.channel_rule, args.skew, args.tokens,
+                    recall=True)
     config = InfiniGenConfig(partial_ratio=args.partial_ratio, channel_rule=args.channel_rule, skew=args.skew,
                              calibration_text=args.text_file)
     path = default_path(model, config)

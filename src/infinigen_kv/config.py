@@ -12,6 +12,7 @@ DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streamin
 
 
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
+LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,12 @@ class InfiniGenConfig:
     # Measured on Gemma 3 270M, RULER at 8k, budget 0.1: dense 0.48 (= full), speculate 0.19, and slower
     # (docs/BENCHMARKS.md, "Gemma 3 270M").
     local_layers: str = "dense"
+    # layer_budget: how the budget is shared among the speculated layers: "uniform" (each layer fetches up to
+    # the budget) or "recall": a layer gets budget x its share of the speculation's misses (1 - recall,
+    # measured once per model on the calibration text and kept in the calibration file; within 0.5x-3x), the
+    # layers' mean unchanged. A retrieval layer the partial channels predict worst is where a needle is lost
+    # (docs/BENCHMARKS.md, "Where the needle is lost").
+    layer_budget: str = "uniform"
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -81,6 +88,8 @@ class InfiniGenConfig:
             raise ConfigError(f"gqa_combine must be 'max' or 'mean', got {self.gqa_combine!r}")
         if self.local_layers not in LOCAL_LAYERS:
             raise ConfigError(f"local_layers must be one of {', '.join(LOCAL_LAYERS)}, got {self.local_layers!r}")
+        if self.layer_budget not in LAYER_BUDGETS:
+            raise ConfigError(f"layer_budget must be one of {', '.join(LAYER_BUDGETS)}, got {self.layer_budget!r}")
         if self.skew not in ("auto", "svd", "none"):
             raise ConfigError(f"skew must be 'auto', 'svd' or 'none', got {self.skew!r}")
         if self.capacity is not None:

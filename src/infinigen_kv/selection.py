@@ -57,7 +57,7 @@ class Speculate:
     in_place = True  # on CPU, attention may read the chosen rows where they lie in the pool
 
     def __init__(self):
-        self._memo = {}  # window -> (key, keep, caps) of the current decode step (step_keep)
+        self._memo = {}  # window -> (key, keep, {budget: caps}) of the current decode step (step_keep)
 
     def dense(self, cache, layer_idx: int) -> bool:
         """Layer 0, and a model's local layers unless `local_layers="speculate"`: their window is short (512
@@ -97,42 +97,44 @@ class Speculate:
         n = target.partial.length  # slots
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted)
+        budget = cache.budget_of(nxt)
+        keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted, budget)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         c = cache.config
         partial_row = target.partial.width * target.partial.data.element_size()
         kern = kernels.cpu() if dev.type == "cpu" else None
         if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
-            k = fetch_cap(n, c.budget, c.max_num_kv)  # known on the host: the step's fetch size
+            k = fetch_cap(n, budget, c.max_num_kv)  # known on the host: the step's fetch size
             if keep is not None and caps is None:  # per row: budget x its valid length
                 keep = keep.contiguous()
-                caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()  # (B, G)
+                caps = row_caps(keep, budget, c.max_num_kv).expand(B, G).contiguous()  # (B, G)
             idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
                                         cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
             cache.prefetch(target, Fetch(idx, count=count), keep, partial_row)
             return
         scores = approx_scores(q, target.partial.valid(), cache.arch.score_scale)  # (B, G, r, slots)
-        idx, real = select(scores, keep, c.alpha, c.budget, c.max_num_kv, c.gqa_combine)
+        idx, real = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine)
         cache.prefetch(target, Fetch(idx, real), keep, partial_row)
 
-    def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool):
+    def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool,
+                  budget: float):
         """keep (B, 1, seen) of `layer` (layer_keep) and, if with_caps, the per-row caps (B, G) of the CPU
-        kernel: the same for every layer of a decode step with the same window, so computed once per step."""
+        kernel at `budget`: the same for every layer of a decode step with the same window (and budget), so
+        computed once per step."""
         mask = keep_source(cache.arch, attention_mask)
         window = cache.arch.windows[layer]
         key = (None if mask is None else mask.data_ptr() if torch.is_tensor(mask) else id(mask), seen, dev, B, G)
         memo = self._memo.get(window)
-        if memo is not None and memo[0] == key:
-            return memo[1], memo[2] if with_caps else None
-        keep = layer_keep(cache.arch, layer, mask, seen, B, dev)
-        caps = None
-        if keep is not None:
-            keep = keep.contiguous()
-            c = cache.config
-            caps = row_caps(keep, c.budget, c.max_num_kv).expand(B, G).contiguous()
-        self._memo[window] = (key, keep, caps)
-        return keep, caps if with_caps else None
+        if memo is None or memo[0] != key:
+            keep = layer_keep(cache.arch, layer, mask, seen, B, dev)
+            memo = self._memo[window] = (key, None if keep is None else keep.contiguous(), {})
+        keep, caps = memo[1], memo[2]
+        if keep is None or not with_caps:
+            return keep, None
+        if budget not in caps:
+            caps[budget] = row_caps(keep, budget, cache.config.max_num_kv).expand(B, G).contiguous()
+        return keep, caps[budget]
 
     def reset(self) -> None:
         self._memo = {}

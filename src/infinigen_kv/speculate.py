@@ -44,6 +44,42 @@ def row_caps(keep: torch.Tensor, budget: float, max_num_kv: int | None) -> torch
     return cap.clamp_(max=max_num_kv) if max_num_kv else cap
 
 
+def layer_scales(recall: list, lo: float = 0.5, hi: float = 3.0) -> list:
+    """Per layer, its share of the budget from its speculation recall (None: a dense layer, no share):
+    proportional to its misses, 1 - recall, clamped to [lo, hi] and renormalized so the speculated layers'
+    mean is 1 (the total fetched stays the uniform budget's)."""
+    spec = [i for i, r in enumerate(recall) if r is not None]
+    miss = {i: max(1.0 - recall[i], 1e-3) for i in spec}
+    mean = sum(miss.values()) / max(len(spec), 1)
+    scale = {i: m / mean for i, m in miss.items()}
+    for _ in range(50):  # clamp, renormalize: converges in a few rounds
+        scale = {i: min(hi, max(lo, v)) for i, v in scale.items()}
+        mean = sum(scale.values()) / max(len(spec), 1)
+        scale = {i: v / mean for i, v in scale.items()}
+    return [scale.get(i) for i in range(len(recall))]
+
+
+def layer_budgets(budget: float, scales: list | None) -> list | None:
+    """Each layer's budget: `budget` x its scale (None: every layer `budget`). A fraction stays <= 1, the
+    speculated layers' mean kept at `budget` (what a capped layer cannot take goes to the others; at 1.0 every
+    layer fetches everything); a token count is rounded and stays > 1 (a count, not a fraction)."""
+    if scales is None:
+        return None
+    spec = [s for s in scales if s is not None]
+    if budget > 1:
+        return [budget if s is None else float(max(2, round(budget * s))) for s in scales]
+    if budget >= 1.0 or not spec:
+        return [budget] * len(scales)
+    lo, hi = 1.0, 1.0 / (budget * min(spec))  # mean of min(1, budget x s x c) is budget at c = 1, 1 at hi
+    for _ in range(40):  # bisect for the c that keeps the mean at budget
+        c = (lo + hi) / 2
+        if sum(min(1.0, budget * s * c) for s in spec) / len(spec) < budget:
+            lo = c
+        else:
+            hi = c
+    return [budget if s is None else min(1.0, budget * s * hi) for s in scales]
+
+
 def counted(count: torch.Tensor, m: int) -> torch.Tensor:
     """(B, G, m) bool: the first count (B, G) slots of each row."""
     return torch.arange(m, device=count.device) < count.unsqueeze(-1)

@@ -125,7 +125,7 @@ class SampleLog:
             return
         if resume and path.is_file():
             lines = path.read_text(encoding="utf-8").splitlines()
-            if lines and json.loads(lines[0]) != header:
+            if lines and self.settings(json.loads(lines[0])) != self.settings(header):
                 raise DataError(f"--resume: {path} holds results of other settings ({lines[0][:200]}); "
                                 "rerun without --resume to start over, or with the same settings")
             for line in lines[1:]:
@@ -139,6 +139,11 @@ class SampleLog:
             f.write(json.dumps(header) + "\n")
             for r in self.done.values():
                 f.write(json.dumps(r) + "\n")
+
+    @staticmethod
+    def settings(header: dict) -> dict:
+        """What must match to resume: the header less its unset options (a knob added since reads as unset)."""
+        return {**header, "options": {k: v for k, v in (header.get("options") or {}).items() if v is not None}}
 
     @staticmethod
     def key(r: dict) -> tuple:
