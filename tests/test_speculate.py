@@ -189,6 +189,10 @@ def test_layer_budget_recall_shares_the_fetch_by_layer():
     for got, want in zip(share, budgets[1:]):  # the cap binds at alpha 50: ceil(budget x past) per row
         assert want - 1e-6 <= got <= want + 0.01
     assert abs(sum(share) / len(share) - 0.2) < 0.01
+    from infinigen_kv.speculate import layer_budgets
+
+    twin = cache.fork(budget=0.4)  # a fork at another budget shares it out again, from the same recall
+    assert twin._budgets == layer_budgets(0.4, cache.budget_scale) != budgets
 
     with torch.inference_mode():
         full = step_logits(model, ig.make_cache("full", model), ids, torch.ones_like(ids))

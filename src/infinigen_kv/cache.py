@@ -314,8 +314,7 @@ class InfiniGenCache(Rebatch, Cache):
     def set_budget(self, budget: float) -> None:
         """A new budget (the cap of each decode step's fetch)."""
         self.config = dataclasses.replace(self.config, budget=budget)
-        self._budgets = layer_budgets(budget, self.budget_scale)
-        self.selection.reset()  # per-step caps memoized under the old budget
+        self._budgets = layer_budgets(budget, self.budget_scale)  # (the step memo keys its caps by budget)
 
     def shared(self) -> dict:
         """A fork shares the model's modules, the calibration and what is derived from it; it gets transfer
