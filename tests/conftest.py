@@ -136,8 +136,8 @@ def row_zero_selections(model, ids, mask, new_tokens=16, **cache_kwargs):
         return real(self, target, fetch, keep, partial_row)
 
     InfiniGenCache.prefetch = spy
-    try:
-        cache = ig.make_cache("infinigen", model, **cache_kwargs)
+    try:  # the budget's fraction as named (short test prompts are under the default floor: nothing selected)
+        cache = ig.make_cache("infinigen", model, **{"min_budget": 0, **cache_kwargs})
         top = []
         out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False, logprobs=5,
                           on_step=lambda i, new, lp: top.append(lp[1][0].tolist()))

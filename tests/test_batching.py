@@ -8,11 +8,12 @@ import infinigen_kv as ig
 from infinigen_kv.batching import Prefill, RunningBatch
 from infinigen_kv.baselines import make_cache
 from infinigen_kv.generation import generate, prefill
+from infinigen_kv.sampling import SamplingParams
 
 # (name, method, options): exact at full budget for every method; infinigen also at its default budget
 METHODS = [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0}),
            ("infinigen-0.1", "infinigen", {}), ("offload", "offload", {}), ("quant", "quant", {}),
-           ("h2o", "h2o", {"budget": 0.3}), ("streaming", "streaming", {"budget": 0.3})]
+           ("h2o", "h2o", {"budget": 0.3, "min_budget": 0}), ("streaming", "streaming", {"budget": 0.3, "min_budget": 0})]
 
 
 def prompt(n, seed):
@@ -29,7 +30,7 @@ def run(model, method, options, plan, chunk=16, temperature=0.0):
                 p = Prefill(model, ig.make_cache(method, model, **options), ids, chunk=chunk)
                 while not p.step():
                     pass
-                batch.join(p, temperature, 1.0, seed, max_tokens)
+                batch.join(p, SamplingParams(temperature=temperature, seed=seed), max_tokens)
                 rows.append(name)
         if rows:
             ids, _ = batch.sample()
@@ -61,7 +62,7 @@ def test_a_sequence_does_not_depend_on_its_batch(tiny_models, kind, name, method
 
 
 def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatch):
-    """At the default budget every prefetch of row "a" picks the same positions (counted from its first real
+    """At the default fraction every prefetch of row "a" picks the same positions (counted from its first real
     token) alone and in a batch that others join and leave."""
     from infinigen_kv.cache import InfiniGenCache
 
@@ -77,9 +78,9 @@ def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatc
     monkeypatch.setattr(InfiniGenCache, "prefetch", spy)
     model = tiny_models["llama-gqa"]
     a = {"a": (0, prompt(40, 1), 14, None)}
-    run(model, "infinigen", {}, a)
+    run(model, "infinigen", {"min_budget": 0}, a)  # the fraction as named: the tiny past is under the floor
     alone, seen[:] = list(seen), []
-    run(model, "infinigen", {}, {**a, "long": (3, prompt(70, 2), 20, None), "short": (5, prompt(9, 3), 4, None)})
+    run(model, "infinigen", {"min_budget": 0}, {**a, "long": (3, prompt(70, 2), 20, None), "short": (5, prompt(9, 3), 4, None)})
     per_step = len(model.model.layers) - 1  # layer 1 for itself, then layers 2.. one layer ahead
     assert len(alone) == 13 * per_step and len(seen) > 13 * per_step  # "long" goes on after "a" is done
     assert seen[: 13 * per_step] == alone  # "a" is row 0 while it runs
@@ -88,8 +89,8 @@ def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatc
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):
     model = tiny_models["llama-gqa"]
     a = {"a": (0, prompt(30, 1), 10, 7)}
-    alone = run(model, "infinigen", {}, a, temperature=1.0)
-    shared = run(model, "infinigen", {}, {**a, "b": (2, prompt(50, 2), 4, 8)}, temperature=1.0)
+    alone = run(model, "infinigen", {"min_budget": 0}, a, temperature=1.0)
+    shared = run(model, "infinigen", {"min_budget": 0}, {**a, "b": (2, prompt(50, 2), 4, 8)}, temperature=1.0)
     assert shared["a"] == alone["a"]
 
 
@@ -109,7 +110,7 @@ def test_rows_leaving_free_the_cache(tiny_models):
     for n, seed in ((60, 1), (20, 2)):
         p = Prefill(model, ig.make_cache("full", model), prompt(n, seed))
         p.step()
-        batch.join(p, 0.0, 1.0, None, 5)
+        batch.join(p, SamplingParams(), 5)
     both = batch.cache.layers[0].nbytes
     assert batch.mask.shape == (2, 60) and batch.mask[1].sum() == 20
     batch.retain([1])  # the long row leaves: the short one's 40 columns of padding go with it
@@ -127,7 +128,7 @@ def test_a_row_leaving_moves_only_the_last_row(tiny_models):
     for n, seed in ((60, 1), (50, 2), (55, 3)):
         p = Prefill(model, ig.make_cache("full", model), prompt(n, seed))
         p.step()
-        batch.join(p, 0.0, 1.0, None, 5)
+        batch.join(p, SamplingParams(), 5)
     store = batch.cache.layers[0].k.store
     assert batch.retain([1, 2]) == [2, 1]  # row 0 (60 tokens) leaves; row 2 takes its place
     assert batch.cache.layers[0].k.store is store  # in place
@@ -156,14 +157,14 @@ def test_a_fork_decodes_as_a_fresh_cache(tiny_models, kind):
     ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0))
     for method, budgets in (("infinigen", [0.2, 16, 0.5]), ("h2o", [0.2, 16]), ("streaming", [0.3, 16]),
                             ("full", [None]), ("quant", [None])):
-        base = make_cache(method, model, budget=budgets[0])
+        base = make_cache(method, model, budget=budgets[0], min_budget=0)
         logits = prefill(model, ids, None, base, 10)
         for b in budgets:
             _assert_same(_decode(model, ids, base.fork(budget=b), logits),
-                         _decode(model, ids, make_cache(method, model, budget=b)), (method, b))
+                         _decode(model, ids, make_cache(method, model, budget=b, min_budget=0)), (method, b))
     with pytest.raises(ValueError, match="no budget"):
         make_cache("full", model).fork(budget=0.1)
-    decoded = make_cache("h2o", model, budget=0.2)
+    decoded = make_cache("h2o", model, budget=0.2, min_budget=0)
     _decode(model, ids, decoded)
     with pytest.raises(RuntimeError, match="fixed once decoding"):  # its entries are gone: no other budget
         decoded.set_budget(0.5)
@@ -204,9 +205,9 @@ def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
         model = tiny_models[kind]
         ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(1))
         plan = [("full", None), ("infinigen", 0.2), ("h2o", 0.2), ("streaming", 0.3), ("offload", None)]
-        caches = [make_cache(m, model, budget=b) for m, b in plan]
+        caches = [make_cache(m, model, budget=b, min_budget=0) for m, b in plan]
         logits = prefill(model, ids, None, TeeCache(caches), 10)
         for (method, budget), cache in zip(plan, caches):
             for b in ([budget, 16] if budget else [None]):
                 _assert_same(_decode(model, ids, cache.fork(budget=b), logits),
-                             _decode(model, ids, make_cache(method, model, budget=b)), (kind, method, b))
+                             _decode(model, ids, make_cache(method, model, budget=b, min_budget=0)), (kind, method, b))

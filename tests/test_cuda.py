@@ -18,7 +18,7 @@ def test_pool_is_pinned_and_stream_path_used(gpu_model):
     from infinigen_kv.transfer import CudaTransfer
 
     ids, mask = left_padded_batch(lengths=(64, 50))
-    cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.3, min_budget=0)
     ig.generate(gpu_model, ids.cuda(), mask.cuda(), cache=cache, max_new_tokens=4, stop_at_eos=False)
     assert isinstance(cache.transfer, CudaTransfer)
     dense, selective = cache.layers[0], cache.layers[2]
@@ -52,7 +52,7 @@ def test_offload_exact_with_pinned_pool_on_gpu():
 
 def test_no_device_wide_synchronize_in_decode(gpu_model, monkeypatch):
     ids, mask = left_padded_batch(lengths=(64, 50))
-    cache = ig.make_cache("infinigen", gpu_model, budget=0.2)
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.2, min_budget=0)
     ids, mask = ids.cuda(), mask.cuda()
     with torch.inference_mode():
         gpu_model(input_ids=ids, attention_mask=mask, past_key_values=cache)  # prefill
@@ -72,7 +72,7 @@ def test_transfer_owns_one_shared_staging_ring(gpu_model):
     """Staging is one ring of pinned/device slots per device, not buffers per layer; nothing is held after
     a run, and the pinned pools were sized once (no re-pinning inside decode)."""
     ids, mask = left_padded_batch(lengths=(64, 50))
-    cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.3, min_budget=0)
     pools = {}
 
     def on_step(i, _, __):
@@ -93,7 +93,7 @@ def test_prompt_lands_in_the_pinned_pool(gpu_model):
     flush the pool holds what the full cache holds."""
     ids, mask = left_padded_batch(lengths=(64, 50))
     ids, mask = ids.cuda(), mask.cuda()
-    full, cache = ig.make_cache("full", gpu_model), ig.make_cache("infinigen", gpu_model, budget=0.3)
+    full, cache = ig.make_cache("full", gpu_model), ig.make_cache("infinigen", gpu_model, budget=0.3, min_budget=0)
     with torch.inference_mode():
         gpu_model(input_ids=ids, attention_mask=mask, past_key_values=full)
         gpu_model(input_ids=ids, attention_mask=mask, past_key_values=cache)
@@ -106,8 +106,8 @@ def test_prompt_lands_in_the_pinned_pool(gpu_model):
 def test_reset_mid_run_leaves_nothing_in_flight(gpu_model):
     ids, mask = left_padded_batch(lengths=(64, 50))
     ids, mask = ids.cuda(), mask.cuda()
-    cache = ig.make_cache("infinigen", gpu_model, budget=0.3)
-    ref = ig.generate(gpu_model, ids, mask, cache=ig.make_cache("infinigen", gpu_model, budget=0.3),
+    cache = ig.make_cache("infinigen", gpu_model, budget=0.3, min_budget=0)
+    ref = ig.generate(gpu_model, ids, mask, cache=ig.make_cache("infinigen", gpu_model, budget=0.3, min_budget=0),
                       max_new_tokens=6, stop_at_eos=False).tokens
     ig.generate(gpu_model, ids, mask, cache=cache, max_new_tokens=3, stop_at_eos=False)
     cache.reset()
@@ -122,7 +122,7 @@ def test_a_fork_on_gpu_has_its_own_pinned_pool_and_stream(gpu_model):
     from infinigen_kv.tee import TeeCache
 
     ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0)).cuda()
-    base, full = ig.make_cache("infinigen", gpu_model, budget=0.2), ig.make_cache("full", gpu_model)
+    base, full = ig.make_cache("infinigen", gpu_model, budget=0.2, min_budget=0), ig.make_cache("full", gpu_model)
     logits = prefill(gpu_model, ids, None, TeeCache([base, full]), 8)
     for budget in (0.2, 16, 0.5):
         twin = base.fork(budget=budget)

@@ -32,7 +32,7 @@ def test_policies_pick_their_victims():
 def test_pool_never_exceeds_capacity(tiny_models, eviction):
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
-    cache = ig.make_cache("infinigen", model, budget=0.3, capacity=0.5, eviction=eviction)
+    cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0, capacity=0.5, eviction=eviction)
     out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=20, stop_at_eos=False)
     assert out.tokens.shape == (3, 20)
     seen = 48 + 19  # the last token is sampled, not fed
@@ -50,7 +50,7 @@ def test_byte_capacity_bounds_the_allocation(tiny_models):
     ids, mask = left_padded_batch(lengths=(48, 40))
     G, d = 2, 16
     limit = 30 * G * 2 * d * 4  # 30 rows of K+V per sequence and layer, float32
-    cache = ig.make_cache("infinigen", model, budget=0.5, capacity_bytes=limit)
+    cache = ig.make_cache("infinigen", model, budget=0.5, min_budget=0, capacity_bytes=limit)
     ig.generate(model, ids, mask, cache=cache, max_new_tokens=10, stop_at_eos=False)
     for layer in cache.layers[1:]:
         assert layer.k.length == 30 and layer.nbytes <= 2 * limit  # two sequences

@@ -144,7 +144,7 @@ def test_selective_decode_runs_and_caps(tiny_models):
     """With the default alpha and a small budget, decode runs, fetches at most the budget, and reports it."""
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(200, 150, 120))
-    cache = ig.make_cache("infinigen", model, budget=0.1)
+    cache = ig.make_cache("infinigen", model, budget=0.1, min_budget=0)
     r = ig.generate(model, ids, mask, cache=cache, max_new_tokens=6, stop_at_eos=False)
     assert r.tokens.shape == (3, 6)
     s = cache.stats
@@ -191,9 +191,9 @@ def test_local_prefill_equals_the_masked_one(T):
 
 
 def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():
-    """sample() takes the nucleus from the top NUCLEUS_TOPK ids when it lies there and sorts the whole
+    """The sampler takes the nucleus from the top NUCLEUS_TOPK ids when it lies there and sorts the whole
     vocabulary when it does not: either way the draws of a full sort's nucleus, same seed."""
-    from infinigen_kv.generation import NUCLEUS_TOPK, sample
+    from infinigen_kv.sampling import NUCLEUS_TOPK, Sampler, SamplingParams
 
     def reference(logits, temperature, top_p, seed):
         probs = torch.softmax(logits / temperature, dim=-1)
@@ -208,8 +208,9 @@ def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():
     flat = torch.randn(6, V, generator=g) * 0.1  # nucleus reaching past it: the full sort
     for logits in (peaked, flat):
         for seed in range(5):
-            got = sample(logits, torch.full((6,), 0.8), torch.full((6,), 0.9), [torch.Generator().manual_seed(seed)])
-            assert torch.equal(got, reference(logits, 0.8, 0.9, seed))
+            sampler = Sampler.for_batch("cpu", V, [SamplingParams(temperature=0.8, top_p=0.9)] * 6,
+                                        shared_seed=seed, shared=True)
+            assert torch.equal(sampler(logits), reference(logits, 0.8, 0.9, seed))
 
 
 @pytest.mark.parametrize("method", ["full", "infinigen", "offload", "quant", "h2o", "streaming"])
@@ -218,7 +219,7 @@ def test_sequence_bytes_of_every_method(tiny_models, method):
     the evicting caches count their budget's entries in every layer (what the window has left stays)."""
     model = tiny_models["gemma3"]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
-    cache = ig.make_cache(method, model, **({"budget": 0.3} if method in ("h2o", "streaming") else {}))
+    cache = ig.make_cache(method, model, **({"budget": 0.3, "min_budget": 0} if method in ("h2o", "streaming") else {}))
     step_logits(model, cache, ids, mask, steps=2)
     per_token = sum(layer.token_bytes() for layer in cache.layers)
     got = cache.sequence_bytes(1000)

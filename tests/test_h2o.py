@@ -18,7 +18,7 @@ def test_prefill_scores_are_attention_column_sums(tiny_models, monkeypatch, chun
     monkeypatch.setattr(h2o, "QUERY_CHUNK", chunk)
     model = tiny_models["llama-mha"]
     ids = torch.randint(3, 256, (1, 30))
-    cache = ig.make_cache("h2o", model, budget=0.5)
+    cache = ig.make_cache("h2o", model, budget=0.5, min_budget=0)
     with torch.inference_mode():
         model(ids, past_key_values=cache)
     arch = get_arch(model)
@@ -43,7 +43,7 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
     model.config.sliding_window = 16
     try:
         ids = torch.randint(3, 256, (1, 40))
-        cache = ig.make_cache("h2o", model, budget=0.5)
+        cache = ig.make_cache("h2o", model, budget=0.5, min_budget=0)
         assert cache.layers[1].window == 16  # the path under test: chunks start at their window's edge
         with torch.inference_mode():
             model(ids, past_key_values=cache)
@@ -63,7 +63,7 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
 def test_keeps_heavy_hitters_and_recent(tiny_models):
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(40,))
-    cache = ig.make_cache("h2o", model, budget=0.5)
+    cache = ig.make_cache("h2o", model, budget=0.5, min_budget=0)
     with torch.inference_mode():
         model(ids, attention_mask=mask, past_key_values=cache)
         layer = cache.layers[2]
@@ -83,7 +83,7 @@ def test_keeps_heavy_hitters_and_recent(tiny_models):
 def test_budget_held_during_decode(tiny_models):
     model = tiny_models["opt"]
     ids, mask = left_padded_batch(lengths=(50, 33))
-    cache = ig.make_cache("h2o", model, budget=0.2)
+    cache = ig.make_cache("h2o", model, budget=0.2, min_budget=0)
     ig.generate(model, ids, mask, cache=cache, max_new_tokens=12, stop_at_eos=False)
     for layer in cache.layers:
         assert layer.kept.tolist() == [math.ceil(0.2 * (50 + 11)), math.ceil(0.2 * (33 + 11))]

@@ -93,7 +93,7 @@ def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     for flag in ("1", "0"):
         monkeypatch.setattr(kernels, "_enabled", flag == "1")  # what INFINIGEN_KERNELS=0 does at start-up
         # partial keys in the model's dtype on both paths ("auto" stores bfloat16 only for the kernel)
-        cache = ig.make_cache("infinigen", model, alpha=4.0, budget=0.3, partial_dtype="model")
+        cache = ig.make_cache("infinigen", model, alpha=4.0, budget=0.3, min_budget=0, partial_dtype="model")
         runs[flag] = (step_logits(model, cache, ids, mask), step_logits(model, ig.make_cache("full", model), ids, mask),
                       cache.stats["fetched_fraction_per_layer"])
     (ig_k, full_k, frac_k), (ig_t, full_t, frac_t) = runs["1"], runs["0"]

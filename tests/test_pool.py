@@ -93,7 +93,7 @@ def test_no_buffer_grows_inside_decode(tiny_models, method, monkeypatch):
     monkeypatch.setattr(pool, "CHUNK", 8)
     model = tiny_models["llama-gqa"]
     ids = torch.randint(3, 200, (2, 40))
-    cache = ig.make_cache(method, model, budget=0.3)
+    cache = ig.make_cache(method, model, budget=0.3, min_budget=0)
     seen = {}
 
     def buffers():

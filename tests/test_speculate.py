@@ -117,6 +117,34 @@ def test_budget_caps_fractions_and_token_counts():
     for bad in (0, -3, 1.5, float("inf"), "x", "0.5", True):
         with pytest.raises(ConfigError):
             InfiniGenConfig(budget=bad)
+    # the floor of a fraction: at least min(floor, past); a token count is not floored
+    assert [budget_caps(n, 0.1, 1024) for n in (5, 1000, 4000, 20000)] == [5, 1000, 1024, 2000]
+    assert budget_caps(torch.tensor([0, 5, 4000, 20000]), 0.1, 1024).tolist() == [1, 5, 1024, 2000]
+    assert budget_caps(4000, 256, 1024) == 256
+    assert InfiniGenConfig().min_budget == 1024 and InfiniGenConfig(min_budget=0).min_budget == 0
+    for bad in (-1, 1.5, "8", True):
+        with pytest.raises(ConfigError, match="min_budget"):
+            InfiniGenConfig(min_budget=bad)
+
+
+def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
+    """Past the floor's reach the step speculates; under it (the cap covers the past, or the fetched rows and
+    the partial keys would read as much as the whole past) the layer attends all of its past, with no
+    selection: the full cache's tokens and fetched fraction 1.0."""
+    import infinigen_kv as ig
+    from infinigen_kv.speculate import saves_bytes
+
+    assert not saves_bytes(1000, 1000, 512, 64) and not saves_bytes(1100, 1024, 512, 64)
+    assert saves_bytes(4000, 1024, 512, 64) and not saves_bytes(100, 1, 512, 512)
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(0))
+    ref = ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=12, stop_at_eos=False)
+    dense = ig.make_cache("infinigen", model)  # the default floor (1024) covers this 72-token past
+    got = ig.generate(model, ids, cache=dense, max_new_tokens=12, stop_at_eos=False)
+    assert torch.equal(got.tokens, ref.tokens) and dense.stats["fetched_fraction"] == 1.0
+    spec = ig.make_cache("infinigen", model, min_budget=16)  # a floor under the past: it selects
+    ig.generate(model, ids, cache=spec, max_new_tokens=12, stop_at_eos=False)
+    assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6
 
 
 def test_infinigen_token_budget_caps_each_head_and_large_is_exact():
@@ -179,7 +207,7 @@ def test_layer_budget_recall_shares_the_fetch_by_layer():
 
     model = tiny_model("llama-gqa")
     ids = torch.randint(3, 256, (2, 200), generator=torch.Generator().manual_seed(1))
-    cache = ig.make_cache("infinigen", model, budget=0.2, alpha=50.0, layer_budget="recall")
+    cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0, alpha=50.0, layer_budget="recall")
     recall = cache.calibration.meta["recall"]
     assert recall[0] is None and all(0 < r <= 1 for r in recall[1:])
     budgets = cache._budgets

@@ -17,7 +17,7 @@ def kept_positions(layer, b, g=0):
 def test_keeps_sinks_and_recent_exactly_budget(tiny_models):
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(60, 45))
-    cache = ig.make_cache("streaming", model, budget=0.25)
+    cache = ig.make_cache("streaming", model, budget=0.25, min_budget=0)
     r = ig.generate(model, ids, mask, cache=cache, max_new_tokens=9, stop_at_eos=False)
     layer = cache.layers[2]
     seen = 60 + 8  # the last sampled token is not fed back
@@ -41,14 +41,14 @@ def test_small_budget_changes_outputs_but_runs(tiny_models):
     model = tiny_models["qwen2"]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     ref = step_logits(model, ig.make_cache("full", model), ids, mask)
-    got = step_logits(model, ig.make_cache("streaming", model, budget=0.2), ids, mask)
+    got = step_logits(model, ig.make_cache("streaming", model, budget=0.2, min_budget=0), ids, mask)
     assert torch.isfinite(got).all() and not torch.allclose(got, ref, atol=1e-3)
 
 
 def test_multi_token_forward_after_decode_is_refused(tiny_models):
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(30,))
-    cache = ig.make_cache("streaming", model, budget=0.5)
+    cache = ig.make_cache("streaming", model, budget=0.5, min_budget=0)
     ig.generate(model, ids, mask, cache=cache, max_new_tokens=3, stop_at_eos=False)
     with pytest.raises(NotImplementedError, match="new cache per prompt"):
         with torch.inference_mode():

@@ -6,7 +6,7 @@ that are padding in every row are trimmed when a row leaves and they are a quart
     batch = RunningBatch(model)
     p = Prefill(model, make_cache("infinigen", model), ids, chunk=512)
     while not p.step(): ...                        # interleave with batch steps
-    batch.join(p, temperature=0.0, top_p=1.0, seed=None, max_tokens=64)
+    batch.join(p, SamplingParams(temperature=0.0), max_tokens=64)
     ids, lp = batch.sample()                      # (B,) next ids, from the last logits
     order = batch.retain([0, 2])                  # rows that go on (the others ended), in their new order
     batch.forward(ids[order])                     # their next logits
@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import torch
 
-from .generation import sample, token_logprobs
+from .generation import token_logprobs
+from .sampling import Sampler, SamplingParams
 
 
 class Prefill:
-    """One prompt (a list of ids) run into a cache of its own, `chunk` tokens per step()."""
+    """One prompt (a list of ids) run into a cache of its own, `chunk` tokens per step(). logprobs = k: also
+    each prompt token's logprob given the ones before it, and the k most likely alternatives (scoring, echo)."""
 
-    def __init__(self, model, cache, ids: list[int], chunk: int = 512):
-        self.model, self.cache, self.chunk = model, cache, chunk
+    def __init__(self, model, cache, ids: list[int], chunk: int = 512, logprobs: int | None = None):
+        self.model, self.cache, self.chunk, self.k = model, cache, chunk, logprobs
         self.device = next(model.parameters()).device
         self.ids = torch.tensor([ids], dtype=torch.long)  # (1, n)
         self.done = 0  # prompt tokens in the cache
         self.logits = None  # (1, V) after the last chunk
+        self.prompt_logprobs = ([], [], []) if logprobs is not None else None  # tokens 1..n-1: chosen, top, ids
         if hasattr(cache, "reserve"):
             cache.reserve(len(ids))  # buffers sized for the prompt, not grown chunk by chunk
 
@@ -46,8 +49,13 @@ class Prefill:
             input_ids=self.ids[:, self.done : end].to(self.device),
             attention_mask=torch.ones(1, end, dtype=torch.long, device=self.device),
             position_ids=torch.arange(self.done, end, device=self.device)[None],
-            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+            past_key_values=self.cache, use_cache=True, logits_to_keep=0 if self.k is not None else 1,
         )
+        if self.k is not None:  # position t predicts token t + 1 of the prompt
+            nxt = self.ids[0, self.done + 1 : end + 1].to(self.device)  # (T or T - 1,)
+            got = token_logprobs(out.logits[0, : nxt.shape[0]], nxt, self.k)
+            for acc, x in zip(self.prompt_logprobs, got):
+                acc.extend(x.tolist())
         self.done = end
         if end == self.length:
             self.logits = out.logits[:, -1]
@@ -56,15 +64,15 @@ class Prefill:
 
 class RunningBatch:
     """The rows decoding together: their cache, attention mask (B, N), next positions (B, 1), next-token
-    logits (B, V), sampling knobs (B,) and generators, and the tokens each may still produce (sizes the
-    cache's room)."""
+    logits (B, V), sampler (each row's knobs, generator and penalty counts), and the tokens each may still
+    produce (sizes the cache's room)."""
 
     def __init__(self, model):
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = None
-        self.mask = self.pos = self.logits = self.temperature = self.top_p = None
-        self.generators: list[torch.Generator] = []
+        self.mask = self.pos = self.logits = None
+        self.sampler = Sampler(self.device, model.config.vocab_size)
         self.remaining: list[int] = []
 
     def __len__(self) -> int:
@@ -74,34 +82,40 @@ class RunningBatch:
         return max(self.remaining, default=0)
 
     @torch.inference_mode()
-    def join(self, p: Prefill, temperature: float, top_p: float, seed: int | None, max_tokens: int) -> None:
-        """Add a finished prefill as the last row."""
-        gen = torch.Generator(device=self.device).manual_seed(seed if seed is not None else torch.seed())
+    def join(self, p: Prefill, params: SamplingParams, max_tokens: int, cache=None) -> None:
+        """Add a finished prefill as the last row; cache: a fork of p's to decode from instead of p's own
+        (several rows from one prefill: n choices)."""
         n = p.length
         row = dict(mask=torch.ones(1, n, dtype=torch.long, device=self.device),
-                   pos=torch.full((1, 1), n, dtype=torch.long, device=self.device), logits=p.logits,
-                   temperature=torch.tensor([temperature], dtype=torch.float32, device=self.device),
-                   top_p=torch.tensor([top_p], dtype=torch.float32, device=self.device))
+                   pos=torch.full((1, 1), n, dtype=torch.long, device=self.device), logits=p.logits)
+        cache = cache if cache is not None else p.cache
+        self.sampler.add(params, p.ids[0])  # first: a seed torch refuses leaves the batch as it was
         self.remaining.append(max_tokens)
-        self.generators.append(gen)
-        if self.cache is None:  # the first row: its cache becomes the batch's, sized for the whole run
-            self.cache = p.cache
-            self.cache.retain([0], 0, self.room())
+        try:
+            if self.cache is None:  # the first row: its cache becomes the batch's, sized for the whole run
+                cache.retain([0], 0, self.room())
+            else:
+                self.cache.join(cache, self.room())
+        except Exception:
+            self.remaining.pop()
+            self.sampler.retain(list(range(len(self.remaining))))
+            raise
+        if self.cache is None:
+            self.cache = cache
             for k, v in row.items():
                 setattr(self, k, v)
             return
-        self.cache.join(p.cache, self.room())
         N = max(self.mask.shape[1], n)
         pad = lambda m: torch.nn.functional.pad(m, (N - m.shape[1], 0))  # left padding: zeros
         self.mask = torch.cat([pad(self.mask), pad(row["mask"])])
-        for k in ("pos", "logits", "temperature", "top_p"):
+        for k in ("pos", "logits"):
             setattr(self, k, torch.cat([getattr(self, k), row[k]]))
 
     @torch.inference_mode()
     def sample(self, logprobs: int | None = None):
         """Next ids (B,) from the current logits, and (chosen, top values, top ids) logprobs if asked."""
-        hot = bool((self.temperature > 0).any())
-        ids = sample(self.logits, self.temperature, self.top_p, self.generators if hot else [])
+        ids = self.sampler(self.logits)
+        self.sampler.observe(ids)
         return ids, (token_logprobs(self.logits, ids, logprobs) if logprobs is not None else None)
 
     @torch.inference_mode()
@@ -124,11 +138,10 @@ class RunningBatch:
         if 4 * trim < mask.shape[1]:
             trim = 0
         self.remaining = [self.remaining[i] for i in order]
-        self.generators = [self.generators[i] for i in order]
+        self.sampler.retain(order)
         self.cache.retain(order, trim, self.room())
         self.mask = mask[:, trim:]
         self.pos, self.logits = self.pos[index], self.logits[index]
-        self.temperature, self.top_p = self.temperature[index], self.top_p[index]
         return order
 
     @torch.inference_mode()

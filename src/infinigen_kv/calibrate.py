@@ -328,7 +328,7 @@ def measure_recall(model, cal: Calibration, ids: torch.Tensor, steps: int = RECA
     from .cache import InfiniGenCache
     from .generation import generate
 
-    config = InfiniGenConfig(partial_ratio=cal.meta["partial_ratio"], budget=RECALL_BUDGET)
+    config = InfiniGenConfig(partial_ratio=cal.meta["partial_ratio"], budget=RECALL_BUDGET, min_budget=0)
     cache = InfiniGenCache(model, config, calibration=cal)
     cache.track_recall = True
     row = ids.reshape(1, -1).to(next(model.parameters()).device)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULT_BUDGET, LAYER_BUDGETS, LOCAL_LAYERS, METHOD_NAMES, InfiniGenConfig
+from .config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, LAYER_BUDGETS, LOCAL_LAYERS, METHOD_NAMES, InfiniGenConfig
 
 
 class CLIError(Exception):
@@ -49,7 +49,7 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-\d")  # no option of ours starts with a digit
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"infinigen: error: {message} (see {self.prog} --help)\n")
 
 
 def _number(name, ok, expected):
@@ -134,6 +134,16 @@ def _port(text):
     return v
 
 
+def _non_negative_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text}")
+    return v
+
+
 def _int_list(text):
     return [_positive_int(t) for t in text.split(",") if t]
 
@@ -143,6 +153,9 @@ def _add_model_args(p):
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
                    "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads, fixed (default: all cores, fewer while measured faster on a busy machine; "
+                   "see the README, 'CPU decode path')")
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs (default: none, one device)")
 
 
@@ -179,6 +192,13 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
         p.add_argument("--budget", type=_budget, default=None,
                        help=f"cap on fetched (infinigen) or kept (h2o, streaming) tokens per sequence, KV head and layer: a "
                        f"fraction of the past in (0, 1], or a token count like 1024 (default: {DEFAULT_BUDGET})")
+    if budget_list:  # a sweep compares budgets as named: no floor unless asked
+        p.add_argument("--min-budget", type=_non_negative_int, default=0, metavar="TOKENS",
+                       help="floor of the fractional budgets in tokens, as in generate (default: 0, each budget as named)")
+    else:
+        p.add_argument("--min-budget", type=_non_negative_int, default=None, metavar="TOKENS",
+                       help="floor of a fractional budget in tokens: at least this many entries, or the whole past "
+                       "when shorter, which is then attended densely; 0 = no floor (default: %d)" % DEFAULT_MIN_BUDGET)
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
     if not serving:
@@ -247,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(a)
     _add_method_args(a, single_method=False, budget_list=True)
     a.add_argument("--tasks", default="ppl,passkey,niah,vt,agreement",
-                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement (default), lmeval; RULER's "
+                   help="comma-separated tasks: ppl, passkey, niah, vt, agreement (default), short (short prompts against "
+                   "the full cache, no data needed), lmeval; RULER's "
                    "niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, ruler_vt, ruler_cwe, "
                    "ruler_fwe, or ruler for all of them")
     a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
@@ -258,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--window", type=_positive_int, default=4096, help="ppl window W (tokens)")
     a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
     a.add_argument("--windows", type=_positive_int, default=None, help="ppl windows (default: --samples)")
-    a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated")
+    a.add_argument("--new-tokens", type=_positive_int, default=256, help="agreement: greedy tokens generated (short: at most 64)")
     a.add_argument("--batch", type=_positive_int, default=4, help="prompts of a generated task decoded together (the "
                    "same tokens as one by one; memory: batch x methods prefilled caches)")
     a.add_argument("--lmeval-tasks", default=None, help="lmeval task: comma-separated lm-eval task names (default: none)")
@@ -303,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _method_options(args) -> dict:
     kind, value = getattr(args, "capacity", None) or (None, None)
-    return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget,
+    return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget, "min_budget": args.min_budget,
             "calibration": args.calibration, "bits": args.quant_bits, "eviction": getattr(args, "eviction", None),
             "local_layers": args.local_layers, "layer_budget": args.layer_budget,
             "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
@@ -311,6 +332,9 @@ def _method_options(args) -> dict:
 
 def _load(args):
     from .models import load_model
+    from .threads import set_threads
+
+    set_threads(getattr(args, "threads", None))
 
     return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None))
 
@@ -321,15 +345,7 @@ def cmd_generate(args) -> dict:
     from .models import model_dtype
     from .report import bytes_read_per_step
 
-    if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise CLIError(f"prompt file not found: {args.prompt_file}")
-        prompt = path.read_text(encoding="utf-8", errors="replace")
-    else:
-        prompt = args.prompt
-    if not prompt.strip():
-        raise CLIError("the prompt is empty")
+    prompt = args.prompt_text  # read and checked by _check_inputs, before torch loads
     model, tok = _load(args)
     if args.chat:
         if not tok.chat_template:
@@ -371,8 +387,6 @@ def cmd_generate(args) -> dict:
 def cmd_calibrate(args) -> dict:
     from .calibrate import calibrate, default_path
 
-    if args.text_file is not None and not Path(args.text_file).is_file():
-        raise CLIError(f"calibration text file not found: {args.text_file}")
     model, tok = _load(args)
     cal = calibrate(model, tok, args.text_file, args.partial_ratio, args.channel_rule, args.skew, args.tokens,
                     recall=True)
@@ -484,7 +498,7 @@ def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
         args.method, options, engine_args,
         {"model_id": model_id, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
          "max_tokens_limit": args.max_tokens_limit},
-        gpus=1 if cuda else 0, grace_s=args.grace_period)
+        gpus=1 if cuda else 0, grace_s=args.grace_period, threads=args.threads)
     print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1 "
           f"({args.replicas} Ray Serve replicas)", file=sys.stderr)
     ray_app.run(app, args.host, args.port, args.ray_address)
@@ -506,9 +520,31 @@ def _summary(result: dict) -> str:
     return "\n".join(f"{k}: {v}" for k, v in result.items())
 
 
+def _check_inputs(args) -> None:
+    """What can be checked without torch, checked first: a missing or empty prompt file is one line at once,
+    not after the model has loaded."""
+    if args.command == "generate":
+        if args.prompt_file is not None:
+            path = Path(args.prompt_file)
+            if not path.is_file():
+                raise CLIError(f"prompt file not found: {args.prompt_file}")
+            args.prompt_text = path.read_text(encoding="utf-8", errors="replace")
+        else:
+            args.prompt_text = args.prompt
+        if not args.prompt_text.strip():
+            raise CLIError("the prompt is empty")
+    if args.command == "calibrate" and args.text_file is not None and not Path(args.text_file).is_file():
+        raise CLIError(f"calibration text file not found: {args.text_file}")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        _check_inputs(args)
+    except CLIError as e:
+        print(f"infinigen: error: {e}", file=sys.stderr)
+        return 2
     handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate, "serve": cmd_serve}
     if args.command == "bench":
         handler = cmd_bench_speed if args.bench == "speed" else cmd_bench_accuracy
@@ -528,7 +564,7 @@ def main(argv=None) -> int:
         print(f"infinigen: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("infinigen: interrupted", file=sys.stderr)
+        print("infinigen: error: interrupted", file=sys.stderr)
         return 130
     if result is None:  # serve: ran until shut down
         return 0

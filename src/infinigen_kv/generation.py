@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from . import threads
+from .sampling import Sampler, params_list
+
 
 @dataclass
 class GenerationResult:
@@ -30,33 +33,6 @@ class GenerationResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # only at the prefill/decode boundaries, for the timings
-
-
-NUCLEUS_TOPK = 1024
-
-
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generators: list) -> torch.Tensor:
-    """Next ids (B,) from logits (B, V); temperature and top_p (B,) per row: greedy where temperature is 0,
-    else nucleus sampling. One generator draws for the whole batch, or one per row (reproducible rows
-    whatever else shares the batch)."""
-    greedy = logits.argmax(-1)
-    if not generators:
-        return greedy
-    hot = temperature > 0
-    probs = torch.softmax(logits.float() / torch.where(hot, temperature, 1.0)[:, None], dim=-1)  # (B, V)
-    if bool((top_p < 1.0).any()):
-        # The nucleus usually lies in the top NUCLEUS_TOPK ids (a top-k is ~10x cheaper than sorting a 262k
-        # vocabulary); where one would reach past them (their mass <= top_p), sort everything.
-        sorted_p, order = probs.topk(min(NUCLEUS_TOPK, probs.shape[-1]), dim=-1)
-        if sorted_p.shape[-1] < probs.shape[-1] and bool((sorted_p.sum(-1) <= top_p).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p[:, None]  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    if len(generators) == 1:
-        drawn = torch.multinomial(probs, 1, generator=generators[0]).squeeze(-1)
-    else:
-        drawn = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
-    return torch.where(hot, drawn, greedy)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int):
@@ -97,16 +73,25 @@ def generate(
     on_step=None,
     logprobs: int | None = None,
     prefilled: torch.Tensor | None = None,
+    top_k: int | list[int] = 0,
+    min_p: float | list[float] = 0.0,
+    presence_penalty: float | list[float] = 0.0,
+    frequency_penalty: float | list[float] = 0.0,
+    repetition_penalty: float | list[float] = 1.0,
+    logit_bias: dict | list[dict] | None = None,
+    ignore_eos: bool = False,
 ) -> GenerationResult:
     """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
 
-    temperature, top_p and seed are one value for the batch or one per sequence (a list): a list of seeds
-    gives each sequence its own generator. on_step(step, ids (B,), logprobs) is called after each new token
-    (streaming); it returns True to stop. logprobs is None unless `logprobs` = k is given: then it is
-    (logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)), of the model's own
-    distribution (before temperature and top-p, as OpenAI-style servers report them). Stops early once
-    every sequence has produced an EOS (when stop_at_eos). prefilled: the prefill's last logits (B, V) when
-    `cache` already holds input_ids (a `fork` of a cache prefilled by `prefill`): decoding starts from them.
+    The sampling knobs (temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+    repetition_penalty, logit_bias: sampling.SamplingParams) are one value for the batch or one per sequence (a
+    list); a list of seeds gives each sequence its own generator. on_step(step, ids (B,), logprobs) is called
+    after each new token (streaming); it returns True to stop. logprobs is None unless `logprobs` = k is given:
+    then it is (logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)), of the model's
+    own distribution (before the sampling knobs, as OpenAI-style servers report them). Stops early once every
+    sequence has produced an EOS (when stop_at_eos); ignore_eos: an EOS ends nothing (lengths stay
+    max_new_tokens). prefilled: the prefill's last logits (B, V) when `cache` already holds input_ids (a `fork`
+    of a cache prefilled by `prefill`): decoding starts from them.
     """
     device = input_ids.device
     B, n = input_ids.shape
@@ -116,16 +101,20 @@ def generate(
     mask = torch.ones(B, n + max_new_tokens, dtype=attention_mask.dtype, device=device)
     mask[:, :n] = attention_mask
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
-    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(B)  # (B,)
-    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device).expand(B)  # (B,)
-    generators = []
-    if bool((temperature > 0).any()):
-        for s in seed if isinstance(seed, (list, tuple)) else [seed]:
-            generators.append(torch.Generator(device=device).manual_seed(s if s is not None else torch.seed()))
+    params = params_list(B, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                         repetition_penalty=repetition_penalty, logit_bias=logit_bias)
+    prompts = [input_ids[b][attention_mask[b].bool()] for b in range(B)] if any(
+        p.repetition_penalty != 1.0 for p in params) else None
+    sampler = Sampler.for_batch(device, model.config.vocab_size, params, prompts,
+                                shared_seed=None if isinstance(seed, (list, tuple)) else seed,
+                                shared=not isinstance(seed, (list, tuple)))
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=device)
     pad = int(eos[0]) if eos.numel() else 0
+    if ignore_eos:
+        eos = eos[:0]
 
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -143,8 +132,9 @@ def generate(
     t1 = time.perf_counter()
     steps = 0
     for i in range(max_new_tokens):
-        ids = sample(logits, temperature, top_p, generators)
+        ids = sampler(logits)
         ids = torch.where(done, pad, ids)
+        sampler.observe(ids)
         out[:, i] = ids
         if eos.numel():
             hit = torch.isin(ids, eos) & ~done
@@ -156,10 +146,12 @@ def generate(
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break
+        t = time.perf_counter()
         logits = model(
             input_ids=ids[:, None], attention_mask=mask[:, : n + i + 1], position_ids=next_pos + i,
             past_key_values=cache, use_cache=True,
         ).logits[:, -1]
+        threads.decode_step(time.perf_counter() - t, device)  # on CPU: the thread count of the next step
         steps += 1
     _sync(device)
     t2 = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .speculate import approx_scores, fetch_cap, row_caps, select
+from .speculate import approx_scores, fetch_cap, row_caps, saves_bytes, select
 from .transfer import Fetch
 
 
@@ -93,28 +93,33 @@ class Speculate:
         if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
             x = x.to(dev, non_blocking=True)
             rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
-        q = cache.partial_query(nxt, x, rope)  # (B, G, r, p)
         n = target.partial.length  # slots
+        c = cache.config
+        budget = cache.budget_of(nxt)
+        k = fetch_cap(n, budget, c.max_num_kv, c.min_budget)  # known on the host: the step's fetch size
+        partial_row = target.partial.width * target.partial.data.element_size()
+        row = (target.k.width + target.v.width) * target.k.data.element_size()
+        if target.slots is None and dev.type == "cpu" and not saves_bytes(n, k, row, partial_row):
+            # the cap leaves nothing to save (a short past under the floor): the layer attends densely, in place
+            # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
+            return
+        q = cache.partial_query(nxt, x, rope)  # (B, G, r, p)
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        budget = cache.budget_of(nxt)
         keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted, budget)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
-        c = cache.config
-        partial_row = target.partial.width * target.partial.data.element_size()
         kern = kernels.cpu() if dev.type == "cpu" else None
         if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
-            k = fetch_cap(n, budget, c.max_num_kv)  # known on the host: the step's fetch size
             if keep is not None and caps is None:  # per row: budget x its valid length
                 keep = keep.contiguous()
-                caps = row_caps(keep, budget, c.max_num_kv).expand(B, G).contiguous()  # (B, G)
+                caps = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()  # (B, G)
             idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
                                         cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
             cache.prefetch(target, Fetch(idx, count=count), keep, partial_row)
             return
         scores = approx_scores(q, target.partial.valid(), cache.arch.score_scale)  # (B, G, r, slots)
-        idx, real = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine)
+        idx, real = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
         cache.prefetch(target, Fetch(idx, real), keep, partial_row)
 
     def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool,
@@ -133,7 +138,8 @@ class Speculate:
         if keep is None or not with_caps:
             return keep, None
         if budget not in caps:
-            caps[budget] = row_caps(keep, budget, cache.config.max_num_kv).expand(B, G).contiguous()
+            c = cache.config
+            caps[budget] = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()
         return keep, caps[budget]
 
     def reset(self) -> None:

@@ -31,17 +31,24 @@ def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "ma
     return rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)
 
 
-def fetch_cap(n: int, budget: float, max_num_kv: int | None) -> int:
-    """Most entries a row of n may fetch: the budget's share of n (or its token count), at most max_num_kv,
-    at least 1 (host integers: this sizes a step's fetch without looking at the scores)."""
-    cap = budget_caps(n, budget)
+def fetch_cap(n: int, budget: float, max_num_kv: int | None, floor: int = 0) -> int:
+    """Most entries a row of n may fetch: the budget's share of n (at least `floor`) or its token count, at most
+    max_num_kv, at least 1 (host integers: this sizes a step's fetch without looking at the scores)."""
+    cap = budget_caps(n, budget, floor)
     return min(cap, max_num_kv) if max_num_kv else cap
 
 
-def row_caps(keep: torch.Tensor, budget: float, max_num_kv: int | None) -> torch.Tensor:
+def row_caps(keep: torch.Tensor, budget: float, max_num_kv: int | None, floor: int = 0) -> torch.Tensor:
     """Per-row caps from keep (B, 1 or G, n): the budget of each valid length, in [1, max_num_kv]: (B, 1 or G)."""
-    cap = budget_caps(keep.sum(-1), budget)
+    cap = budget_caps(keep.sum(-1), budget, floor)
     return cap.clamp_(max=max_num_kv) if max_num_kv else cap
+
+
+def saves_bytes(n: int, cap: int, row: int, partial_row: int) -> bool:
+    """Whether fetching at most `cap` of n rows (`row` bytes each) after scoring n partial keys (`partial_row`
+    bytes each) reads fewer bytes than attending all n rows: if not, a step attends densely (a short past
+    under the budget's floor), with no selection cost."""
+    return n * partial_row + cap * row < n * row
 
 
 def layer_scales(recall: list, lo: float = 0.5, hi: float = 3.0) -> list:
@@ -92,6 +99,7 @@ def select(
     budget: float,
     max_num_kv: int | None = None,
     combine: str = "max",
+    floor: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tokens to fetch per (sequence, KV head).
 
@@ -100,8 +108,8 @@ def select(
     Each head's logits are taken relative to its own maximum (a token within alpha of it has a softmax
     weight of at least e^-alpha of the largest), then the r heads of a group are combined:
     "max" keeps a token any head wants, "mean" averages the heads' relative logits. A token is selected
-    when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length)
-    (and `max_num_kv`), keeping the highest, and keeps at least its best token.
+    when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length), at
+    least `floor` (and at most `max_num_kv`), keeping the highest, and keeps at least its best token.
     Returns idx (B, G, k) int64 in no particular order and real (B, G, k) bool, the slots of idx that
     are selected, or None when all are (every row at the step's largest count k, the common case once
     the cap binds: attention then needs no mask). Unselected slots hold real pool positions.
@@ -110,9 +118,9 @@ def select(
     rel = relative(scores, keep, combine)  # (B, G, n)
     count = (rel > -alpha).sum(-1)  # (B, G)
     if keep is None:  # one cap for all rows: plain integers, no tensor ops
-        count.clamp_(max=fetch_cap(n, budget, max_num_kv))
+        count.clamp_(max=fetch_cap(n, budget, max_num_kv, floor))
     else:  # per sequence: budget x its valid (unpadded) length
-        count = torch.minimum(count, row_caps(keep, budget, max_num_kv))
+        count = torch.minimum(count, row_caps(keep, budget, max_num_kv, floor))
     lo, k = torch.stack(torch.aminmax(count)).tolist()  # the one host sync of the step: it sizes the transfer
     k = max(k, 1)
     if lo == k:  # every row takes its top k: no order, no mask

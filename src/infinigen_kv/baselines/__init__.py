@@ -32,8 +32,8 @@ METHODS = {
     "full": (FullCache, set()),
     "offload": (OffloadCache, set()),
     "quant": (QuantCache, {"bits"}),
-    "streaming": (StreamingCache, {"budget", "sink_tokens"}),
-    "h2o": (H2OCache, {"budget", "recent_ratio"}),
+    "streaming": (StreamingCache, {"budget", "min_budget", "sink_tokens"}),
+    "h2o": (H2OCache, {"budget", "min_budget", "recent_ratio"}),
     "hf-dynamic": (_hf_dynamic, set()),
 }
 

@@ -1,6 +1,6 @@
 """Fixed-budget caches that evict for good (StreamingLLM, H2O): the shared layer.
 
-Each layer keeps at most cap_b = ceil(budget x valid tokens seen) entries per (sequence, KV head), in slots
+Each layer keeps at most cap_b = max(ceil(budget x valid tokens seen), min_budget) entries per (sequence, KV head), in slots
 [0, kept_b) of compact buffers, with each entry's original position (and, for H2O, its accumulated
 attention). After the prefill, which attends over everything, the layer keeps the cap_b entries the
 policy ranks highest; each decode step the new token takes a free slot while kept_b < cap_b, else the
@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from ..adapters import get_arch
 from ..attention import install
-from ..config import DEFAULT_BUDGET, budget_caps, check_budget
+from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, budget_caps, check_budget, check_min_budget
 from ..layer import LogicalLayer, Rebatch
 from ..pool import RowBuffer
 from ..selection import keep_source, valid_keys
@@ -55,7 +55,7 @@ class EvictingLayer(LogicalLayer):
         raise NotImplementedError
 
     def _caps(self) -> torch.Tensor:
-        return budget_caps(self.n_valid, self.cache.budget)  # (B,)
+        return self.cache.entries(self.n_valid)  # (B,)
 
     @torch.no_grad()
     def update(self, key_states, value_states, *args, **kwargs):
@@ -150,7 +150,7 @@ class EvictingLayer(LogicalLayer):
                 layer._compact()
             layer.pos.valid().add_(at)
         n_valid = torch.cat([self.n_valid, other.n_valid])
-        slots = int(budget_caps(n_valid + room, self.cache.budget).max())  # the most any row will keep
+        slots = int(self.cache.entries(n_valid + room).max())  # the most any row will keep
         length = max(self.k.length, other.k.length)
         for a, b in zip(self.row_buffers(), other.row_buffers()):
             a.join(b, 0, 0, max(0, slots - length))
@@ -164,7 +164,7 @@ class EvictingLayer(LogicalLayer):
             self._compact()
         index = torch.tensor(rows, device=self.kept.device)
         self.kept, self.n_valid, self.first = self.kept[index], self.n_valid[index], self.first[index] - trim
-        slots = int(budget_caps(self.n_valid + room, self.cache.budget).max()) if rows else 0
+        slots = int(self.cache.entries(self.n_valid + room).max()) if rows else 0
         for buf in self.row_buffers():
             buf.retain(rows, 0, max(0, slots - buf.length))
         self.pos.valid().sub_(trim)
@@ -189,16 +189,18 @@ class EvictingLayer(LogicalLayer):
 class EvictingCache(Rebatch, Cache):
     layer_class = EvictingLayer
 
-    def __init__(self, model, budget: float = DEFAULT_BUDGET, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, min_budget: int = DEFAULT_MIN_BUDGET, **_):
         check_budget(budget)
-        self.budget = budget
+        check_min_budget(min_budget)
+        self.budget, self.min_budget = budget, min_budget  # keep max(budget x seen, min_budget) entries
         self.arch = get_arch(model)
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
         install(model)
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
 
-    def entries(self, tokens: int) -> int:
-        return budget_caps(tokens, self.budget)
+    def entries(self, tokens):
+        """Entries kept after `tokens` valid tokens (an int, or a tensor of counts per sequence)."""
+        return budget_caps(tokens, self.budget, self.min_budget)
 
     def set_budget(self, budget: float) -> None:
         """A new budget, before the first decode step (the prefill keeps everything until then)."""

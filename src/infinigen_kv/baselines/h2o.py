@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DEFAULT_BUDGET
+from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET
 from .evicting import EvictingCache, EvictingLayer
 
 # Prefill queries scored at a time: a (B, G, r, 64, n) block of scores is still in cache when the softmax and
@@ -56,8 +56,8 @@ class H2OCache(EvictingCache):
     method = "h2o"
     layer_class = H2OLayer
 
-    def __init__(self, model, budget: float = DEFAULT_BUDGET, recent_ratio: float = 0.5, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, recent_ratio: float = 0.5, min_budget: int = DEFAULT_MIN_BUDGET, **_):
         if not 0.0 <= recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
         self.recent_ratio = recent_ratio
-        super().__init__(model, budget)
+        super().__init__(model, budget, min_budget)

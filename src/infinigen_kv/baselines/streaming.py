@@ -3,7 +3,7 @@ plus the most recent tokens, within the budget; the oldest non-sink entry is evi
 
 from __future__ import annotations
 
-from ..config import DEFAULT_BUDGET
+from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET
 from .evicting import EvictingCache, EvictingLayer
 
 
@@ -19,8 +19,8 @@ class StreamingCache(EvictingCache):
     method = "streaming"
     layer_class = StreamingLayer
 
-    def __init__(self, model, budget: float = DEFAULT_BUDGET, sink_tokens: int = 4, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, sink_tokens: int = 4, min_budget: int = DEFAULT_MIN_BUDGET, **_):
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
         self.sink_tokens = sink_tokens
-        super().__init__(model, budget)
+        super().__init__(model, budget, min_budget)

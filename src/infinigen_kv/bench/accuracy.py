@@ -8,6 +8,9 @@ Tasks (deterministic for a seed):
   by RULER's string_match_all; with two or more of them, a `ruler-mean-<length>` row per method and budget.
 - `agreement`: greedy continuation of a long text prompt; share of tokens equal to the full cache's output
   up to the first divergence (`agreement_prefix`) and overall (`agreement_overall`).
+- `short`: the built-in short prompts (tasks.SHORT_PROMPTS: chat and completion, 5-200 tokens), 64 greedy
+  tokens each (fewer if --new-tokens is smaller; up to the first EOS); share of outputs identical to the full cache's
+  (`identical`) and tokens equal before the first divergence (`prefix_tokens`). Needs no data.
 - `lmeval`: lm-evaluation-harness tasks (`lmeval.py`), for users with the datasets locally; not in the
   default list.
 Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null). A generated
@@ -33,7 +36,7 @@ from . import ruler
 from . import tasks as task_lib
 from . import save_plot, write_tables
 
-TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "lmeval", *ruler.TASKS)
+TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "short", "lmeval", *ruler.TASKS)
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
 BUDGETED = {"infinigen", "h2o", "streaming"}
 SHARED_PREFILL = {"full", "infinigen", "offload", "h2o", "streaming"}  # see _groups
@@ -142,8 +145,10 @@ class SampleLog:
 
     @staticmethod
     def settings(header: dict) -> dict:
-        """What must match to resume: the header less its unset options (a knob added since reads as unset)."""
-        return {**header, "options": {k: v for k, v in (header.get("options") or {}).items() if v is not None}}
+        """What must match to resume: the header less its unset options (a knob added since reads as unset; so does
+        min_budget 0, the bench's default, which runs made before the knob had)."""
+        unset = lambda k, v: v is None or (k == "min_budget" and v == 0)
+        return {**header, "options": {k: v for k, v in (header.get("options") or {}).items() if not unset(k, v)}}
 
     @staticmethod
     def key(r: dict) -> tuple:
@@ -280,6 +285,42 @@ def run_agreement(model, ids: torch.Tensor, method, budget, options, length, sam
     return prefix / samples, overall / samples, sum(fetched) / len(fetched)
 
 
+def short_prompts(tokenizer) -> list[list[int]]:
+    """The token ids of tasks.SHORT_PROMPTS: chat messages through the model's chat template."""
+    out = []
+    for kind, text in task_lib.SHORT_PROMPTS:
+        if kind == "chat" and getattr(tokenizer, "chat_template", None):
+            out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                         add_generation_prompt=True, return_dict=True)["input_ids"]))
+        else:
+            out.append(tokenizer(text)["input_ids"])
+    return out
+
+
+def run_short(model, prompts, method, budget, options, new_tokens, references):
+    """Greedy outputs of the short prompts (one at a time, to the first EOS) against the full cache's:
+    (share identical, mean tokens equal before the first divergence, fetched share)."""
+    device = next(model.parameters()).device
+    same = prefix = 0
+    fetched = []
+    for i, ids in enumerate(prompts):
+        x = torch.tensor([ids], device=device)
+        if i not in references:
+            r = generate(model, x, cache=make_cache("full", model), max_new_tokens=new_tokens)
+            references[i] = r.tokens[0, : r.lengths[0]].tolist()
+        cache = _cache(model, method, budget, options)
+        r = generate(model, x, cache=cache, max_new_tokens=new_tokens)
+        got, ref = r.tokens[0, : r.lengths[0]].tolist(), references[i]
+        first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        same += got == ref
+        prefix += first
+        fetched.append(_fetched(cache))
+        print(f"  short {method} budget {budget} prompt {i} ({len(ids)} tokens): {'identical' if got == ref else f'diverges at {first}'}",
+              file=sys.stderr, flush=True)
+    n = len(prompts)
+    return same / n, prefix / n, sum(fetched) / n
+
+
 def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, options, lengths=(4000,), data=None,
                  window=4096, prefix=1024, new_tokens=256, out=None, model_name=None, lmeval=None,
                  windows=None, resume=False, batch=4) -> dict:
@@ -293,7 +334,8 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
     header = json.loads(json.dumps({"model": model_name or "SmolLM2-135M-Instruct", "options": options,
                                     "data": data}, default=str))  # as it reads back from the file
     log = SampleLog(Path(out) / "samples.jsonl" if out else None, header, resume)
-    options = {**options, "tokenizer": tokenizer}
+    # budgets as named: a sweep compares them, so no floor unless one is given (`infinigen bench accuracy --min-budget`)
+    options = {**options, "tokenizer": tokenizer, "min_budget": options.get("min_budget") or 0}
     rows, references = [], {}
     generated = [t for t in tasks if t in GENERATED]
     if generated:
@@ -318,6 +360,13 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
                     for r in run_lmeval(model, tokenizer, method, opts, lmeval["tasks"], lmeval.get("include_path"),
                                         lmeval.get("limit")):
                         row(r["task"], method, budget, r["metric"], r["value"], r["n"], r["fetched_fraction"])
+                    continue
+                if task == "short":
+                    prompts = references.setdefault("short-ids", short_prompts(tokenizer))
+                    ident, first, f = run_short(model, prompts, method, budget, options, min(new_tokens, 64),
+                                                references.setdefault("short", {}))
+                    row("short", method, budget, "identical", ident, len(prompts), f)
+                    row("short", method, budget, "prefix_tokens", first, len(prompts), f)
                     continue
                 for length in lengths:
                     if task == "agreement":

@@ -94,3 +94,59 @@ def score(task: str, output: str, answer: str) -> float:
         names = answer.split()
         return sum(n in output for n in names) / len(names)
     return float(answer in output)
+
+
+# Short prompts as a new user sends them (5-200 tokens): ("chat", message) goes through the model's chat template,
+# ("text", prefix) is continued as it is. The `short` task compares each method's 64 greedy tokens with the full
+# cache's: a budget must not starve a short past (docs/BENCHMARKS.md, "Budget floor").
+SHORT_PROMPTS = [
+    ("text", "Once upon a time"),
+    ("text", "The capital of France is"),
+    ("chat", "Say hi"),
+    ("chat", "What is 12 times 7?"),
+    ("text", "def fibonacci(n):"),
+    ("chat", "Write a haiku about the sea."),
+    ("text", "The three primary colors are"),
+    ("chat", "Give me three tips for sleeping better."),
+    ("text", "In 1969, the Apollo 11 mission"),
+    ("chat", "Explain what a hash table is in two sentences."),
+    ("text", "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+             "synthesize foods from carbon dioxide and water. In plants, it generally involves"),
+    ("chat", "Translate to French: The weather is nice today and we are going to the park."),
+    ("text", "Dear hiring manager,\n\nI am writing to apply for the position of software engineer at your company. "
+             "Over the past five years I have"),
+    ("chat", "My tomato plants have yellow leaves at the bottom. What could be wrong, and what should I do?"),
+    ("text", "The following is a recipe for a simple tomato soup.\n\nIngredients:\n- 6 ripe tomatoes\n- 1 onion\n"
+             "- 2 cloves of garlic\n- 2 cups of vegetable stock\n- salt and pepper\n\nInstructions:\n1."),
+    ("chat", "I have a list of numbers in Python and I want to keep only the even ones. Show me two ways to do it, "
+             "one with a loop and one with a list comprehension."),
+    ("text", "Q: What is the boiling point of water at sea level?\nA: 100 degrees Celsius.\n\nQ: What is the largest "
+             "planet in the solar system?\nA: Jupiter.\n\nQ: Who wrote the play Romeo and Juliet?\nA:"),
+    ("chat", "Summarize this in one sentence: The city council met on Tuesday to discuss the new bike lanes. "
+             "Several residents spoke in favor, saying the lanes would make commuting safer, while shop owners "
+             "worried about losing parking spaces in front of their stores. The council agreed to run a six-month "
+             "trial on two streets before deciding."),
+    ("text", "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a "
+             "goldsmith from Mainz, developed a system of movable metal type. Before his invention, books in Europe "
+             "were copied by hand, usually by monks, and a single volume could take months to finish. Gutenberg's "
+             "press combined several existing technologies: the screw press used for making wine and olive oil, "
+             "oil-based inks, and a new alloy of lead, tin and antimony that could be cast into precise letters. "
+             "The result was a machine that could"),
+    ("chat", "You are a helpful assistant for a small bakery. A customer writes: 'Hello! I would like to order a "
+             "birthday cake for my daughter, who is turning seven next Saturday. She loves strawberries and the "
+             "color purple, but she is allergic to nuts. We expect about fifteen children at the party. Could you "
+             "suggest a cake, tell me roughly how big it should be, and let me know how far in advance I need to "
+             "order?' Write a friendly reply."),
+    ("text", "Chapter 1\n\nThe train pulled into the station just after midnight. Clara gathered her coat and her "
+             "single battered suitcase and stepped onto the empty platform. A thin fog hung over the tracks, and the "
+             "only light came from a lamp above the ticket office, where an old man sat reading a newspaper. She had "
+             "not been back to the village in twelve years, not since the summer her brother disappeared. Nothing "
+             "seemed to have changed: the same peeling paint on the benches, the same clock that ran four minutes "
+             "slow, the same smell of coal smoke and wet stone. She walked toward the exit, and as she passed the "
+             "ticket office the old man looked up and said"),
+    ("chat", "I am preparing for a job interview for a data analyst position. The job description mentions SQL, "
+             "Python, dashboards in Tableau, and communicating results to non-technical managers. I have used SQL "
+             "and Python at university but never Tableau, and I get nervous when presenting. Can you give me a "
+             "short study plan for the next two weeks and three example questions they might ask, with tips on how "
+             "to answer each?"),
+]

@@ -25,6 +25,7 @@ from .schemas import ChatRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+RETRY = {"Retry-After": "5"}  # a server shutting down: another one (or this one, restarted) will take it
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                503: "server_error", 500: "server_error"}
 
@@ -115,6 +116,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
     cancelled = Counter("infinigen_cancelled_requests", "requests whose client left before the end",
                         registry=registry)
 
+    started = int(time.time())  # /v1/models' "created"
     app = FastAPI(title="infinigen-kv")  # the engine's owner closes it (run_server, after the drain)
     app.add_middleware(Guard, limit=max_body_bytes, counter=requests)
 
@@ -148,9 +150,18 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
             raise APIError(404, f"model {name!r} not found; this server serves {model_id!r}", "model",
                            "model_not_found")
 
-    def make_job(req, ids: list[int], field: str, max_tokens: int | None, logprobs: int | None = None) -> Job:
+    def make_job(req, ids: list[int], field: str, max_tokens: int | None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, echo: bool = False) -> Job:
+        refused = req.refused()
+        if refused:
+            raise APIError(400, refused[1], refused[0], "unsupported_parameter")
         if not ids:
             raise APIError(400, "the prompt is empty", field)
+        vocab = engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in (req.logit_bias or {})):
+            raise APIError(400, f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
+        if req.n > engine.max_batch:
+            raise APIError(400, f"n={req.n} is over this server's limit of {engine.max_batch} (--max-batch)", "n")
         ctx = engine.context
         if max_tokens is None:
             max_tokens = min(max_tokens_limit, (ctx - len(ids)) if ctx else max_tokens_limit)
@@ -160,13 +171,17 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         if ctx and len(ids) + max(max_tokens, 1) > ctx:
             raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: more than the "
                                 f"model's context of {ctx} tokens", field, "context_length_exceeded")
-        job = Job(ids, max(max_tokens, 1), req.temperature, req.top_p, req.seed, list(req.stop or []), logprobs)
+        job = Job(ids, max_tokens, req.temperature, req.top_p, req.seed, list(req.stop or []), logprobs,
+                  top_k=max(req.top_k, 0), min_p=req.min_p, presence_penalty=req.presence_penalty,
+                  frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                  logit_bias=req.logit_bias, ignore_eos=req.ignore_eos, n=req.n, echo=echo,
+                  prompt_logprobs=prompt_logprobs)
         try:
             return engine.submit(job)
         except TooLarge as e:
             raise APIError(400, str(e), field, "pool_limit_exceeded") from None
         except ShuttingDown as e:
-            raise APIError(503, f"{e}; retry on another server", code="shutting_down") from None
+            raise APIError(503, f"{e}; retry on another server", code="shutting_down", headers=RETRY) from None
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
 
@@ -183,52 +198,63 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def collect(job: Job, request: Request) -> tuple[str, str, list | None]:
-        """(text, finish_reason, logprob entries) of a job; the job is cancelled (its rows freed at the
-        next step) if the client leaves first."""
-        parts, entries = [], [] if job.logprobs is not None else None
+    async def collect(job: Job, request: Request) -> list[tuple[str, str, list | None, list | None]]:
+        """Per choice: (text, finish_reason, logprob entries, prompt logprob entries) of a job; the job is
+        cancelled (its rows freed at the next step) if the client leaves first."""
+        parts = [[] for _ in range(job.n)]
+        entries = [[] if job.logprobs is not None else None for _ in range(job.n)]
+        prompt, finish = [None] * job.n, [None] * job.n
         watch = asyncio.ensure_future(disconnected(request))
         try:
-            while True:
+            while None in finish:
                 get = asyncio.ensure_future(job.events.get())
                 await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     cancelled.inc()
                     raise APIError(499, "the client closed the connection")  # nobody reads it
-                kind, value, lps = get.result()
+                kind, value, lps, i = get.result()
+                if kind == "prompt":
+                    prompt[i] = lps
+                    continue
                 if lps:
-                    entries.extend(lps)
+                    entries[i].extend(lps)
                 if kind == "text":
-                    parts.append(value)
+                    parts[i].append(value)
                 elif kind == "done":
-                    account(job)
-                    return "".join(parts), value, entries
+                    finish[i] = value
                 else:
                     if value == SHUTDOWN_MESSAGE:
-                        raise APIError(503, value, code="shutting_down")
+                        raise APIError(503, value, code="shutting_down", headers=RETRY)
                     raise APIError(500, value)
+            account(job)
+            return [("".join(p), f, e, pr) for p, f, e, pr in zip(parts, finish, entries, prompt)]
         finally:
             watch.cancel()
             job.cancelled = True  # a no-op once done; frees the place if this request was cancelled
 
     def sse(job: Job, chunk, include_usage: bool) -> StreamingResponse:
-        """chunk(text or None, finish_reason or None, first, logprob entries or None) -> the OpenAI chunk."""
+        """chunk(text or None, finish_reason or None, first, logprob entries or None, choice index, kind) -> the
+        OpenAI chunk (kind "prompt": the echoed prompt, with its logprob entries if asked)."""
 
         async def events():
-            finished = False
+            finished, left = False, job.n
             try:
-                yield f"data: {json.dumps(chunk(None, None, True, None))}\n\n"
+                for i in range(job.n):
+                    yield f"data: {json.dumps(chunk(None, None, True, None, i, 'text'))}\n\n"
                 while True:
-                    kind, value, lps = await job.events.get()
-                    if kind == "text":
-                        yield f"data: {json.dumps(chunk(value, None, False, lps))}\n\n"
+                    kind, value, lps, i = await job.events.get()
+                    if kind in ("text", "prompt"):
+                        yield f"data: {json.dumps(chunk(value, None, False, lps, i, kind))}\n\n"
                     elif kind == "done":
+                        yield f"data: {json.dumps(chunk(None, value, False, lps, i, kind))}\n\n"
+                        left -= 1
+                        if left:
+                            continue
                         finished = True
                         account(job)
-                        yield f"data: {json.dumps(chunk(None, value, False, lps))}\n\n"
                         if include_usage:
-                            last = {**chunk(None, None, False, None), "choices": [], "usage": usage(job)}
+                            last = {**chunk(None, None, False, None, 0, kind), "choices": [], "usage": usage(job)}
                             yield f"data: {json.dumps(last)}\n\n"
                         break
                     else:
@@ -251,7 +277,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         state = {"model": model_id, "method": engine.method, "queue_depth": engine.queue_depth,
                  "replica": os.getpid()}  # which process answered (several behind a proxy: Ray Serve)
         if not engine.admitting:  # draining for shutdown: load balancers should stop sending
-            return JSONResponse({"status": "draining", **state}, 503)
+            return JSONResponse({"status": "draining", **state}, 503, headers=RETRY)
         return {"status": "ok", **state}
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
@@ -260,7 +286,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started,
                                             "owned_by": "infinigen-kv"}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -268,33 +294,46 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
         check_model(req.model)
         if isinstance(req.prompt, str):
             ids = await run_in_threadpool(engine.encode, req.prompt)
+            prompt_text = req.prompt
         else:
             vocab = engine.model.config.vocab_size
             if any(not 0 <= t < vocab for t in req.prompt):
                 raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
             ids = list(req.prompt)
-        job = make_job(req, ids, "prompt", req.max_tokens, req.logprobs)
+            prompt_text = await run_in_threadpool(engine.decode, ids) if req.echo else ""
+        job = make_job(req, ids, "prompt", req.max_tokens, req.logprobs,
+                       req.logprobs if req.echo and req.logprobs is not None else None, echo=req.echo)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        offset = [0]  # characters of token text reported so far (text_offset)
+        offset = [0] * req.n  # per choice: characters of token text reported so far (text_offset)
 
-        def legacy(entries):  # the completions API's logprobs object
+        def legacy(entries, i):  # the completions API's logprobs object
             if entries is None:
                 return None
             tokens = [e["token"] for e in entries]
-            starts = [offset[0] + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-            offset[0] += sum(len(t) for t in tokens)
+            starts = [offset[i] + sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+            offset[i] += sum(len(t) for t in tokens)
             return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                    "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+                    "top_logprobs": [None if e["top_logprobs"] is None else
+                                     {a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
                     "text_offset": starts}
 
-        def chunk(text, finish, first, entries):
+        def chunk(text, finish, first, entries, i=0, kind="text"):
+            if kind == "prompt":  # the echo, and its tokens' logprobs if asked
+                text, entries = prompt_text, entries if req.logprobs is not None else None
             return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
-                    "choices": [{"index": 0, "text": text or "", "logprobs": legacy(entries), "finish_reason": finish}]}
+                    "choices": [{"index": i, "text": text or "", "logprobs": legacy(entries, i),
+                                 "finish_reason": finish}]}
 
         if req.stream:
             return sse(job, chunk, bool(req.stream_options and req.stream_options.include_usage))
-        text, finish, entries = await collect(job, request)
-        return {**chunk(text, finish, False, entries), "usage": usage(job)}
+        choices = []
+        for i, (text, finish, entries, prompt) in enumerate(await collect(job, request)):
+            if req.echo:
+                entries = None if entries is None else (prompt or []) + entries
+                text = prompt_text + text
+            choices.append({"index": i, "text": text, "logprobs": legacy(entries, i), "finish_reason": finish})
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_id, "choices": choices,
+                "usage": usage(job)}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(req: ChatRequest, request: Request):
@@ -310,19 +349,19 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
                        (req.top_logprobs or 0) if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text, finish, first, entries):
+        def chunk(text, finish, first, entries, i=0, kind="text"):
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
             lps = None if entries is None else {"content": entries, "refusal": None}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
+                    "choices": [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
 
         if req.stream:
             return sse(job, chunk, bool(req.stream_options and req.stream_options.include_usage))
-        text, finish, entries = await collect(job, request)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None if entries is None else {"content": entries, "refusal": None},
-                             "finish_reason": finish}],
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": None if entries is None else {"content": entries, "refusal": None},
+                    "finish_reason": finish}
+                   for i, (text, finish, entries, _) in enumerate(await collect(job, request))]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_id, "choices": choices,
                 "usage": usage(job)}
 
     return app

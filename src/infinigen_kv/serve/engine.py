@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..baselines import make_cache
+from .. import threads
 from ..batching import Prefill, RunningBatch
+from ..sampling import SamplingParams
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,25 +49,45 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 @dataclass
 class Job:
     prompt_ids: list[int]
-    max_tokens: int
+    max_tokens: int  # per choice; 0: the prompt only (echo with prompt logprobs)
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # choice i draws with seed + i
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: no logprobs; k: each token's logprob and its k most likely alternatives
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    ignore_eos: bool = False  # an EOS token ends nothing: the choice runs to max_tokens (or a stop sequence)
+    n: int = 1  # choices: one prefill, n rows decoding from copies of its cache
+    echo: bool = False  # a "prompt" event first (the client echoes the prompt)
+    prompt_logprobs: int | None = None  # k: the prompt tokens' logprobs too, in the "prompt" event
     loop: asyncio.AbstractEventLoop | None = None
-    # ("text", delta, logprobs) ..., then ("done", finish_reason, logprobs) or ("error", message, None);
-    # logprobs: the entries of the tokens behind that event (a list of dicts), or None
+    # per choice: ("prompt", None, logprobs) if asked, ("text", delta, logprobs) ..., then ("done",
+    # finish_reason, logprobs); or ("error", message, None) for the whole job. Events are (kind, value,
+    # logprobs, choice index); logprobs: the entries of the tokens behind that event (a list of dicts), or None
     events: asyncio.Queue | None = None
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # over all choices
     cancelled: bool = False
-    finished: bool = False  # its "done" or "error" went out
+    finished: bool = False  # every choice's "done", or an "error", went out
+    ended: int = 0  # choices done
     submitted: float = 0.0  # perf_counter() at submit (time to first token)
 
-    def emit(self, kind: str, value: str, logprobs: list | None = None) -> None:
-        self.finished |= kind in ("done", "error")
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                              min_p=self.min_p, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              seed=None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63)
+
+    def emit(self, kind: str, value: str | None, logprobs: list | None = None, index: int = 0) -> None:
+        self.ended += kind == "done"
+        self.finished |= kind == "error" or self.ended >= self.n
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, logprobs))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, logprobs, index))
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
             self.cancelled = True
 
@@ -119,11 +141,13 @@ class TextStream:
 
 @dataclass
 class Row:
-    """A job's place in the running batch: its detokenizer and the logprob entries not yet sent."""
+    """A job's choice in the running batch: its detokenizer and the logprob entries not yet sent."""
     job: Job
     stream: TextStream
+    index: int = 0  # the choice
     entries: list = field(default_factory=list)
     last: float = 0.0  # when its last token came (inter-token latency)
+    tokens: int = 0  # generated
 
 
 def available_memory() -> int:
@@ -217,6 +241,10 @@ class Engine:
         with self.tokenizer_lock:
             return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
+    def decode(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids)
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
         with self.tokenizer_lock:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -227,7 +255,9 @@ class Engine:
         return rows * self.sequence_bytes(tokens)
 
     def submit(self, job: Job) -> Job:
-        need = self.cost(1, len(job.prompt_ids) + job.max_tokens)
+        if job.n > self.max_batch:
+            raise TooLarge(f"n={job.n} choices is over this server's --max-batch of {self.max_batch}")
+        need = self.cost(job.n, len(job.prompt_ids) + job.max_tokens)
         if need > self.max_pool_bytes:
             raise TooLarge(f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens ({job.max_tokens}) need "
                            f"{need / 2**20:.1f} MiB of KV cache, over this server's --max-pool-bytes of "
@@ -309,7 +339,7 @@ class Engine:
         """The next waiting job as a prefill, if the policy and memory allow it now (under the lock)."""
         while self.pending and self.pending[0].cancelled:
             self.pending.popleft()
-        if not self.pending or len(self.rows) >= self.max_batch:
+        if not self.pending or len(self.rows) + self.pending[0].n > self.max_batch:
             return None
         if self.batching == "static":
             if self.rows and not self.forming:
@@ -318,12 +348,12 @@ class Engine:
         job = self.pending[0]
         b = self.batch
         columns = max(b.mask.shape[1] if len(b) else 0, len(job.prompt_ids)) + max(b.room(), job.max_tokens)
-        if self.cost(len(b) + 1, columns) > self.max_pool_bytes:
+        if self.cost(len(b) + job.n, columns) > self.max_pool_bytes:
             return None  # waits for rows to leave (it fits alone: submit checked)
         self.pending.popleft()
         try:
             cache = make_cache(self.method, self.model, **self.options)
-            return job, Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk)
+            return job, Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs)
         except Exception as e:
             self._fail([job], e)
             return None
@@ -344,14 +374,28 @@ class Engine:
             return
         if done:
             self.prefill = None
-            try:
-                self.batch.join(p, job.temperature, job.top_p, job.seed, job.max_tokens)
-            except Exception as e:  # e.g. a seed torch refuses; the batch is unchanged unless its cache moved
-                self._fail([job], e)
-                if len(self.batch) != len(self.rows):
-                    self._fail_batch(e)
+            if job.echo or job.prompt_logprobs is not None:
+                entries = self._prompt_entries(job, p.prompt_logprobs) if job.prompt_logprobs is not None else None
+                for i in range(job.n):
+                    job.emit("prompt", None, entries, i)
+            if job.max_tokens == 0:  # the prompt only (scoring)
+                for i in range(job.n):
+                    job.emit("done", "length", None, i)
+                self.metrics.prefill_seconds.inc(time.perf_counter() - t0)
                 return
-            self.rows.append(Row(job, TextStream(self.tokenizer, job.stop)))
+            try:  # n choices: n rows, each from a copy of the prefilled cache (the last from the cache itself)
+                for i in range(job.n):
+                    cache = p.cache.fork() if i < job.n - 1 else None
+                    self.batch.join(p, job.sampling(i), job.max_tokens, cache)
+                    self.rows.append(Row(job, TextStream(self.tokenizer, job.stop), i))
+            except Exception as e:  # e.g. a seed torch refuses: the job's rows (the last ones) leave again
+                self.rows = [r for r in self.rows if r.job is not job]
+                self._fail([job], e)
+                try:
+                    self.batch.retain(list(range(len(self.rows))))
+                except Exception as e2:  # the batch's cache moved and cannot go back: no row can go on
+                    self._fail_batch(e2)
+                return
             release_memory()  # what the join freed
         self.metrics.prefill_seconds.inc(time.perf_counter() - t0)
 
@@ -370,7 +414,9 @@ class Engine:
                 release_memory()
             self.rows = [rows[b] for b in order]
             if self.rows:
+                t = time.perf_counter()
                 self.batch.forward(ids[order])
+                threads.decode_step(time.perf_counter() - t, self.device)  # on CPU: the next step's thread count
                 self._window[1] += len(live)
         except Exception as e:
             self._fail_batch(e)
@@ -385,23 +431,25 @@ class Engine:
         if job.cancelled:
             return False
         if not row.last:
-            self.metrics.ttft.observe(now - job.submitted)
+            if row.index == 0:
+                self.metrics.ttft.observe(now - job.submitted)
         else:
             self.metrics.itl.observe(now - row.last)
         row.last = now
-        if t in self.eos:
+        if t in self.eos and not job.ignore_eos:
             return self._finish(row, "stop")
         job.completion_tokens += 1
+        row.tokens += 1
         with self.tokenizer_lock:
             delta, stopped = row.stream.push(t)
             if job.logprobs is not None:
                 chosen, values, ids = lps[0][b], lps[1][b], lps[2][b]
                 row.entries.append(self._entry(t, chosen, zip(ids[: job.logprobs], values[: job.logprobs])))
         if delta:
-            job.emit("text", delta, self._taken(row))
+            job.emit("text", delta, self._taken(row), row.index)
         if stopped:
             return self._finish(row, "stop")
-        if job.completion_tokens >= job.max_tokens:
+        if row.tokens >= job.max_tokens:
             return self._finish(row, "length")
         return True
 
@@ -416,8 +464,8 @@ class Engine:
         with self.tokenizer_lock:
             rest = row.stream.flush()
         if rest:
-            row.job.emit("text", rest, self._taken(row))
-        row.job.emit("done", reason, self._taken(row))
+            row.job.emit("text", rest, self._taken(row), row.index)
+        row.job.emit("done", reason, self._taken(row), row.index)
         return False
 
     def _fail(self, jobs: list[Job], e: Exception) -> None:
@@ -451,6 +499,18 @@ class Engine:
         if stats.get("decode_steps"):
             last["fetched_fraction"] = stats["fetched_fraction"]
         self.last, self._window = last, [now, 0]
+
+    def _prompt_entries(self, job: Job, lps) -> list[dict]:
+        """The prompt tokens' logprob entries: the first has none (nothing precedes it)."""
+        chosen, values, ids = lps  # (n - 1,), (n - 1, k), (n - 1, k) lists
+        k = job.prompt_logprobs
+        with self.tokenizer_lock:
+            first = self.tokenizer.decode([job.prompt_ids[0]])
+            out = [{"token": first, "logprob": None, "bytes": self._bytes(job.prompt_ids[0], first),
+                    "top_logprobs": None}]
+            for i, t in enumerate(job.prompt_ids[1:]):
+                out.append(self._entry(t, chosen[i], zip(ids[i][:k], values[i][:k])))
+        return out
 
     def _entry(self, token: int, logprob: float, alternatives) -> dict:
         """One token's logprob entry, in the chat API's form (the completions form is derived from it)."""

@@ -1,9 +1,13 @@
 """What /metrics shows (Prometheus): latency histograms observed by the engine's worker, and gauges read from
-the engine when scraped. The HTTP layer adds its request counters to the same registry."""
+the engine when scraped. The HTTP layer adds its request counters to the same registry. Each replica has its
+own: `infinigen_replica_info{replica="host:pid"}` says which one answered a scrape."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+import socket
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 # seconds: a first token takes a prefill (and a wait in the queue); later tokens take one decode step
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -13,6 +17,10 @@ ITL_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 class Metrics:
     def __init__(self, engine):
         r = self.registry = CollectorRegistry()
+        # Which process answered: every replica (--replicas N) has its own registry and a scrape through the proxy
+        # reaches one of them; sum the series over this label's values for the server's totals.
+        Info("infinigen_replica", "the replica (process) whose metrics these are", registry=r).info(
+            {"replica": f"{socket.gethostname()}:{os.getpid()}", "method": engine.method})
         self.ttft = Histogram("infinigen_time_to_first_token_seconds", "from a request's arrival to its first token",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("infinigen_inter_token_latency_seconds", "between two tokens of one request",

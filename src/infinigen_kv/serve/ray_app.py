@@ -30,15 +30,19 @@ def import_serve():
 class Replica:
     """One replica: loads the model, starts an engine and hands Ray the ASGI app (ray.serve.ingress)."""
 
-    def __init__(self, load: dict, method: str, options: dict, engine: dict, app: dict, threads: int | None):
+    def __init__(self, load: dict, method: str, options: dict, engine: dict, app: dict, threads: int | None,
+                 fixed_threads: int | None = None):
         import torch
 
         from ..models import load_model
+        from ..threads import set_threads
         from .app import create_app
         from .engine import Engine
 
-        if threads:
-            torch.set_num_threads(threads)  # replicas on one machine share its cores
+        if fixed_threads:
+            set_threads(fixed_threads)  # --threads N
+        elif threads:
+            torch.set_num_threads(threads)  # replicas on one machine share its cores (fewer while busy: threads.py)
         model, tok = load_model(**load)
         self.engine = Engine(model, tok, method, options, **engine)
         self.asgi = create_app(self.engine, **app)  # (not self.app: a property of Ray's wrapper)
@@ -58,9 +62,10 @@ class Replica:
 
 
 def application(replicas: int, load: dict, method: str, options: dict, engine: dict, app: dict,
-                cpus: float | None = None, gpus: float = 0, grace_s: float = 30.0):
+                cpus: float | None = None, gpus: float = 0, grace_s: float = 30.0, threads: int | None = None):
     """The Ray Serve application: `replicas` copies of Replica, each asking Ray for `cpus` CPUs (default: the
-    machine's cores shared out) and `gpus` GPUs; a replica being stopped gets grace_s for its requests."""
+    machine's cores shared out) and `gpus` GPUs; a replica being stopped gets grace_s for its requests; threads:
+    each replica's fixed thread count (default: its CPUs, fewer while measured faster)."""
     serve = import_serve()
     cpus = cpus if cpus is not None else max(1, (os.cpu_count() or 1) // replicas)
     deployment = serve.deployment(serve.ingress()(Replica), name="infinigen", num_replicas=replicas,
@@ -68,15 +73,17 @@ def application(replicas: int, load: dict, method: str, options: dict, engine: d
                                   max_ongoing_requests=engine.get("queue_size", 64) + engine.get("max_batch", 8),
                                   health_check_period_s=5, health_check_timeout_s=30,
                                   graceful_shutdown_timeout_s=grace_s)
-    return deployment.bind(load, method, options, engine, app, int(cpus) or None)
+    return deployment.bind(load, method, options, engine, app, int(cpus) or None, threads)
 
 
 def app_builder(args: dict):
     """For `serve run infinigen_kv.serve.ray_app:app_builder key=value ...`: model, device, method, budget,
-    replicas, served_model_name, api_key, max_batch, queue_size, max_pool_bytes, prefill_chunk, batching
+    min_budget, replicas, served_model_name, api_key, max_batch, queue_size, max_pool_bytes, prefill_chunk, batching
     (strings, as Ray passes them)."""
     model = args.get("model")
     options = {"budget": float(args["budget"])} if "budget" in args else {}
+    if "min_budget" in args:
+        options["min_budget"] = int(args["min_budget"])
     engine = {k: int(args[k]) for k in ("max_batch", "queue_size", "max_pool_bytes", "prefill_chunk") if k in args}
     if "batching" in args:
         engine["batching"] = args["batching"]
