@@ -79,7 +79,8 @@ def chat(client, **kw):
 
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and abs(models[0].created - time.time()) < 3600  # when it started
 
 
 def test_chat_plain_and_streaming_agree(client):
@@ -149,7 +150,7 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),  # over --max-batch
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1200}]}, 400, "messages"),  # > context
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     # issue 13: a seed a generator cannot take (was a 500 for the whole batch), booleans that are not
@@ -168,6 +169,14 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      400, "top_logprobs"),
+    # issue 29: every field acts or is refused, naming it
+    *[({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}, 400, field) for field, value in [
+        ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
+        ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 200}), ("logit_bias", {"99999": 1}), ("ignore_eos", "yes"),
+        ("best_of", 2), ("suffix", "x"), ("echo", True), ("functions", [{"name": "f"}]), ("guided_json", {}),
+        ("no_such_field", 1)]],
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
 ]
 
 
@@ -317,7 +326,7 @@ def test_metrics(server):
     text = requests.get(server.url + "/metrics").text
     for name in ("infinigen_requests_total", "infinigen_prompt_tokens_total", "infinigen_completion_tokens_total",
                  "infinigen_decode_tokens_per_second", "infinigen_fetched_fraction", "infinigen_queue_depth",
-                 "infinigen_pool_bytes"):
+                 "infinigen_pool_bytes", 'infinigen_replica_info{method="infinigen",replica="'):
         assert name in text
     assert server.metric("infinigen_completion_tokens_total") > 0
     assert 0 < server.metric("infinigen_fetched_fraction") <= 1
@@ -360,6 +369,7 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         time.sleep(0.3)
         r = requests.post(url, json=body, headers=key)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert r.headers["Retry-After"] == "5"  # issue 29: a client knows when to try again
         assert requests.get(s.url + "/health").json()["status"] == "draining"
         rest = [x for x in lines if x]
         assert rest[-1] == b"data: [DONE]"
@@ -368,6 +378,7 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         assert all(json.loads(x[6:]) for x in rest if x.startswith(b"data: {"))
         t.join(120)
         assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
+        assert waiting["r"].headers["Retry-After"] == "5"
         assert s.proc.wait(60) == 0
         assert "Traceback" not in open(tmp_path / "server.log").read()
     finally:
@@ -476,4 +487,119 @@ def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
         good, bad = asyncio.run(main())
     finally:
         eng.close()
-    assert good[-1] == ("done", "length", None) and bad[-1][0] == "error" and "stand-in fault" in bad[-1][1]
+    assert good[-1] == ("done", "length", None, 0) and bad[-1][0] == "error" and "stand-in fault" in bad[-1][1]
+
+
+# --- issue 29: the sampling fields, plain and streaming, alone and in a batch --------------------------------
+
+PROMPT = [5, 17, 33, 60, 91, 120, 140, 7, 9, 200]  # token ids: the same prompt whatever the tokenizer
+
+
+def complete(client, stream=False, **kw):
+    """(text per choice, finish_reason per choice, usage or None) of a completion, plain or streamed."""
+    extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty", "ignore_eos") if k in kw}
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra or None)
+    r = client.completions.create(**{**args, **kw}, stream=stream)
+    if not stream:
+        return [c.text for c in r.choices], [c.finish_reason for c in r.choices], r.usage
+    texts, finish = {}, {}
+    for c in r:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    return [texts[i] for i in sorted(texts)], [finish[i] for i in sorted(finish)], None
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+SAMPLING = {  # field values -> a check of (result, the plain greedy result, tokenizer)
+    "logit_bias": ({"logit_bias": {"77": 100}}, lambda r, base, tok: r[0][0] == tok.decode([77] * 12)),
+    "presence_penalty": ({"presence_penalty": 2.0}, lambda r, base, tok: r[0] != base[0]),
+    "frequency_penalty": ({"frequency_penalty": 2.0}, lambda r, base, tok: r[0] != base[0]),
+    "repetition_penalty": ({"repetition_penalty": 5.0}, lambda r, base, tok: r[0] != base[0]),
+    "top_k": ({"top_k": 1, "temperature": 1.5, "seed": 3}, lambda r, base, tok: r[0] == base[0]),
+    "min_p": ({"min_p": 1.0, "temperature": 1.5, "seed": 3}, lambda r, base, tok: r[0] == base[0]),
+    "ignore_eos": ({"ignore_eos": True, "logit_bias": {"2": 100}},
+                   lambda r, base, tok: r[1] == ["length"] and r[0] == [""]),
+    "n": ({"n": 3, "temperature": 1.0, "seed": 5},
+          lambda r, base, tok: len(r[0]) == 3 and len(set(r[0])) > 1 and r[1] == ["length"] * 3),
+    "echo": ({"echo": True}, lambda r, base, tok: r[0][0] == tok.decode(PROMPT) + base[0][0]),
+}
+
+
+@pytest.mark.parametrize("field", list(SAMPLING))
+def test_sampling_fields_act_plain_and_streaming(client, tok, field):
+    knobs, check = SAMPLING[field]
+    base = complete(client)
+    plain = complete(client, **knobs)
+    assert check(plain, base, tok), (field, plain, base)
+    if field != "echo":  # (a stream echoes the prompt in its first chunk: the same text)
+        assert complete(client, stream=True, **knobs)[:2] == plain[:2], field
+    else:
+        assert complete(client, stream=True, **knobs)[0] == plain[0]
+
+
+def test_eos_ends_a_choice_unless_ignore_eos(client):
+    text, finish, usage = complete(client, logit_bias={"2": 100})  # </s> (id 2) at every step
+    assert finish == ["stop"] and usage.completion_tokens == 0
+    text, finish, usage = complete(client, logit_bias={"2": 100}, ignore_eos=True)
+    assert finish == ["length"] and usage.completion_tokens == 12
+
+
+def test_sampling_fields_in_a_batch_as_alone(client):
+    """Every knob at once on a seeded sampled row: the same choices alone and beside other requests."""
+    knobs = dict(temperature=0.9, top_p=0.95, seed=11, top_k=40, min_p=0.02, presence_penalty=0.5,
+                 frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={"9": -5}, n=2)
+    alone = complete(client, **knobs)
+    out, errors = {}, []
+
+    def other(i):
+        try:
+            complete(client, max_tokens=20 + i, temperature=1.0, seed=i, frequency_penalty=1.0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def mine():
+        out["r"] = complete(client, **knobs)
+
+    threads = [threading.Thread(target=other, args=(i,)) for i in range(2)] + [threading.Thread(target=mine)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and out["r"][:2] == alone[:2]
+
+
+def test_echo_logprobs_score_the_prompt(client, tok):
+    """max_tokens 0 with echo and logprobs: the prompt tokens' logprobs, as evaluation clients ask."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tok.decode(PROMPT) and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(PROMPT) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    # the logprob of token 1 given token 0 is the first step's logprob of token 1 after a prompt of one token
+    # (forced by logit_bias, which logprobs do not see: they are the model's own)
+    forced = client.completions.create(model=MODEL, prompt=PROMPT[:1], max_tokens=1, logprobs=0, temperature=0,
+                                       logit_bias={str(PROMPT[1]): 100})
+    assert forced.choices[0].logprobs.token_logprobs[0] == pytest.approx(lp.token_logprobs[1], abs=1e-4)
+    with_tokens = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                            temperature=0)
+    lp2 = with_tokens.choices[0].logprobs
+    assert len(lp2.tokens) == len(PROMPT) + 3 and lp2.token_logprobs[: len(PROMPT)] == lp.token_logprobs
+
+
+def test_completions_refuse_what_they_cannot_do(server):
+    url = server.url + "/v1/completions"
+    for body, param in [({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
+                        ({"n": 2, "best_of": 2}, None)]:
+        r = requests.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body}, timeout=60)
+        if param is None:
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
