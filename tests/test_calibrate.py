@@ -142,3 +142,19 @@ def test_recall_is_measured_once_and_kept(tmp_path, tiny_models):
     path = plain.save(tmp_path / "old.safetensors")
     with pytest.raises(CalibrationError, match="no per-layer recall"):
         load_or_calibrate(model, ig.InfiniGenConfig(partial_ratio=0.5, layer_budget="recall", calibration=str(path)))
+
+
+def test_calibration_reports_progress_and_its_time_without_a_terminal(tiny_models, tmp_path, monkeypatch, capsys):
+    """Issue 29: calibrating on first use says so, shows progress where no bar is drawn (a line at most every
+    TICK_SECONDS: here every step) and how long it took."""
+    import importlib
+
+    calibration = importlib.import_module("infinigen_kv.calibrate")  # the module (the package exports the function)
+
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "TICK_SECONDS", 0.0)
+    calibration.load_or_calibrate(tiny_models["llama-gqa"], ig.InfiniGenConfig())
+    err = capsys.readouterr().err
+    assert "infinigen: calibrating the model" in err and "infinigen: calibrated in" in err
+    for stage in ("writing its text", "queries and keys", "skewing"):
+        assert f"infinigen: calibration: {stage}" in err, err

@@ -67,6 +67,7 @@ def one_line_error(r, text):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, r.stderr
     assert "Traceback" not in r.stderr and text in lines[0], lines[0]
+    assert lines[0].startswith("infinigen: error: "), lines[0]  # one prefix for every error (issue 29)
 
 
 @pytest.mark.parametrize("args,text", [
@@ -114,7 +115,8 @@ def test_prompt_longer_than_context_and_foreign_calibration(tiny_dir, tmp_path):
 
 
 def test_help_version_and_usage_errors_import_no_torch():
-    """--help, --version and argument errors answer without importing torch or transformers (they took 5-7 s);
+    """--help, --version, argument errors and a missing or empty prompt (issue 29: 29 s) answer without importing
+    torch or transformers (they took 5-7 s);
     the light list of method names the parser uses is the registry's."""
     import subprocess
     import sys
@@ -124,7 +126,8 @@ def test_help_version_and_usage_errors_import_no_torch():
 
     assert tuple(METHODS) == METHOD_NAMES
     code = ("import sys\nfrom infinigen_kv.cli import main\n"
-            "for argv in (['--help'], ['--version'], ['generate', '--budget', '2'], ['bench', 'speed', '--help']):\n"
+            "for argv in (['--help'], ['--version'], ['generate', '--budget', '2'], ['bench', 'speed', '--help'],\n"
+            "             ['generate', '--prompt-file', '/no/such/file'], ['generate', '--prompt', '  ']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert not heavy, heavy\n")

@@ -245,3 +245,58 @@ def test_kernels_batch_invariant(dtype):
     assert torch.equal(c1[0], c2[0])
     for g in range(G):
         assert i1[0, g, : c1[0, g]].tolist() == (i2[0, g, : c2[0, g]] - pad).tolist()
+
+
+def test_kernels_give_the_same_bits_with_any_thread_count(tiny_models):
+    """Issue 29: the decode thread count changes with the machine's load (threads.py), so a result must not
+    depend on it: the same logits to the bit with 1, 2 and 3 threads (speculate, partial_query, attend and
+    linear all split their work across the team)."""
+    if kernels.cpu() is None:
+        pytest.skip("no C++ compiler: the kernels are not built")
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(60, 45, 31))
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
+            out.append(step_logits(model, cache, ids, mask, steps=4))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, out[0]) for o in out[1:])
+
+
+def test_the_thread_tuner_follows_the_faster_count(monkeypatch):
+    """The tuner times decode steps under each candidate count and keeps the fastest (all cores unless fewer
+    are clearly faster); a step far off the winner's time re-measures; --threads fixes the count."""
+    from infinigen_kv import threads
+
+    counts = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: counts.append(n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: counts[-1] if counts else 4)
+    t = threads.Tuner(probe=2, epoch=4)
+    cost = {4: 1.0, 2: 0.8, 1: 0.3}  # a busy machine: one thread is fastest
+
+    def run(steps):
+        for _ in range(steps):
+            t.step(cost[torch.get_num_threads()])
+
+    run(1 + 3 * 3)  # the first step starts a probe: 3 candidates x (1 untimed + 2 timed)
+    assert t.best == 1 and torch.get_num_threads() == 1
+    cost.update({4: 0.2, 2: 0.25, 1: 0.4})  # the competitor left: a step 1.3x off the winner's is no drift ...
+    run(1)
+    assert t.queue == [] and torch.get_num_threads() == 1
+    cost[1] = 1.0  # ... but 2.5x is: measure again at once
+    run(1 + 3 * 3)
+    assert t.best == 4 and torch.get_num_threads() == 4
+    cost.update({4: 0.2, 2: 0.19, 1: 0.5})  # fewer must be clearly (10%) faster to win
+    run(t.left + 3 * 3)
+    assert t.best == 4 and t.epoch == 8  # the same winner again: it probes half as often
+    threads.set_threads(2)  # --threads 2: fixed, whatever the steps take
+    try:
+        for took in (1.0, 0.1, 5.0) * 10:
+            threads.decode_step(took)
+        assert counts[-1] == 2 and threads.TUNER.threads == 2
+    finally:
+        threads.set_threads(None)

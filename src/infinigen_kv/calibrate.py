@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,26 @@ def default_path(model, config) -> Path:
 ROWS = 8  # independent samples, so the text covers more than one topic
 
 
+TICK_SECONDS = 10.0  # a progress line at most this often where no bar is drawn
+
+
+class Ticker:
+    """Progress of a calibration stage where no bar is drawn (stderr not a terminal: a log, a CI run, the demo):
+    a line at most every TICK_SECONDS. On a terminal tqdm draws its bar instead."""
+
+    def __init__(self, stage: str, total: int):
+        self.stage, self.total, self.every = stage, total, TICK_SECONDS
+        self.on = not sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, done: int, *_) -> None:  # also an on_step callback of generate (returns None: go on)
+        now = time.perf_counter()
+        if self.on and now - self.last >= self.every:
+            self.last = now
+            print(f"infinigen: calibration: {self.stage} {done}/{self.total} ({now - self.t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+
 @torch.inference_mode()
 def generated_text_ids(model, tokens: int = 4096, seed: int = 0) -> torch.Tensor:
     """Calibration text the model writes itself: no download, no tokenizer, works for any model.
@@ -163,9 +184,11 @@ def generated_text_ids(model, tokens: int = 4096, seed: int = 0) -> torch.Tensor
     length = max(16, tokens // ROWS)
     bos = getattr(model.config, "bos_token_id", None)
     ids = torch.full((ROWS, 1), bos if isinstance(bos, int) else 0, dtype=torch.long, device=device)
+    tick = Ticker("writing its text, tokens", length - 1)
     out = generate(
         model, ids, cache=FullCache(model), max_new_tokens=length - 1,
         temperature=0.8, top_p=0.95, seed=seed, stop_at_eos=False, progress="calibration text",
+        on_step=lambda i, *_: tick(i + 1),
     )
     return torch.cat([ids, out.tokens], dim=1)
 
@@ -197,10 +220,12 @@ def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 4):
         ks[l].append(arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu())
 
     handles = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in arch.attns]
+    tick = Ticker("queries and keys, rows", ids.shape[0])
     try:
         for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False, disable=None):
             chunk = ids[i : i + batch].to(device)
             model(input_ids=chunk, use_cache=False, logits_to_keep=1)
+            tick(i + chunk.shape[0])
     finally:
         for h in handles:
             h.remove()
@@ -280,8 +305,10 @@ def calibrate(
     qs, ks = collect_qk(model, arch, ids)
     p = math.ceil(partial_ratio * arch.head_dim)
     mats, channels = [], []
+    tick = Ticker("skewing, layers", arch.num_layers)
     for l in tqdm(range(arch.num_layers), desc="skewing", leave=False, disable=None):
         A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule, skew)
+        tick(l + 1)
         mats.append(A)
         channels.append(P)
     mats, channels = torch.stack(mats), torch.stack(channels)
@@ -371,9 +398,11 @@ def load_or_calibrate(model, config, tokenizer=None) -> Calibration:
             return cal
         except CalibrationError:
             pass  # stale or damaged cache entry: calibrate again and overwrite it
+    print("infinigen: calibrating the model (once; cached for later runs) ...", file=sys.stderr, flush=True)
     cal = calibrate(model, tokenizer, config.calibration_text, config.partial_ratio, config.channel_rule,
                     config.skew, recall=recall)
     cal.save(path)
+    print(f"infinigen: calibrated in {cal.meta['seconds']:.0f} s ({path})", file=sys.stderr, flush=True)
     return cal
 
 
