@@ -13,6 +13,22 @@ def _cache_dir(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fixed_threads():
+    """Tests compare runs bit for bit: the thread tuner stays off (PyTorch's own ops, unlike the kernels, may
+    differ in the last bit between thread counts), and every test starts on all cores."""
+    from infinigen_kv import threads
+
+    threads.TUNER.enabled = False
+    torch.set_num_threads(ALL_THREADS)
+    yield
+    threads.set_threads(None)  # a test's --threads N does not outlive it
+    threads.TUNER.enabled = True
+
+
+ALL_THREADS = torch.get_num_threads()
+
+
 def tiny_model(kind: str, seed: int = 0):
     """Tiny random models of each supported architecture (built in-process, no download)."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,

@@ -7,8 +7,8 @@ a step (measured: 0.06x the idle speed beside a PyTorch process, where one threa
 "Busy machine"). No count is right for both cases, so the decode loop measures: `Tuner` times the steps under
 each candidate count (all threads, half, one), keeps the fastest, and tries again after a while (sooner when
 the step time moves), so a competitor that starts or stops is followed within seconds. The kernels give the
-same bits with any thread count (each output is computed by one thread in a fixed order), so switching never
-changes a result.
+same bits with any thread count (each output is computed by one thread in a fixed order); PyTorch's own ops
+(matmuls, the quantized baseline) may differ in the last bit, so for bit-for-bit repeatable runs fix the count.
 
 `set_threads(n)` (`--threads N`) fixes the count and turns the tuning off.
 """
