@@ -3,6 +3,8 @@
 import math
 import os
 
+import time
+
 import pytest
 import torch
 
@@ -267,36 +269,75 @@ def test_kernels_give_the_same_bits_with_any_thread_count(tiny_models):
     assert all(torch.equal(o, out[0]) for o in out[1:])
 
 
-def test_the_thread_tuner_follows_the_faster_count(monkeypatch):
-    """The tuner times decode steps under each candidate count and keeps the fastest (all cores unless fewer
-    are clearly faster); a step far off the winner's time re-measures; --threads fixes the count."""
+def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
+    """Every interval the tuner reads how many cores other processes kept busy (the CPUs' busy time minus this
+    process's own) and runs on the rest, at least one, at most the count it started with; --threads fixes it."""
     from infinigen_kv import threads
 
     counts = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: counts.append(n))
     monkeypatch.setattr(torch, "get_num_threads", lambda: counts[-1] if counts else 4)
-    t = threads.Tuner(probe=2, epoch=4)
-    cost = {4: 1.0, 2: 0.8, 1: 0.3}  # a busy machine: one thread is fastest
 
-    def run(steps):
-        for _ in range(steps):
-            t.step(cost[torch.get_num_threads()])
+    class FakeLoad:  # a 4-core machine shared fairly between our busy threads and `others` busy ones
+        cores, t, busy, own, others = 4, 0.0, 0.0, 0.0, 0.0
 
-    run(1 + 3 * 3)  # the first step starts a probe: 3 candidates x (1 untimed + 2 timed)
-    assert t.best == 1 and torch.get_num_threads() == 1
-    cost.update({4: 0.2, 2: 0.25, 1: 0.4})  # the competitor left: a step 1.3x off the winner's is no drift ...
-    run(1)
-    assert t.queue == [] and torch.get_num_threads() == 1
-    cost[1] = 1.0  # ... but 2.5x is: measure again at once
-    run(1 + 3 * 3)
-    assert t.best == 4 and torch.get_num_threads() == 4
-    cost.update({4: 0.2, 2: 0.19, 1: 0.5})  # fewer must be clearly (10%) faster to win
-    run(t.left + 3 * 3)
-    assert t.best == 4 and t.epoch == 8  # the same winner again: it probes half as often
-    threads.set_threads(2)  # --threads 2: fixed, whatever the steps take
+        def sample(self):
+            return self.t, self.busy, self.own
+
+        def advance(self, seconds):
+            ours = torch.get_num_threads()
+            self.t += seconds
+            self.own += seconds * ours * min(1.0, self.cores / (ours + self.others))
+            self.busy += seconds * min(self.cores, ours + self.others)
+
+    load = FakeLoad()
+    t = threads.Tuner(load=load, interval=0.5)
+
+    def run(seconds, others):
+        load.others = others
+        for _ in range(int(seconds / 0.05)):
+            load.advance(0.05)
+            t.step()
+
+    t.watch()  # the first look before the prefill
+    run(1.0, 0.0)
+    assert torch.get_num_threads() == 4 and counts == []  # idle: all cores, nothing touched
+    run(2.0, 2.0)  # a competitor on two cores: we see it take more of them as we leave it more
+    assert torch.get_num_threads() == 2 and t.others == pytest.approx(2.0)
+    run(1.0, 7.0)  # more busy threads than cores: one thread, not zero
+    assert torch.get_num_threads() == 1
+    run(1.0, 0.3)  # it left (a little background noise stays): back to every core, never above the start
+    assert torch.get_num_threads() == 4
+    n = len(counts)
+    t.interval = 10.0
+    run(2.0, 3.0)  # under an interval: no look yet
+    assert len(counts) == n
+    t.step(torch.device("meta"))  # not a CPU step: nothing to tune
+    assert len(counts) == n
+    threads.set_threads(2)  # --threads 2: fixed, whatever the load
     try:
-        for took in (1.0, 0.1, 5.0) * 10:
-            threads.decode_step(took)
+        for others in (0.0, 3.0, 0.0):
+            load.others = others
+            for _ in range(20):
+                load.advance(0.05)
+                threads.decode_step()
         assert counts[-1] == 2 and threads.TUNER.threads == 2
     finally:
         threads.set_threads(None)
+
+
+def test_the_machine_load_is_read_from_proc_stat():
+    """On Linux the sample is real: wall time, busy seconds of this process's CPUs and our own CPU seconds all
+    grow, and a busy loop of ours shows up as our own time, not as another process's."""
+    from infinigen_kv import threads
+
+    load = threads.Load()
+    first = load.sample()
+    if first is None:
+        pytest.skip("no /proc/stat")
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    second = load.sample()
+    wall, busy, own = (b - a for a, b in zip(first, second))
+    assert wall >= 0.3 and own >= 0.2 and busy >= 0.2 and load.cores >= 1

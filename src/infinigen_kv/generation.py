@@ -121,6 +121,7 @@ def generate(
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     # a bar only when asked for and on a terminal (disable=None: tqdm's own TTY check)
     bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=True if progress is None else None)
+    threads.watch(device)  # the first look at the machine's load spans the prefill (threads.py)
     _sync(device)
     t0 = time.perf_counter()
     if prefilled is None:
@@ -146,12 +147,11 @@ def generate(
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break
-        t = time.perf_counter()
         logits = model(
             input_ids=ids[:, None], attention_mask=mask[:, : n + i + 1], position_ids=next_pos + i,
             past_key_values=cache, use_cache=True,
         ).logits[:, -1]
-        threads.decode_step(time.perf_counter() - t, device)  # on CPU: the thread count of the next step
+        threads.decode_step(device)  # on CPU: the thread count of the next steps, from the machine's load
         steps += 1
     _sync(device)
     t2 = time.perf_counter()

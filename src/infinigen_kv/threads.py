@@ -1,87 +1,109 @@
-"""How many threads a CPU decode step runs on: every core on an idle machine, fewer on a busy one.
+"""How many threads a CPU decode step runs on: every core on an idle machine, the cores left on a busy one.
 
 A decode step is hundreds of short parallel regions (the kernels and PyTorch's own ops run on PyTorch's intra-op
 team, `at::parallel_for`). Each region ends at a barrier, so it is as slow as its slowest thread: when another
 process keeps the cores busy, one descheduled thread stalls the whole team for a scheduler time slice, many times
-a step (measured: 0.06x the idle speed beside a PyTorch process, where one thread keeps 0.5x; docs/BENCHMARKS.md,
-"Busy machine"). No count is right for both cases, so the decode loop measures: `Tuner` times the steps under
-each candidate count (all threads, half, one), keeps the fastest, and tries again after a while (sooner when
-the step time moves), so a competitor that starts or stops is followed within seconds. The kernels give the
-same bits with any thread count (each output is computed by one thread in a fixed order); PyTorch's own ops
-(matmuls, the quantized baseline) may differ in the last bit, so for bit-for-bit repeatable runs fix the count.
+a step. Measured (docs/BENCHMARKS.md, "Busy machine"): beside a PyTorch process multiplying matrices on both
+cores of a 2-core machine, two threads decode at 0.013x their idle speed and one thread at 0.53x.
 
-`set_threads(n)` (`--threads N`) fixes the count and turns the tuning off.
+So the decode loops look at the machine every `INTERVAL` seconds: `Load` reads how many cores other processes
+kept busy on this process's CPUs since the last look (Linux `/proc/stat`, minus this process's own CPU time),
+and `Tuner` runs the next steps on the cores left, at least one, at most the count the process started with. A
+look costs a few microseconds and never runs a slow trial step; a competitor that comes or goes is followed
+within half a second. Without `/proc/stat` (macOS, Windows) the count stays PyTorch's default.
+
+The kernels give the same bits with any thread count (each output is computed by one thread in a fixed order);
+PyTorch's own ops (matmuls, the quantized baseline) may differ in the last bit, so for bit-for-bit repeatable
+runs fix the count: `set_threads(n)` (`--threads N`) does, and turns the tuning off.
 """
 
 from __future__ import annotations
 
-import statistics
+import os
+import time
 
 import torch
 
+INTERVAL = 0.5  # seconds between looks at the machine's load
+
+# /proc/stat columns after the cpu name: user nice system idle iowait irq softirq steal (guest time is in user)
+_IDLE = (3, 4)
+_COUNTED = 8
+
+
+class Load:
+    """Samples of (wall seconds, busy CPU seconds of this process's CPUs, this process's CPU seconds)."""
+
+    def __init__(self):
+        try:
+            self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+            self.tick = os.sysconf("SC_CLK_TCK")
+        except (AttributeError, ValueError, OSError):
+            self.cpus = None
+
+    @property
+    def cores(self) -> int:
+        return len(self.cpus) if self.cpus else (os.cpu_count() or 1)
+
+    def sample(self) -> tuple[float, float, float] | None:
+        if not self.cpus:
+            return None
+        try:
+            with open("/proc/stat") as f:
+                busy = 0
+                for line in f:
+                    name, _, rest = line.partition(" ")
+                    if name in self.cpus:
+                        v = [int(x) for x in rest.split()[:_COUNTED]]
+                        busy += sum(v) - sum(v[i] for i in _IDLE)
+        except (OSError, ValueError):
+            self.cpus = None
+            return None
+        t = os.times()
+        return time.monotonic(), busy / self.tick, t.user + t.system
+
 
 class Tuner:
-    """Picks the thread count of decode steps by timing them (one per process: the count is process-wide).
+    """Sets the thread count of decode steps from the load of other processes (one per process: the count is
+    process-wide). Call `step(device)` after every decode step; `watch()` before a prefill starts the first look
+    early, so the first decode step already runs on the right count."""
 
-    Call `step(seconds, device)` after every decode step. A probe runs `probe` timed steps under each candidate (after one
-    untimed step that lets the thread team resize); the fastest is kept for `epoch` steps, doubled each time the
-    same count wins again (up to `max_epoch`); a step more than `drift` x off the winner's time starts a new probe
-    at once.
-    """
-
-    def __init__(self, probe: int = 3, epoch: int = 32, max_epoch: int = 512, drift: float = 1.6):
-        self.probe, self.min_epoch, self.max_epoch, self.drift = probe, epoch, max_epoch, drift
+    def __init__(self, load: Load | None = None, interval: float = INTERVAL):
+        self.load = load if load is not None else Load()
+        self.interval = interval
         self.fixed = None  # a count set by set_threads: no tuning
-        self.most = None  # the largest count, taken at the first step (torch's default: the cores)
         self.enabled = True
-        self._reset()
+        self.most = None  # the count the process started with (PyTorch's default: the cores), the ceiling
+        self.others = 0.0  # cores other processes kept busy over the last interval
+        self._last = None
 
-    def _reset(self) -> None:
-        self.candidates = []
-        self.queue = []  # (count, untimed) of the probe in progress
-        self.times = {}  # count -> step times of the probe
-        self.best = None
-        self.best_s = None
-        self.epoch = self.min_epoch
-        self.left = 0  # steps before the next probe
+    def watch(self, device: torch.device | None = None) -> None:
+        if self._active(device):
+            self._last = self.load.sample()
 
-    def step(self, took: float, device: torch.device | None = None) -> None:
-        """After a decode step that took `took` seconds: choose the count of the next one."""
+    def _active(self, device) -> bool:
         if self.fixed is not None or not self.enabled or (device is not None and torch.device(device).type != "cpu"):
-            return
+            return False
         if self.most is None:
             self.most = torch.get_num_threads()
-            self.candidates = sorted({self.most, max(1, self.most // 2), 1}, reverse=True)
-        if len(self.candidates) < 2:
-            return  # one core
-        if self.queue:
-            count, untimed = self.queue.pop(0)
-            if not untimed:
-                self.times.setdefault(count, []).append(took)
-            if self.queue:
-                torch.set_num_threads(self.queue[0][0])
-            else:
-                self._choose()
+        return True
+
+    def step(self, device: torch.device | None = None) -> None:
+        """After a decode step: every `interval` seconds, choose the count of the next ones."""
+        if not self._active(device):
             return
-        if self.best_s is not None and not (self.best_s / self.drift < took < self.best_s * self.drift):
-            self.left = 0  # the machine changed (a competitor came or went): measure again now
-        self.left -= 1
-        if self.left <= 0:
-            self._start_probe()
-
-    def _start_probe(self) -> None:
-        self.times = {}
-        self.queue = [(c, i == 0) for c in self.candidates for i in range(self.probe + 1)]
-        torch.set_num_threads(self.queue[0][0])
-
-    def _choose(self) -> None:
-        med = {c: statistics.median(t) for c, t in self.times.items() if t}
-        best = min(med, key=med.get)
-        if best != self.most and med[best] > 0.9 * med.get(self.most, float("inf")):
-            best = self.most  # all cores unless fewer are clearly (10%) faster: noise must not cost an idle machine
-        self.epoch = min(self.epoch * 2, self.max_epoch) if best == self.best else self.min_epoch
-        self.best, self.best_s, self.left = best, med[best], self.epoch
-        torch.set_num_threads(best)
+        if self._last is None:
+            self._last = self.load.sample()
+            return
+        now = self.load.sample()
+        if now is None or now[0] - self._last[0] < self.interval:
+            return
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        self._last = now
+        self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        n = max(1, min(self.most, self.load.cores - round(self.others)))
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     @property
     def threads(self) -> int:
@@ -100,9 +122,13 @@ def set_threads(n: int | None) -> None:
         raise ValueError(f"threads must be >= 1, got {n}")
     torch.set_num_threads(n)
     TUNER.fixed = n
-    TUNER._reset()
 
 
-def decode_step(took: float, device: torch.device | None = None) -> None:
-    """Called by the decode loops after each step, with its seconds (generation.generate, the server's engine)."""
-    TUNER.step(took, device)
+def watch(device: torch.device | None = None) -> None:
+    """Called before a prefill whose decode follows (generation.generate)."""
+    TUNER.watch(device)
+
+
+def decode_step(device: torch.device | None = None) -> None:
+    """Called by the decode loops after each step (generation.generate, the server's engine)."""
+    TUNER.step(device)

@@ -414,9 +414,8 @@ class Engine:
                 release_memory()
             self.rows = [rows[b] for b in order]
             if self.rows:
-                t = time.perf_counter()
                 self.batch.forward(ids[order])
-                threads.decode_step(time.perf_counter() - t, self.device)  # on CPU: the next step's thread count
+                threads.decode_step(self.device)  # on CPU: the next steps' thread count, from the machine's load
                 self._window[1] += len(live)
         except Exception as e:
             self._fail_batch(e)
