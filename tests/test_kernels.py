@@ -281,6 +281,9 @@ def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
     class FakeLoad:  # a 4-core machine shared fairly between our busy threads and `others` busy ones
         cores, t, busy, own, others = 4, 0.0, 0.0, 0.0, 0.0
 
+        def now(self):
+            return self.t
+
         def sample(self):
             return self.t, self.busy, self.own
 

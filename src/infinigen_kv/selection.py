@@ -58,6 +58,7 @@ class Speculate:
 
     def __init__(self):
         self._memo = {}  # window -> (key, keep, {budget: caps}) of the current decode step (step_keep)
+        self._dense_step = False  # this decode step's past is under every layer's cap (_under_floor)
 
     def dense(self, cache, layer_idx: int) -> bool:
         """Layer 0, and a model's local layers unless `local_layers="speculate"`: their window is short (512
@@ -77,12 +78,30 @@ class Speculate:
                 keep = valid_keys(attention_mask, x.shape[1])  # the layer's own mask: its last query's keys
                 cache.layers[layer_idx].prefill_query = (x[:, -1:], last, None if keep is None else keep.unsqueeze(1))
             return
-        if layer_idx == 0:
-            return  # layer 0: see above
+        if layer_idx == 0:  # layer 0: see above
+            self._dense_step = self._under_floor(cache)
+            return
+        if self._dense_step:
+            return
         if layer_idx == 1:
             self.speculate(cache, 1, x, rope, attention_mask)
         if layer_idx + 1 < len(cache.layers):
             self.speculate(cache, layer_idx + 1, x, rope, attention_mask)
+
+    @staticmethod
+    def _under_floor(cache) -> bool:
+        """Whether no layer's cap leaves out any of its past this step (a short past under min_budget): then no
+        layer speculates or attends through a selection (CPU, a pool without capacity; once a step, at layer 0)."""
+        c = cache.config
+        for layer in cache.layers[1:]:
+            if not layer.is_initialized or layer.dense:
+                continue
+            if layer.slots is not None or layer.device.type != "cpu":
+                return False
+            n = layer.partial.length
+            if fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget) < n:
+                return False
+        return True
 
     def speculate(self, cache, nxt: int, x: torch.Tensor, rope, attention_mask) -> None:
         target = cache.layers[nxt]
