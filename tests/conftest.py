@@ -13,6 +13,9 @@ def _cache_dir(tmp_path_factory):
     yield
 
 
+ALL_THREADS = torch.get_num_threads()  # the count the suite started with
+
+
 @pytest.fixture(autouse=True)
 def _fixed_threads():
     """Tests compare runs bit for bit: the thread tuner stays off (PyTorch's own ops, unlike the kernels, may
@@ -24,9 +27,6 @@ def _fixed_threads():
     yield
     threads.set_threads(None)  # a test's --threads N does not outlive it
     threads.TUNER.enabled = True
-
-
-ALL_THREADS = torch.get_num_threads()
 
 
 def tiny_model(kind: str, seed: int = 0):

@@ -2,7 +2,6 @@
 
 import math
 import os
-
 import time
 
 import pytest

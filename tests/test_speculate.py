@@ -140,11 +140,17 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
     ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(0))
     ref = ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=12, stop_at_eos=False)
     dense = ig.make_cache("infinigen", model)  # the default floor (1024) covers this 72-token past
+    calls = []
+    speculate = dense.selection.speculate
+    dense.selection.speculate = lambda *a: calls.append(a[1]) or speculate(*a)
     got = ig.generate(model, ids, cache=dense, max_new_tokens=12, stop_at_eos=False)
     assert torch.equal(got.tokens, ref.tokens) and dense.stats["fetched_fraction"] == 1.0
+    assert calls == []  # a step whose past is under every layer's cap is known dense at layer 0: no layer speculates
     spec = ig.make_cache("infinigen", model, min_budget=16)  # a floor under the past: it selects
+    speculate = spec.selection.speculate
+    spec.selection.speculate = lambda *a: calls.append(a[1]) or speculate(*a)
     ig.generate(model, ids, cache=spec, max_new_tokens=12, stop_at_eos=False)
-    assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6
+    assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6 and len(calls) > 0
 
 
 def test_infinigen_token_budget_caps_each_head_and_large_is_exact():
