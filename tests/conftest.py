@@ -160,3 +160,61 @@ def row_zero_selections(model, ids, mask, new_tokens=16, **cache_kwargs):
     finally:
         InfiniGenCache.prefetch = real
     return out.tokens[0].tolist(), top, seen
+
+
+class FakeEvent:
+    """torch.cuda.Event on CPU: records where it was recorded; synchronize/query are immediate."""
+
+    def __init__(self, log=None, *args, **kwargs):
+        self.log, self.stream = log, None
+        if log is not None:
+            log.append("made")
+
+    def record(self, stream=None):
+        self.stream = stream
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class FakeCuda:
+    """The torch.cuda names CudaTransfer uses (Stream, Event, stream, current_stream), on CPU: the transfer's
+    own code runs in its own order, with the copies done at once. `events` logs every Event made."""
+
+    def __init__(self):
+        self.events, self.main = [], FakeStream()
+
+    def Event(self, *args, **kwargs):  # noqa: N802 (torch.cuda's name)
+        return FakeEvent(self.events)
+
+    def Stream(self, device=None):  # noqa: N802
+        return FakeStream(device)
+
+    def current_stream(self, device=None):
+        return self.main
+
+    def stream(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def on_fake_cuda(cache):
+    """Make `cache` (not yet run) move its rows with CudaTransfer on CPU stand-ins: returns the transfer."""
+    from infinigen_kv.transfer import CudaTransfer
+
+    transfer = CudaTransfer("cpu", cuda=FakeCuda(), pin=False)
+    cache._transfers = {torch.device("cpu"): transfer}
+    cache.transfer = transfer
+    return transfer

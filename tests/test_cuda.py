@@ -129,9 +129,32 @@ def test_a_fork_on_gpu_has_its_own_pinned_pool_and_stream(gpu_model):
         assert twin.transfer is not base.transfer and twin.layers[2].k.data.is_pinned()
         assert twin.layers[2].k.data.data_ptr() != base.layers[2].k.data.data_ptr()
         got = generate(gpu_model, ids, cache=twin, max_new_tokens=8, stop_at_eos=False, prefilled=logits).tokens
-        ref = generate(gpu_model, ids, cache=ig.make_cache("infinigen", gpu_model, budget=budget), max_new_tokens=8,
-                       stop_at_eos=False).tokens
+        ref = generate(gpu_model, ids, cache=ig.make_cache("infinigen", gpu_model, budget=budget, min_budget=0),
+                       max_new_tokens=8, stop_at_eos=False).tokens
         assert torch.equal(got, ref)
     got = generate(gpu_model, ids, cache=full.fork(), max_new_tokens=8, stop_at_eos=False, prefilled=logits).tokens
     assert torch.equal(got, generate(gpu_model, ids, cache=ig.make_cache("full", gpu_model), max_new_tokens=8,
                                      stop_at_eos=False).tokens)
+
+
+def test_pinned_pool_joins_in_place_and_is_counted_whole():
+    """Continuous batching on a pinned pool: a join allocates spare sequences (half as many again), so the next
+    join writes into them in place instead of re-pinning the batch; nbytes counts the whole pinned allocation
+    (the server's pool figure) and the cost model counts pinned bytes at the allocator's worst rounding."""
+    from infinigen_kv.pool import PIN_ROUNDING, RowBuffer
+
+    def buf(n):
+        b = RowBuffer(1, 2, 64, torch.bfloat16, "cpu", pin=True)
+        b.append(torch.randn(1, 2, n, 64).bfloat16())
+        return b
+
+    a = buf(100)
+    a.join(buf(100), 0, 0)
+    assert a.store.shape[0] == 3 and a.store.is_pinned() and a.batch == 2
+    ptr = a.store.data_ptr()
+    c = buf(80)
+    a.join(c, 0, 20)
+    assert a.store.data_ptr() == ptr and a.batch == 3  # in place: the spare sequence
+    torch.testing.assert_close(a.valid()[2, :, 20:], c.valid()[0])
+    assert a.nbytes == a.store.numel() * 2
+    assert PIN_ROUNDING == 2

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import infinigen_kv as ig
 from infinigen_kv.pool import CHUNK, RowBuffer
 
 
@@ -111,17 +112,20 @@ def test_no_buffer_grows_inside_decode(tiny_models, method, monkeypatch):
 def test_staging_ring_is_shared_in_turn_and_refuses_overrun():
     """The CUDA path's staging slots are used in turn by every layer; a slot is held from its prefetch to
     its layer's fetch, and more fetches in flight than slots is a bug that must not pass silently."""
+    from conftest import FakeCuda
     from infinigen_kv.transfer import StagingRing
 
-    ring = StagingRing("cpu", slots=3, pin=False)
+    cuda = FakeCuda()
+    ring = StagingRing("cpu", cuda, slots=3, pin=False)
     a, b = ring.acquire(), ring.acquire()  # layer 1 speculates itself and layer 2: two in flight
-    ring.release(a, "consumed-a")
+    ring.release(a, "compute")
     c, d = ring.acquire(), ring.acquire()
-    assert (a, b, c, d) == (0, 1, 2, 0) and ring.consumed[a] == "consumed-a"
+    assert (a, b, c, d) == (0, 1, 2, 0) and ring.consumed[a].stream == "compute"
     with pytest.raises(RuntimeError, match="overrun"):
         ring.acquire()  # slot 1 is still held by its fetch: never overwrite it
     ring.reset()  # a cache reused for a new prompt: nothing is in flight
     assert ring.acquire() == 0
+    assert len(cuda.events) == 6  # two per slot, made once
 
 
 def test_join_and_retain_copy_only_the_rows_that_move():
@@ -161,3 +165,19 @@ def test_rows_that_leave_give_their_pages_back():
     b.retain([0])
     assert b.batch == 1 and b.nbytes == 1500 * 1024
     assert float(b.store[1].abs().sum()) == 0.0
+
+
+def test_cost_model_counts_pinned_rounding():
+    """A pinned pool's bytes per token are counted at the pinned allocator's worst rounding (a power of two):
+    the server's admission must not let pinned memory outgrow RAM."""
+    from conftest import tiny_model
+    from infinigen_kv.pool import PIN_ROUNDING
+
+    model = tiny_model("llama-gqa")
+    cache = ig.make_cache("infinigen", model, budget=0.3)
+    ig.generate(model, torch.randint(3, 256, (1, 20)), cache=cache, max_new_tokens=2)
+    layer = cache.layers[2]
+    plain = layer.token_bytes()
+    layer.k.pin = layer.v.pin = True  # as on a GPU (the partial keys stay on the device)
+    partial = layer.partial.heads * layer.partial.width * layer.partial.data.element_size()
+    assert layer.token_bytes() == PIN_ROUNDING * (plain - partial) + partial

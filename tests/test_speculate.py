@@ -5,7 +5,7 @@ import torch
 
 from conftest import KINDS, row_zero_selections, tiny_model
 
-from infinigen_kv.speculate import approx_scores, select
+from infinigen_kv.speculate import approx_scores, counted, select
 
 
 def rows(*vals):
@@ -13,15 +13,15 @@ def rows(*vals):
     return torch.tensor(vals, dtype=torch.float32)[:, None, None, :]
 
 
-def chosen(idx, real):
-    """Selected positions per (b, g) as sets."""
+def chosen(idx, count):
+    """Selected positions per (b, g) as sets: the first count of each row."""
     B, G, _ = idx.shape
-    real = torch.ones_like(idx, dtype=torch.bool) if real is None else real
+    real = counted(count, idx.shape[-1])
     return [[set(idx[b, g][real[b, g]].tolist()) for g in range(G)] for b in range(B)]
 
 
-def counts(idx, real):
-    return (torch.full(idx.shape[:2], idx.shape[-1]) if real is None else real.sum(-1)).tolist()
+def counts(idx, count):
+    return count.tolist()
 
 
 def test_threshold_keeps_tokens_within_alpha_of_max():
@@ -47,7 +47,7 @@ def test_counts_are_per_sequence_and_head_and_padded():
                       [[[5, 5, 0, 0, 0, 0]], [[5, 5, 5, 5, 5, 0]]]], dtype=torch.float32)
     idx, real = select(s, None, alpha=1.0, budget=1.0)
     assert counts(idx, real) == [[1, 3], [2, 5]]
-    assert idx.shape == (2, 2, 5)  # padded to the largest count of the step
+    assert idx.shape == (2, 2, 6)  # sized by the cap (known on the host), not by the counts (a sync)
     assert chosen(idx, real) == [[{0}, {0, 1, 2}], [{0, 1}, {0, 1, 2, 3, 4}]]
     # slots past a row's count hold real positions (finite pool rows, masked by the caller)
     assert ((idx >= 0) & (idx < 6)).all()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -26,8 +27,21 @@ NAME = "infinigen"
 HOOK_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
 
 
+# SDPA backends on a GPU: all but cuDNN's, which builds a plan for every new key length on the host (measured on an
+# H100, torch 2.11: 0.8-1.7 ms of host time per call, a decode step of a Llama-3.1-8B-shaped model 66-116 ms of
+# which 25-55 in it; docs/BENCHMARKS.md, "On a GPU")
+GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def infinigen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query (B, H, q, d); key/value (B, G, k, d). Returns (B, q, H, d) and no weights."""
+    if query.is_cuda:
+        with sdpa_kernel(GPU_SDPA):
+            return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
     cache = kwargs.pop("infinigen_cache", None)
     layer = cache.layers[module.layer_idx] if cache is not None else None
     B, H, T, d = query.shape

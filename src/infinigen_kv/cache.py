@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from .adapters import get_arch
 from .attention import install
 from .calibrate import Calibration, ensure_recall, load_or_calibrate, rope_channels
-from .config import InfiniGenConfig
+from .config import ConfigError, InfiniGenConfig
 from .layer import LogicalLayer, Rebatch
 from .pool import RowBuffer, Slots
 from . import kernels
@@ -54,6 +54,7 @@ class InfiniGenLayer(LogicalLayer):
         self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
         self.new_slot = None  # where the last token went: an int (appended) or (B, G) (overwrote a victim)
         self.prefill_query = None  # (x, rope, keep) of a prompt's last position, when a prefill may overflow
+        self.mirror = None  # (k, v) RowBuffers on the device of a prompt being prefilled in chunks (CudaTransfer)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
@@ -77,14 +78,28 @@ class InfiniGenLayer(LogicalLayer):
                 self.key_channels = self.cache.calibration.channels[self.layer_idx].to(dev)  # (G, p)
             self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype, dev), dev,
                                      max_rows=self.max_rows)
+            if self.cache.pq_rows is not None and (dev.type != "cpu" or kernels.cpu() is None):
+                self.cache._pq_rows_on(self.layer_idx, dev)  # its partial query's q_proj rows, made now, not in decode
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
         self.transfer = self.cache.transfer_for(dev)
-        if self.cache.reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
-            rows = self.limit(self.cache.reserved) or self.rows_for(self.cache.reserved)
+        reserved = self.cache.reserved
+        if reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
+            rows = self.limit(reserved) or self.rows_for(reserved)
             for buf in (self.k, self.v, self.partial):
                 if buf is not None:
                     buf.reserve(rows, room=False)
         self.is_initialized = True
+        self.prepare_transfer()
+
+    def prepare_transfer(self) -> None:
+        """The transfer's events and staging for this layer's decode steps, sized for the run (cache.reserve) or
+        its pool's capacity: made at its prefill, a fork, a join or a retain, not inside decode (CudaTransfer)."""
+        if not hasattr(self.transfer, "init_layer"):
+            return
+        selection, reserved = self.cache.selection, self.cache.reserved
+        tokens = reserved if reserved > self.seen else self.k.capacity
+        rows = 0 if self.dense else selection.max_fetch(self.cache, self.layer_idx, tokens)
+        self.transfer.init_layer(self, self.k.batch, self.k.heads, rows, not selection.whole)
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
     def update(self, key_states, value_states, *args, **kwargs):
@@ -203,15 +218,17 @@ class InfiniGenLayer(LogicalLayer):
         super().join(other, at_self, at_other, room)
         self.seen += at_self
         self._clear_step()
+        self.prepare_transfer()  # staging for the new batch size
 
     def retain(self, rows, trim: int, room: int) -> None:
         super().retain(rows, trim, room)
         self.seen -= trim
         self._clear_step()
+        self.prepare_transfer()
 
     def _clear_step(self) -> None:
         """Forget the last step's selection and working set (sized for the batch it ran with)."""
-        self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = None
+        self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = self.mirror = None
         self.working = False
 
     def reset(self) -> None:
@@ -227,6 +244,17 @@ class InfiniGenLayer(LogicalLayer):
     @property
     def nbytes(self) -> int:
         return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
+
+
+def refuse_offloaded_layers(model) -> None:
+    """A device_map that leaves layers on "cpu" / "disk" beside GPU ones (accelerate loads their weights only
+    when the layer runs) cannot serve speculation, which runs layer l+1's q_proj inside layer l: refused."""
+    placed = getattr(model, "hf_device_map", None) or {}
+    offloaded = sorted(k for k, v in placed.items() if v in ("cpu", "disk"))
+    if offloaded and any(v not in ("cpu", "disk") for v in placed.values()):
+        raise ConfigError(f"device_map offloads {', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''} "
+                          "to cpu/disk: InfiniGen computes layer l+1's partial query inside layer l, before "
+                          "accelerate would load its weights; give the GPUs every layer (or run all on the CPU)")
 
 
 def _accumulate(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -246,6 +274,7 @@ class InfiniGenCache(Rebatch, Cache):
         self.config = config or InfiniGenConfig(**overrides)
         self.selection = selection if selection is not None else Speculate()
         self.arch = get_arch(model)
+        refuse_offloaded_layers(model)
         if not self.selection.calibrated:
             calibration = None
         elif calibration is None:
@@ -270,6 +299,7 @@ class InfiniGenCache(Rebatch, Cache):
         # rows of P and their RoPE partners only, per layer (G, c) and P (G, p) (not with a QK-norm: it needs
         # the whole head)
         self.pq_rows = self.pq_channels = None
+        self._pq_rows_memo = {}  # layer -> its q_proj rows and channel maps on its device (_pq_rows_on)
         if calibration is not None and self.arch.rope and calibration.unskewed and not self.arch.qk_norm:
             self.pq_rows = list(rope_channels(calibration.channels, self.arch.head_dim))
             self.pq_channels = [c.contiguous() for c in calibration.channels]
@@ -316,12 +346,19 @@ class InfiniGenCache(Rebatch, Cache):
         self.config = dataclasses.replace(self.config, budget=budget)
         self._budgets = layer_budgets(budget, self.budget_scale)  # (the step memo keys its caps by budget)
 
+    def fork(self, budget: float | None = None):
+        twin = super().fork(budget)
+        for layer in twin.layers:  # its own transfer engines: their events and staging, made now
+            if layer.is_initialized:
+                layer.prepare_transfer()
+        return twin
+
     def shared(self) -> dict:
         """A fork shares the model's modules, the calibration and what is derived from it; it gets transfer
         engines of its own (a CUDA one owns its stream, events and staging buffers)."""
         memo = super().shared()
         for obj in (self.calibration, self.skew_partial, self.pq_weight, self.pq_bias, self.pq_rows,
-                    self.pq_channels):
+                    self.pq_channels, self._pq_rows_memo):
             if obj is not None:
                 memo[id(obj)] = obj
         for device, transfer in self._transfers.items():
@@ -329,13 +366,14 @@ class InfiniGenCache(Rebatch, Cache):
         return memo
 
     def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """Storage of the partial key cache for a model computing in `dtype` on `device`: "auto" stores
-        bfloat16 where the CPU kernel scores it (half the bytes, scores still in float32); the PyTorch path
-        would have to convert the whole cache every step, so it keeps the model's dtype."""
-        if self.config.partial_dtype == "auto" and dtype == torch.float32 and device.type == "cpu" \
-                and kernels.cpu() is not None:
+        """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
+        "auto" stores bfloat16 where the CPU kernel scores it (half the bytes, scores still in float32), and
+        float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
+        if self.config.partial_dtype == "model":
+            return dtype
+        if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
             return torch.bfloat16
-        return dtype
+        return torch.float32
 
     def transfer_for(self, device: torch.device):
         """The transfer engine of a compute device (one side stream per GPU)."""
@@ -357,15 +395,55 @@ class InfiniGenCache(Rebatch, Cache):
             else:
                 q = F.linear(x, self.pq_weight[layer], self.pq_bias[layer])  # (B, 1, H*p)
             return q.view(B, a.num_kv_heads, a.group, -1)
-        if kern is not None and self.pq_rows is not None and rope is not None:  # raw channels: only their rows
+        if self.pq_rows is not None and rope is not None:  # raw channels: only their q_proj rows
+            cos, sin = self._step_rope(rope, B)
+            if kern is None:
+                return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin)
             proj = a.attns[layer].q_proj
             w16 = getattr(proj, "weight_bf16", None)  # the weight decode steps use (--dtype bf16-weights)
-            cos, sin = self._step_rope(rope, B)
             x = x.contiguous()
             return kern.partial_query(x.reshape(B, -1), w16 if w16 is not None else proj.weight, proj.bias,
                                       self.pq_rows[layer], self.pq_channels[layer], cos, sin, a.group)
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return torch.matmul(q, self.layers[layer].skew_p.unsqueeze(0))  # (B, G, r, p)
+
+    def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels): x (B, D) times only the
+        q_proj rows of the partial channels P and their rotate-half partners S (a copy of those rows made once per
+        layer, on its device), then RoPE of P in float32 with cos, sin (B, d): (B, G, r, p)."""
+        W, b, own, partner, sign, P = self._pq_rows_on(layer, x.device)
+        a = self.arch
+        B, (G, p) = x.shape[0], P.shape
+        y = F.linear(x.to(W.dtype), W, b).float().view(B, G, a.group, -1)  # (B, G, r, c)
+        if a.q_scale != 1.0:
+            y = y * a.q_scale
+        at = lambda i: y.gather(-1, i.view(1, G, 1, p).expand(B, G, a.group, p))  # noqa: E731
+        cos_p, sin_p = (t.index_select(1, P.view(-1)).view(B, G, 1, p) for t in (cos, sin))
+        return at(own) * cos_p + at(partner) * sign.view(1, G, 1, p) * sin_p
+
+    def _pq_rows_on(self, layer: int, device) -> tuple:
+        """(W (H c, D), bias or None, own (G, p), partner (G, p), sign (G, p), P (G, p)) of `layer` on `device`:
+        the q_proj rows h d + S[g] of every query head h of group g; where P[g, t] and its partner (t +- d/2)
+        sit in S[g], and the partner's sign in rotate-half (- below d/2)."""
+        memo = self._pq_rows_memo.get(layer)
+        if memo is not None and memo[0].device == torch.device(device):
+            return memo
+        a = self.arch
+        S, P = self.pq_rows[layer], self.pq_channels[layer]  # (G, c), (G, p)
+        G, c = S.shape
+        d, half = a.head_dim, a.head_dim // 2
+        heads = torch.arange(G * a.group).view(G, a.group, 1)
+        rows = (heads * d + S.view(G, 1, c)).reshape(-1)  # (H c,)
+        proj = a.attns[layer].q_proj
+        W = proj.weight.detach()[rows.to(proj.weight.device)].to(device)
+        b = proj.bias.detach()[rows.to(proj.bias.device)].to(device) if proj.bias is not None else None
+        where = [{ch: i for i, ch in enumerate(S[g].tolist())} for g in range(G)]
+        own = torch.tensor([[where[g][ch] for ch in P[g].tolist()] for g in range(G)])
+        partner = torch.tensor([[where[g][(ch + half) % d] for ch in P[g].tolist()] for g in range(G)])
+        sign = torch.tensor([[-1.0 if ch < half else 1.0 for ch in P[g].tolist()] for g in range(G)])
+        memo = (W, b) + tuple(t.to(device) for t in (own, partner, sign, P))
+        self._pq_rows_memo[layer] = memo
+        return memo
 
     def _step_rope(self, rope, B: int):
         """cos, sin (B, d) float32 of a decode step's position from rope (B or 1, 1, d): every layer of a
@@ -461,13 +539,19 @@ class InfiniGenCache(Rebatch, Cache):
             "fetched_fraction": sum(frac[i] for i in active) / len(active) if active else 0.0,
             "fetched_fraction_per_layer": frac,
             "tokens_per_step": tokens,
-            "bytes_moved": self._rows_moved * row_bytes,
+            "bytes_moved": self._bytes_moved(row_bytes),
             "decode_steps": max(self._steps) if self._steps else 0,
             "kv_bytes_per_step": self._kv_bytes // max(max(self._steps), 1),
             "pool_bytes": sum(l.nbytes for l in self.layers),
             **({"recall_per_layer": [r / max(n, 1) for r, n in zip(self._recall.cpu().tolist(), self._recall_steps)]}
                if self.track_recall else {}),
         }
+
+    def _bytes_moved(self, row_bytes: int) -> int:
+        """Bytes the decode fetches moved from the pool: what the CUDA transfers copied to the device (they trim
+        each fetch to its real rows), else the rows gathered."""
+        moved = [t.bytes_moved for t in self._transfers.values() if hasattr(t, "bytes_moved")]
+        return sum(moved) if moved else self._rows_moved * row_bytes
 
     def settle(self) -> None:
         for layer in self.layers:

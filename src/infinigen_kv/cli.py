@@ -179,7 +179,7 @@ def _budget_list(text):
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     """serving: the server's subset (every method but hf-dynamic; no --capacity: --max-pool-bytes bounds it)."""
     if single_method:
-        names = [m for m in METHOD_NAMES if not serving or m != "hf-dynamic"]
+        names = [m for m in METHOD_NAMES if not serving or not m.startswith("hf-")]
         p.add_argument("--method", default="infinigen", choices=names, help="KV-cache method (default: infinigen)")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")

@@ -72,9 +72,10 @@ class InfiniGenConfig:
     # models, where it measured better, and "svd" for models without RoPE (OPT).
     skew: str = "auto"
     # partial_dtype: storage of the partial key cache, which only ranks tokens: "auto" = bfloat16 for a
-    # float32 model on CPU with the compiled kernels (half the bytes the speculation reads each step; the
-    # scores are still computed in float32) and the model's own dtype otherwise; "model" = always the
-    # model's dtype.
+    # float32 model on CPU with the compiled kernels (half the bytes the speculation reads each step) and
+    # float32 otherwise (a GPU: a bf16 model's partial keys are stored, not rounded, in float32); "model" =
+    # the model's dtype. Scores are computed in float32 on every device: alpha and every figure were tuned
+    # on float32 scores, and bf16 logits (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
     partial_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;

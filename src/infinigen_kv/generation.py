@@ -101,6 +101,9 @@ def generate(
     mask = torch.ones(B, n + max_new_tokens, dtype=attention_mask.dtype, device=device)
     mask[:, :n] = attention_mask
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
+    # no padding: decode steps pass no mask (one check now; transformers would test an all-ones mask every step,
+    # a host sync on a GPU)
+    unpadded = bool(attention_mask.all())
     params = params_list(B, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          repetition_penalty=repetition_penalty, logit_bias=logit_bias)
@@ -148,7 +151,7 @@ def generate(
             out = out[:, : i + 1]
             break
         logits = model(
-            input_ids=ids[:, None], attention_mask=mask[:, : n + i + 1], position_ids=next_pos + i,
+            input_ids=ids[:, None], attention_mask=None if unpadded else mask[:, : n + i + 1], position_ids=next_pos + i,
             past_key_values=cache, use_cache=True,
         ).logits[:, -1]
         threads.decode_step(device)  # on CPU: the thread count of the next steps, from the machine's load

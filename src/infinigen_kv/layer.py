@@ -8,6 +8,8 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .pool import PIN_ROUNDING, release_pinned
+
 
 class LogicalLayer(CacheLayerMixin):
     """A transformers cache layer that reports the logical length (every token seen), whatever it returns to
@@ -86,8 +88,12 @@ class LogicalLayer(CacheLayerMixin):
         return min(tokens, 2 * self.window) if self.window is not None else tokens
 
     def token_bytes(self) -> int:
-        """Bytes one token of one sequence takes in this layer's buffers."""
-        return sum(b.heads * b.width * b.data.element_size() for b in self.row_buffers()) if self.is_initialized else 0
+        """Bytes one token of one sequence takes in this layer's buffers (pinned ones counted at the most PyTorch's
+        pinned allocator rounds a block up: the admission's cost model must not let pinned memory outgrow RAM)."""
+        if not self.is_initialized:
+            return 0
+        return sum(b.heads * b.width * b.data.element_size() * (PIN_ROUNDING if getattr(b, "pin", False) else 1)
+                   for b in self.row_buffers())
 
     def buffer_bytes(self) -> int:
         """Bytes this layer's buffers hold now (allocated, valid or not)."""
@@ -113,6 +119,7 @@ class Rebatch:
             for buf in b.row_buffers():  # other is used up: its memory goes now, not after the whole join
                 buf.free()
         self.rebatched()
+        release_pinned()
 
     @torch.inference_mode()
     def retain(self, rows: list[int], trim: int = 0, room: int = 0) -> None:
@@ -122,6 +129,7 @@ class Rebatch:
         for layer in self.layers:
             layer.retain(list(rows), trim, room)
         self.rebatched()
+        release_pinned()  # the pinned blocks the smaller batch no longer uses go back to the OS
 
     @torch.inference_mode()
     def fork(self, budget: float | None = None):

@@ -44,6 +44,17 @@ def release_pages(m: mmap.mmap | None, start: int, end: int) -> None:
         m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+PIN_ROUNDING = 2  # the most a pinned block exceeds what was asked for (PyTorch's power-of-two rounding)
+
+
+def release_pinned() -> None:
+    """Give the free blocks PyTorch's caching host allocator keeps back to the OS (after a batch shrank or a pool
+    was freed: pinned blocks are otherwise kept for reuse, and pinned memory cannot be swapped)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
 def pinned_capacity(rows: int, row_bytes: int, max_rows: int | None = None) -> int:
     """Rows to allocate for at least `rows` in pinned memory: PyTorch's pinned (caching host) allocator
     rounds every block up to a power of two bytes, so take all of the block it will hand out."""
@@ -95,9 +106,11 @@ class RowBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the sequences hold: their allocation, or the columns written where only those are resident."""
-        columns = self.length if self._map is not None else self.capacity
-        return self.batch * self.heads * columns * self.width * self.dtype.itemsize
+        """Bytes the buffer holds: its whole allocation (spare sequences too), or where it is mapped lazily, the
+        columns written of its sequences (only those are resident)."""
+        if self._map is None:
+            return self.store.numel() * self.dtype.itemsize
+        return self.batch * self.heads * self.length * self.width * self.dtype.itemsize
 
     def reserve(self, rows: int, room: bool = True) -> None:
         """Make room for `rows` rows in total, keeping the contents; with `room`, for growth past them too
@@ -183,7 +196,10 @@ class RowBuffer:
         total = B + other.batch
         moves = [(slice(B, total), other, at_other)]
         if at_self or total > self.store.shape[0] or n + room > self.capacity:
-            store, mapping = self._alloc(2 * total if self.spare else total, self._columns(n + room))
+            # spare sequences for the next joins: free until written on lazily mapped memory, half as many again
+            # in pinned memory (which they occupy: counted by nbytes, the server's pool figure)
+            spare = 2 * total if self.spare else total + (total + 1) // 2 if self.pin else total
+            store, mapping = self._alloc(spare, self._columns(n + room))
             moves.insert(0, (slice(0, B), self, at_self))
         else:
             store, mapping = self.store, self._map

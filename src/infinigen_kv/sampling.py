@@ -145,9 +145,9 @@ class Sampler:
         x = self.process(logits)
         greedy = x.argmax(-1)
         temperature = self.knobs["temperature"]
-        hot = temperature > 0
-        if not bool(hot.any()):
+        if not any(p.temperature > 0 for p in self.params):  # known on the host: no sync to find out
             return greedy
+        hot = temperature > 0
         probs = torch.softmax(x.float() / torch.where(hot, temperature, 1.0)[:, None], dim=-1)  # (B, V)
         probs = _truncate(probs, self.knobs["top_k"], self.knobs["top_p"], self.knobs["min_p"])
         if self.shared is not None:

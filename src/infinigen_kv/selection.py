@@ -55,6 +55,7 @@ class Speculate:
 
     calibrated = True  # needs the offline calibration and a partial key cache per layer
     in_place = True  # on CPU, attention may read the chosen rows where they lie in the pool
+    whole = False  # fetches chosen rows (by index), not whole pasts
 
     def __init__(self):
         self._memo = {}  # window -> (key, keep, {budget: caps}) of the current decode step (step_keep)
@@ -96,7 +97,7 @@ class Speculate:
         for layer in cache.layers[1:]:
             if not layer.is_initialized or layer.dense:
                 continue
-            if layer.slots is not None or layer.device.type != "cpu":
+            if layer.slots is not None or not layer.transfer.host_compute:
                 return False
             n = layer.partial.length
             if fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget) < n:
@@ -118,7 +119,7 @@ class Speculate:
         k = fetch_cap(n, budget, c.max_num_kv, c.min_budget)  # known on the host: the step's fetch size
         partial_row = target.partial.width * target.partial.data.element_size()
         row = (target.k.width + target.v.width) * target.k.data.element_size()
-        if target.slots is None and dev.type == "cpu" and not saves_bytes(n, k, row, partial_row):
+        if target.slots is None and target.transfer.host_compute and not saves_bytes(n, k, row, partial_row):
             # the cap leaves nothing to save (a short past under the floor): the layer attends densely, in place
             # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
             return
@@ -138,8 +139,14 @@ class Speculate:
             cache.prefetch(target, Fetch(idx, count=count), keep, partial_row)
             return
         scores = approx_scores(q, target.partial.valid(), cache.arch.score_scale)  # (B, G, r, slots)
-        idx, real = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
-        cache.prefetch(target, Fetch(idx, real), keep, partial_row)
+        idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
+        cache.prefetch(target, Fetch(idx, count=count), keep, partial_row)
+
+    @staticmethod
+    def max_fetch(cache, layer_idx: int, tokens: int) -> int:
+        """The most rows one decode step of `layer_idx` fetches per (sequence, KV head) up to `tokens` tokens."""
+        c = cache.config
+        return fetch_cap(tokens, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
 
     def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool,
                   budget: float):
@@ -172,12 +179,17 @@ class FetchAll:
 
     calibrated = False
     in_place = False  # the point of the baseline is the copy (on CPU: one copy of the whole cache per step)
+    whole = True  # every fetch is a whole past, rows as they lie (no indices to send, nothing to gather)
 
     def __init__(self):
         self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device
 
     def dense(self, cache, layer_idx: int) -> bool:
         return False
+
+    @staticmethod
+    def max_fetch(cache, layer_idx: int, tokens: int) -> int:
+        return tokens
 
     def before_attention(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
         if x.shape[1] != 1:
@@ -201,7 +213,7 @@ class FetchAll:
             real = None if keep is None else keep.expand(B, G, n).contiguous()  # padding fetched, masked
             self._all[(device, window)] = (keep, idx, real)
         keep, idx, real = self._all[(device, window)]
-        cache.prefetch(target, Fetch(idx, real), keep, 0)
+        cache.prefetch(target, Fetch(idx, real, whole=True), keep, 0)
 
     def reset(self) -> None:
         self._all = {}

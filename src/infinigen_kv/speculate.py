@@ -12,13 +12,13 @@ from .config import budget_caps
 
 
 def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float) -> torch.Tensor:
-    """Approximate attention logits of each past token for each query head.
+    """Approximate attention logits of each past token for each query head, in float32 on every device (alpha
+    and the budgets were tuned on float32 scores; bf16 ones tie).
 
     q_partial (B, G, r, p): the skewed partial queries of the r query heads sharing a KV head.
-    k_partial (B, G, n, p): the partial key cache (maybe stored in bfloat16 for float32 queries: scored in
-    q's dtype, as the CPU kernel does). Returns (B, G, r, n).
+    k_partial (B, G, n, p): the partial key cache (float32, or bfloat16 / the model's dtype). Returns (B, G, r, n).
     """
-    s = torch.matmul(q_partial, k_partial.to(q_partial.dtype).transpose(-1, -2))  # (B, G, r, n)
+    s = torch.matmul(q_partial.float(), k_partial.float().transpose(-1, -2))  # (B, G, r, n)
     return s * scale if scale != 1.0 else s
 
 
@@ -100,8 +100,8 @@ def select(
     max_num_kv: int | None = None,
     combine: str = "max",
     floor: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens to fetch per (sequence, KV head).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens to fetch per (sequence, KV head), with no host sync: the step's fetch size is known on the host.
 
     scores (B, G, r, n): approximate logits per query head. keep (B, 1, n) bool or None: False marks
     positions that may not be attended (left padding, masked tokens); they are never selected.
@@ -110,26 +110,15 @@ def select(
     "max" keeps a token any head wants, "mean" averages the heads' relative logits. A token is selected
     when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length), at
     least `floor` (and at most `max_num_kv`), keeping the highest, and keeps at least its best token.
-    Returns idx (B, G, k) int64 in no particular order and real (B, G, k) bool, the slots of idx that
-    are selected, or None when all are (every row at the step's largest count k, the common case once
-    the cap binds: attention then needs no mask). Unselected slots hold real pool positions.
+    Returns idx (B, G, k), best first, k = the cap of n (fetch_cap: a host integer, as the CPU kernel sizes
+    its fetch), and count (B, G) on the device: the first count slots of each row are the selected ones (the
+    rest hold real pool positions, masked; a transfer may leave them out once the count is on the host).
     """
     n = scores.shape[-1]
+    k = fetch_cap(n, budget, max_num_kv, floor)
     rel = relative(scores, keep, combine)  # (B, G, n)
     count = (rel > -alpha).sum(-1)  # (B, G)
-    if keep is None:  # one cap for all rows: plain integers, no tensor ops
-        count.clamp_(max=fetch_cap(n, budget, max_num_kv, floor))
-    else:  # per sequence: budget x its valid (unpadded) length
+    if keep is not None:  # per sequence: budget x its valid (unpadded) length
         count = torch.minimum(count, row_caps(keep, budget, max_num_kv, floor))
-    lo, k = torch.stack(torch.aminmax(count)).tolist()  # the one host sync of the step: it sizes the transfer
-    k = max(k, 1)
-    if lo == k:  # every row takes its top k: no order, no mask
-        return rel.topk(k, dim=-1, sorted=False).indices, None
-    if keep is None:
-        # One cap: a row under k has fewer than k tokens within alpha, all of them among its top k, so
-        # the value says which slots are real (plus its best token, for a "mean" row with none).
-        vals, idx = rel.topk(k, dim=-1, sorted=False)
-        return idx, (vals > -alpha) | (vals == vals.amax(-1, keepdim=True))
-    # Per-sequence caps may cut a row below its tokens within alpha: rank order decides.
-    idx = rel.topk(k, dim=-1, sorted=True).indices  # (B, G, k), best first
-    return idx, counted(count.clamp(min=1), k)
+    idx = rel.topk(min(k, n), dim=-1, sorted=True).indices  # (B, G, k), best first
+    return idx, count.clamp_(min=1, max=idx.shape[-1])

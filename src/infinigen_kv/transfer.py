@@ -9,12 +9,16 @@ as it was after the previous step), then the new token is stored. The working se
 kernel, attention reads the chosen rows where they lie in the pool; otherwise they are gathered when the
 layer runs into one scratch buffer shared by every layer (they run one after another).
 
-`CudaTransfer`: at layer l's speculation the indices go to the host (pinned, async); a worker thread
-waits for them, gathers the rows from the pinned pool into a pinned staging slot and copies them to the
-GPU on a side stream, recording an event. Layer l keeps computing meanwhile. Layer l+1 waits on that
-event only: never a device-wide synchronize. The staging slots form one small ring shared by all the
-layers of a device (at most two fetches are in flight). New rows go device -> contiguous pinned staging
-asynchronously and land in the pool on the worker, before that layer's next gather.
+`CudaTransfer`: at layer l's speculation the indices (sized by the host-known cap) and the real counts go
+to the host (pinned, async); the main thread goes on without waiting. A worker thread waits for them (an
+event), trims the fetch to the largest real count, gathers those rows from the pinned pool into a pinned
+staging slot and copies them to the GPU on a side stream, recording an event. Layer l keeps computing
+meanwhile. Layer l+1 waits on that event only: no host sync of the compute stream in the decode loop. The
+staging slots form one small ring shared by all the layers of a device (at most two fetches are in flight),
+sized with every event before decode (`reserve`). A whole-past fetch (offload) copies each (sequence,
+head)'s contiguous rows straight from the pinned pool. New rows go device -> contiguous pinned staging
+asynchronously and land in the pool on the worker, before that layer's next gather; a prompt prefilled in
+chunks is read back from a device mirror, not from the pool (once per prompt, not once per chunk).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from . import kernels
+from .pool import RowBuffer
 from .speculate import counted
 
 
@@ -55,19 +60,29 @@ class Scratch:
 
 class Fetch:
     """A layer's fetch of one decode step: slots idx (B, G, m), of which those where real (B, G, m) is True
-    are real, or the first count (B, G) of each row, or all when both are None; `rows` once in flight."""
+    are real, or the first count (B, G) of each row, or all when both are None; `whole`: idx is 0..m-1 in
+    every row (a transfer may copy the rows as they lie); `rows` once in flight."""
 
-    __slots__ = ("idx", "real", "count", "rows")
+    __slots__ = ("idx", "real", "count", "whole", "rows")
 
-    def __init__(self, idx: torch.Tensor, real: torch.Tensor | None = None, count: torch.Tensor | None = None):
-        self.idx, self.real, self.count, self.rows = idx, real, count, None
+    def __init__(self, idx: torch.Tensor, real: torch.Tensor | None = None, count: torch.Tensor | None = None,
+                 whole: bool = False):
+        self.idx, self.real, self.count, self.whole, self.rows = idx, real, count, whole, None
 
     def real_mask(self) -> torch.Tensor | None:
         return counted(self.count, self.idx.shape[-1]) if self.count is not None else self.real
 
+    def trim(self, m: int) -> None:
+        """Only the first m slots are fetched (a row's real ones come first: count)."""
+        if m < self.idx.shape[-1]:
+            self.idx = self.idx[..., :m]
+            self.real = self.real[..., :m] if self.real is not None else None
+
 
 class DirectTransfer:
     """CPU: nothing in flight. `fetch` answers None where the kernel may read the chosen rows in place."""
+
+    host_compute = True  # attention runs where the pool lies: a dense step reads it in place, at no copy
 
     def __init__(self):
         self.scratch = Scratch("cpu")  # the gathered working set, shared by all layers (sequential)
@@ -129,11 +144,12 @@ class StagingRing:
     may be overwritten (`copied`: the copy out of the host buffer is done; `consumed`: attention has read
     the device buffer). A fetch holds its slot from its prefetch to its layer's fetch."""
 
-    def __init__(self, device, slots: int = 3, pin: bool = True):
+    def __init__(self, device, cuda, slots: int = 3, pin: bool = True):
         self.host = [Scratch("cpu", pin=pin) for _ in range(slots)]
         self.dev = [Scratch(device) for _ in range(slots)]
-        self.copied = [None] * slots
-        self.consumed = [None] * slots
+        self.copied = [cuda.Event() for _ in range(slots)]  # made once: recorded again at each use
+        self.consumed = [cuda.Event() for _ in range(slots)]
+        self.used = [False] * slots  # whether the events above have been recorded yet
         self.busy = [False] * slots
         self.next = 0
 
@@ -145,8 +161,8 @@ class StagingRing:
         self.next = (i + 1) % len(self.busy)
         return i
 
-    def release(self, i: int, consumed) -> None:
-        self.consumed[i] = consumed
+    def release(self, i: int, stream) -> None:
+        self.consumed[i].record(stream)
         self.busy[i] = False
 
     def reset(self) -> None:
@@ -160,64 +176,112 @@ class CudaTransfer:
     Who touches a layer's pool when: the worker between `prefetch` (in the previous layer's pre-hook) and
     `ready` (in this layer's update), and when it lands staged rows (`flush`); the main thread after
     `ready`, and only after a `flush` of that layer. So the pool needs no lock, only the events below.
+
+    `cuda` is the torch.cuda namespace (Stream, Event, stream, current_stream); the tests run this class on
+    CPU with stand-ins for it (same code, same order), `pin` False there.
     """
 
-    def __init__(self, device, slots: int = 3):
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
+    host_compute = False  # every row attention reads crosses to the device
+
+    def __init__(self, device, slots: int = 3, cuda=None, pin: bool = True):
+        self.cuda = cuda if cuda is not None else torch.cuda
+        self.device, self.pin = torch.device(device), pin
+        self.stream = self.cuda.Stream(device=self.device)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
-        self.ring = StagingRing(self.device, slots)
+        self.ring = StagingRing(self.device, self.cuda, slots, pin)
         self.rows = {}  # layer index -> pinned Scratch of its staged decode row (B x G x d: tiny)
+        self.events = {}  # layer index -> its events: "selected" (indices on the host), "written" (a decode row)
         self.unflushed = {}  # layer index -> staged rows not yet in its pool: a landing Future, or a decode row
-        self.prefill = [Scratch("cpu", pin=True) for _ in range(2)]  # prompt K/V on their way to the pool
+        self.prefill = [Scratch("cpu", pin=pin) for _ in range(2)]  # prompt K/V on their way to the pool
+        self.prefill_events = [self.cuda.Event() for _ in range(2)]
         self.prefill_jobs = [None, None]
         self.prefill_next = 0
+        self.bytes_moved = 0  # host -> device bytes of decode fetches (the worker adds them)
 
     def compute_stream(self):
         """The stream this device's layers compute on (with device_map, not necessarily the current
         device's): every event of a layer is recorded there."""
-        return torch.cuda.current_stream(self.device)
+        return self.cuda.current_stream(self.device)
 
-    def _event(self, stream=None):
-        e = torch.cuda.Event()
-        e.record(stream if stream is not None else self.compute_stream())
-        return e
+    def _record(self, event, stream=None):
+        event.record(stream if stream is not None else self.compute_stream())
+        return event
+
+    def init_layer(self, layer, B: int, G: int, rows: int, staged: bool = True) -> None:
+        """Everything a layer's decode steps use, made now (its prefill), not inside decode: its events, its
+        decode-row staging and, with rows > 0 (the most a step of it fetches: cache.reserve), the ring's
+        slots for fetches of that size (device ones only when fetches are not `staged`: whole pasts)."""
+        if layer.layer_idx not in self.events:
+            self.events[layer.layer_idx] = {"selected": self.cuda.Event(), "written": self.cuda.Event()}
+        if layer.dense:
+            return
+        kw, vw, dt = layer.k.width, layer.v.width, layer.k.dtype
+        row = self.rows.setdefault(layer.layer_idx, Scratch("cpu", pin=self.pin))
+        row.get("k", (B, G, 1, kw), dt), row.get("v", (B, G, 1, vw), dt)
+        if rows:
+            for host, dev in zip(self.ring.host, self.ring.dev):
+                if staged:
+                    host.get("idx", (B, G, rows), torch.int64), host.get("count", (B, G), torch.int64)
+                for name, w in (("k", kw), ("v", vw)):
+                    if staged:
+                        host.get(name, (B, G, rows, w), dt)
+                    dev.get(name, (B, G, rows, w), dt)  # on the compute stream, before any side-stream use
 
     def prefetch(self, layer, fetch: Fetch) -> None:
         B, G, m = fetch.idx.shape
         slot = self.ring.acquire()
-        idx_host = self.ring.host[slot].get("idx", (B, G, m), fetch.idx.dtype)
-        idx_host.copy_(fetch.idx, non_blocking=True)
-        selected = self._event()  # after the selection and the index copy
-        fetch.rows = (slot, submit_inference(self.worker, self._gather_copy, layer, slot, idx_host, selected))
+        host = self.ring.host[slot]
+        idx_host = count_host = None
+        if not fetch.whole:  # the indices (and real counts) to the host, async; a whole past needs none
+            idx_host = host.get("idx", (B, G, m), fetch.idx.dtype)
+            idx_host.copy_(fetch.idx, non_blocking=True)
+            if fetch.count is not None:
+                count_host = host.get("count", tuple(fetch.count.shape), fetch.count.dtype)
+                count_host.copy_(fetch.count, non_blocking=True)
+        selected = self._record(self.events[layer.layer_idx]["selected"])  # after the selection and the copies
+        job = submit_inference(self.worker, self._gather_copy, layer, slot, idx_host, count_host, m, selected)
+        fetch.rows = (slot, job)
         layer.pending = fetch
 
-    def _gather_copy(self, layer, slot: int, idx_host, selected):
-        """Worker thread: rows idx_host of `layer`'s pool -> pinned slot -> device slot (side stream)."""
-        selected.synchronize()  # the indices are on the host
+    def _gather_copy(self, layer, slot: int, idx_host, count_host, m: int, selected):
+        """Worker thread: rows idx_host of `layer`'s pool -> pinned slot -> device slot (side stream); only
+        the first max(count) of each row (the real ones); a whole past straight from the pool."""
+        selected.synchronize()  # the indices are on the host (this thread waits, not the compute stream)
         self.flush(layer)  # the last step's new row is in the pool
         ring = self.ring
-        if ring.copied[slot] is not None:
+        if ring.used[slot]:
             ring.copied[slot].synchronize()  # the slot's previous copy is done before we overwrite it
-        B, G, m = idx_host.shape
-        host = ring.host[slot]
-        sk = layer.k.gather(idx_host, out=host.get("k", (B, G, m, layer.k.width), layer.k.dtype))
-        sv = layer.v.gather(idx_host, out=host.get("v", (B, G, m, layer.v.width), layer.v.dtype))
-        with torch.cuda.stream(self.stream):
-            if ring.consumed[slot] is not None:
+        if count_host is not None:
+            m = max(1, int(count_host.max()))  # a host tensor: no device sync
+        B, G = layer.k.batch, layer.k.heads
+        dk = ring.dev[slot].get("k", (B, G, m, layer.k.width), layer.k.dtype)
+        dv = ring.dev[slot].get("v", (B, G, m, layer.v.width), layer.v.dtype)
+        if idx_host is not None:
+            host = ring.host[slot]
+            idx = idx_host[..., :m]
+            sk = layer.k.gather(idx, out=host.get("k", dk.shape, dk.dtype))
+            sv = layer.v.gather(idx, out=host.get("v", dv.shape, dv.dtype))
+        with self.cuda.stream(self.stream):
+            if ring.used[slot]:
                 self.stream.wait_event(ring.consumed[slot])  # attention has read the slot's last rows
-            dk = ring.dev[slot].get("k", sk.shape, sk.dtype)
-            dv = ring.dev[slot].get("v", sv.shape, sv.dtype)
-            dk.copy_(sk, non_blocking=True)
-            dv.copy_(sv, non_blocking=True)
-            done = self._event(self.stream)
-        ring.copied[slot] = done
+            if idx_host is not None:
+                dk.copy_(sk, non_blocking=True)
+                dv.copy_(sv, non_blocking=True)
+            else:
+                rows_to(layer.k, m, dk)
+                rows_to(layer.v, m, dv)
+            done = self._record(ring.copied[slot], self.stream)
+        for t in (dk, dv):  # written on the side stream, read on the compute stream: the allocator must know
+            record_stream(t, self.stream)
+        ring.used[slot] = True
+        self.bytes_moved += dk.nbytes + dv.nbytes
         return dk, dv, done
 
     def ready(self, layer, fetch: Fetch) -> Fetch:
-        slot, future = fetch.rows
-        dk, dv, done = future.result()  # CPU-side wait for the worker (normally finished already)
+        slot, job = fetch.rows
+        dk, dv, done = job.result()  # a CPU-side wait for the worker (normally finished already)
         self.compute_stream().wait_event(done)  # the GPU waits on this copy only
+        fetch.trim(dk.shape[2])
         fetch.rows = (slot, dk, dv)
         return fetch
 
@@ -225,24 +289,31 @@ class CudaTransfer:
         slot, dk, dv = fetch.rows
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows]: the slot is free once this is done
         V = torch.cat([v_new, dv], dim=2)
-        self.ring.release(slot, self._event())
+        self.ring.release(slot, self.compute_stream())
         fetch.rows = None
-        return K, V, work_mask(fetch.real_mask())
+        mask = fetch.real_mask()
+        return K, V, work_mask(mask[..., : dk.shape[2]] if mask is not None else None)
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
-        """New rows into the pool. Device-resident layers (layer 0) append directly. A host pool gets them
-        through contiguous pinned staging, asynchronously (a strided pinned destination would make the
-        copy blocking and bounce it through pageable memory): a prompt lands on the worker while the GPU
+        """New rows into the pool. Device-resident layers (dense ones: layer 0) append directly. A host pool
+        gets them through contiguous pinned staging, asynchronously (a strided pinned destination would make
+        the copy blocking and bounce it through pageable memory): a prompt lands on the worker while the GPU
         computes the next layers; a decode row (with its target slots (B, G) when it overwrites evicted
         entries) lands before this layer's next gather."""
-        if layer.k.device.type != "cpu":
+        if layer.dense:
             DirectTransfer.write(self, layer, k, v, slot)
             return
         self.flush(layer)  # at most one staged write per layer
         if k.shape[2] > 1:
+            if layer.mirror is not None:  # a prompt in chunks: the next chunk reads the past from the device
+                for buf, x in zip(layer.mirror, (k, v)):
+                    buf.append(x)
             self._write_prompt(layer, k, v)
             return
-        rows = self.rows.setdefault(layer.layer_idx, Scratch("cpu", pin=True))
+        layer.mirror = None  # decoding: the prompt is in the pool
+        if layer.layer_idx not in self.events:
+            self.init_layer(layer, k.shape[0], k.shape[1], 0)
+        rows = self.rows[layer.layer_idx]
         sk = rows.get("k", k.shape, k.dtype)
         sv = rows.get("v", v.shape, v.dtype)
         sk.copy_(k, non_blocking=True)
@@ -252,7 +323,7 @@ class CudaTransfer:
         else:
             target = rows.get("slot", slot.shape, slot.dtype)
             target.copy_(slot, non_blocking=True)
-        self.unflushed[layer.layer_idx] = (self._event(), sk, sv, target)
+        self.unflushed[layer.layer_idx] = (self._record(self.events[layer.layer_idx]["written"]), sk, sv, target)
 
     def _claim(self, layer, T: int) -> int:
         """Rows [start, start + T) of the pool for rows still in flight (sized now, on the main thread)."""
@@ -273,7 +344,7 @@ class CudaTransfer:
         sv = self.prefill[i].get("v", v.shape, v.dtype)
         sk.copy_(k, non_blocking=True)
         sv.copy_(v, non_blocking=True)
-        staged = (self._event(), sk, sv, self._claim(layer, k.shape[2]))
+        staged = (self._record(self.prefill_events[i]), sk, sv, self._claim(layer, k.shape[2]))
         job = submit_inference(self.worker, self._land, layer, staged)
         self.prefill_jobs[i] = job
         self.unflushed[layer.layer_idx] = job
@@ -300,12 +371,20 @@ class CudaTransfer:
             self._land(layer, staged)
 
     def dense(self, layer):
-        """A whole layer on the device (dense layers live there already; others only on the rare
-        chunked-prefill path)."""
-        if layer.k.device == self.device:
+        """A whole layer on the device: dense layers live there; a pooled one only when a prompt comes in
+        chunks (the server's prefill), from a device mirror of its past made at its second chunk and
+        appended to by the next ones (each chunk reading the whole past back from the pool would move
+        O(n^2 / chunk) bytes)."""
+        if layer.dense:
             return layer.k.valid(), layer.v.valid()
-        self.flush(layer)
-        return layer.k.valid().to(self.device), layer.v.valid().to(self.device)
+        if layer.mirror is None:
+            self.flush(layer)
+            layer.mirror = tuple(RowBuffer(b.batch, b.heads, b.width, b.dtype, self.device) for b in (layer.k, layer.v))
+            for mirror, buf in zip(layer.mirror, (layer.k, layer.v)):
+                mirror.reserve(buf.length)
+                rows_to(buf, buf.length, mirror.data[:, :, : buf.length])
+                mirror.length = buf.length
+        return layer.mirror[0].valid(), layer.mirror[1].valid()
 
     def reset(self) -> None:
         """Drop what is in flight (a cache reused for a new prompt, or a step abandoned midway)."""
@@ -313,6 +392,26 @@ class CudaTransfer:
         self.unflushed.clear()
         self.prefill_jobs = [None, None]
         self.ring.reset()
+        self.bytes_moved = 0
+
+
+def rows_to(buf: RowBuffer, n: int, out: torch.Tensor) -> None:
+    """The first n rows of every (sequence, head) of a host buffer into out (B, G, n, width) on the device:
+    one copy per (sequence, head), each of contiguous rows (a strided pinned source would be staged through
+    pageable memory and block), async from pinned memory."""
+    if buf.capacity == n and buf.data.is_contiguous() and out.is_contiguous():
+        out.copy_(buf.data, non_blocking=True)
+        return
+    src = buf.data.flatten(0, 1)  # (B * G, capacity, width): a view
+    dst = out.flatten(0, 1)
+    for i in range(src.shape[0]):
+        dst[i].copy_(src[i, :n], non_blocking=True)
+
+
+def record_stream(t: torch.Tensor, stream) -> None:
+    """Tell the caching allocator that `stream` uses t (a device tensor): freeing t then waits for it."""
+    if t.is_cuda:
+        t.record_stream(stream)
 
 
 def make_transfer(device: torch.device):

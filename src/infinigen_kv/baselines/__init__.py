@@ -26,6 +26,12 @@ def _hf_dynamic(model, **_):
     return DynamicCache(config=model.config)
 
 
+def _hf_offloaded(model, **_):
+    """transformers' own offloaded cache: every layer's K/V on the host, the whole layer brought back (and the
+    next one prefetched) at each forward."""
+    return DynamicCache(config=model.config, offloading=True)
+
+
 # name -> (factory, options it takes)
 METHODS = {
     "infinigen": (_infinigen, {f.name for f in fields(InfiniGenConfig)} | {"tokenizer"}),
@@ -35,6 +41,7 @@ METHODS = {
     "streaming": (StreamingCache, {"budget", "min_budget", "sink_tokens"}),
     "h2o": (H2OCache, {"budget", "min_budget", "recent_ratio"}),
     "hf-dynamic": (_hf_dynamic, set()),
+    "hf-offloaded": (_hf_offloaded, set()),
 }
 
 

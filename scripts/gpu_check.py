@@ -1,0 +1,425 @@
+"""The GPU check: every step that needs a GPU, in one process, results under --out (scripts/gpu_check.sh runs it).
+
+Steps (each one's result goes to check.json; a step that fails is recorded and the next one runs):
+  tests      the CUDA tests and the device-path tests (pytest)
+  exact      budget 1.0 equals the full cache: tiny Llama / Qwen2 / Qwen3 / OPT / Gemma 3, fp32 and bf16, batch 1
+             and a left-padded batch
+  race       artificial delays on the worker, the side stream and the compute stream: tokens must not change
+  syncs      host syncs per decode step (torch.cuda.set_sync_debug_mode), by call site
+  batching   sequences joining and leaving a running batch (chunked prefill) decode as they do alone
+  speed      decode speed on a Llama-3.1-8B-shaped model with random bf16 weights: full, offload, transformers'
+             offloaded cache, infinigen at budget 0.1 / 0.05; H2D bytes per step, H2D bandwidth, peak device
+             memory, the share of the transfer hidden behind compute
+
+--dry-run (or DEVICE=cpu) runs every step on CPU at tiny sizes through the same code (the device path's transfer on
+CPU stand-ins), so that the script itself is tested without a GPU (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+import infinigen_kv as ig  # noqa: E402
+from infinigen_kv.generation import generate  # noqa: E402
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+class Check:
+    def __init__(self, device: torch.device, dry: bool, out: Path):
+        self.device, self.dry, self.out = device, dry, out
+        self.fake = None  # dry run: CudaTransfer on CPU stand-ins
+
+    def cache(self, method, model, **options):
+        """A cache of `method` whose transfers are CudaTransfer's, also on a dry run."""
+        cache = ig.make_cache(method, model, **options)
+        if self.dry and hasattr(cache, "_transfers"):
+            from conftest import on_fake_cuda
+
+            on_fake_cuda(cache)
+        return cache
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def step_tests(c: Check) -> dict:
+    files = ["tests/test_device_path.py"] + ([] if c.dry else ["tests/test_cuda.py"])
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    if c.dry:
+        args += ["-k", "exact_at_full_budget and llama"]  # the script's own test: one quick case
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (c.out / "tests.log").write_text(r.stdout + r.stderr)
+    tail = (r.stdout.strip().splitlines() or [""])[-1]
+    return {"ok": r.returncode == 0, "summary": tail}
+
+
+def tiny(kind: str, c: Check, dtype):
+    from conftest import tiny_model
+
+    return tiny_model(kind).to(c.device, dtype)
+
+
+def step_exact(c: Check) -> dict:
+    from conftest import left_padded_batch
+
+    rows, ok = [], True
+    kinds = ["llama-gqa", "qwen2"] if c.dry else ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt", "gemma3"]
+    dtypes = [torch.float32] if c.dry else [torch.float32, torch.bfloat16]
+    for kind in kinds:
+        for dtype in dtypes:
+            model = tiny(kind, c, dtype)
+            for lengths in ((64,), (64, 50, 33)):
+                ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
+                kw = dict(max_new_tokens=16, stop_at_eos=False)
+                ref = generate(model, ids, mask, cache=ig.make_cache("full", model), **kw).tokens
+                got = {}
+                for method, opts in (("infinigen", dict(alpha=1e9, budget=1.0)), ("offload", {})):
+                    got[method] = generate(model, ids, mask, cache=c.cache(method, model, **opts), **kw).tokens
+                same = {m: round(float((t == ref).float().mean()), 4) for m, t in got.items()}
+                exact = all(v == 1.0 for v in same.values())
+                # bf16: the working set [new token, fetched rows] sums in another order than the full cache's
+                # rows: a near-tie may flip (reported, not failed); float32 must be exact
+                ok &= exact or dtype != torch.float32
+                rows.append({"kind": kind, "dtype": str(dtype).split(".")[-1], "batch": len(lengths),
+                             "tokens_equal_to_full": same})
+                log(f"  exact {kind} {dtype} B={len(lengths)}: {same}")
+    return {"ok": ok, "rows": rows}
+
+
+def step_race(c: Check) -> dict:
+    """Delays where a missing wait would show: the worker sleeps before gathering, the side stream spins before
+    its copy, the compute stream spins before reading a slot. Tokens must equal an undelayed run."""
+    from conftest import left_padded_batch
+    from infinigen_kv import transfer as tr
+
+    model = tiny("llama-gqa", c, torch.float32)
+    ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=(300, 260, 200)))
+    opts = dict(budget=0.2, min_budget=0)
+    kw = dict(max_new_tokens=24, stop_at_eos=False)
+    ref = generate(model, ids, mask, cache=c.cache("infinigen", model, **opts), **kw).tokens
+    rnd = random.Random(0)
+    spin = (lambda: torch.cuda._sleep(rnd.randint(0, 200_000))) if c.device.type == "cuda" else (lambda: None)
+    gather, fetch, rows_to = tr.CudaTransfer._gather_copy, tr.CudaTransfer.fetch, tr.rows_to
+
+    def slow_gather(self, *a):
+        time.sleep(rnd.random() * 0.003)
+        with (torch.cuda.stream(self.stream) if c.device.type == "cuda" else _null()):
+            spin()
+        return gather(self, *a)
+
+    def slow_fetch(self, *a, **k):
+        spin()
+        return fetch(self, *a, **k)
+
+    same, runs = True, 5 if not c.dry else 2
+    try:
+        tr.CudaTransfer._gather_copy, tr.CudaTransfer.fetch = slow_gather, slow_fetch
+        for _ in range(runs):
+            for method in ("infinigen", "offload"):
+                base = ref if method == "infinigen" else generate(model, ids, mask, cache=ig.make_cache("full", model), **kw).tokens
+                got = generate(model, ids, mask, cache=c.cache(method, model, **(opts if method == "infinigen" else {})), **kw).tokens
+                same &= bool(torch.equal(got, base))
+    finally:
+        tr.CudaTransfer._gather_copy, tr.CudaTransfer.fetch, tr.rows_to = gather, fetch, rows_to
+    return {"ok": same, "runs": runs}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def step_syncs(c: Check) -> dict:
+    """Host syncs of the decode steps by call site, per step (B = 1 unpadded, and a left-padded batch)."""
+    from conftest import left_padded_batch
+
+    model = tiny("llama-gqa", c, torch.float32)
+    result, ok = {}, True
+    for lengths in ((400,), (400, 300)):
+        ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
+        new = 9
+        generate(model, ids, mask, cache=c.cache("infinigen", model, budget=0.2, min_budget=0), max_new_tokens=3)
+        sites = collections.Counter()
+
+        def on_step(i, *_):
+            if c.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn" if i < new - 1 else 0)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generate(model, ids, mask, cache=c.cache("infinigen", model, budget=0.2, min_budget=0),
+                     max_new_tokens=new, stop_at_eos=False, on_step=on_step)
+        if c.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+        for w in caught:
+            if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message):
+                sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
+        steps = new - 1
+        ours = sum(n for s, n in sites.items() if not s.startswith(("masking_utils", "generation.py")))
+        per_step = {s: round(n / steps, 2) for s, n in sites.most_common()}
+        result[f"B{len(lengths)}"] = {"syncs_per_step": round(sum(sites.values()) / steps, 2),
+                                      "ours_per_step": round(ours / steps, 2), "sites": per_step}
+        ok &= ours == 0
+        log(f"  syncs B={len(lengths)}: {per_step}")
+    return {"ok": ok, **result}
+
+
+def step_batching(c: Check) -> dict:
+    import test_batching as tb
+
+    models = {k: tiny(k, c, torch.float32) for k in (["llama-gqa"] if c.dry else ["llama-gqa", "qwen2", "gemma3"])}
+    ok, rows = True, []
+    for kind, model in models.items():
+        for name, method, options in [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0}),
+                                      ("infinigen", "infinigen", {}), ("offload", "offload", {})]:
+            a = {"a": (0, tb.prompt(40, 1), 14, None)}
+            plan = {**a, "long": (3, tb.prompt(70, 2), 6, None), "short": (5, tb.prompt(9, 3), 12, None),
+                    "first": (0, tb.prompt(25, 4), 2, None)}
+            alone, shared = tb.run(model, method, options, a), tb.run(model, method, options, plan)
+            rows.append({"kind": kind, "method": name, "same_as_alone": shared["a"] == alone["a"]})
+            ok &= shared["a"] == alone["a"]
+    return {"ok": ok, "rows": rows}
+
+
+def big_model(c: Check):
+    """Llama-3.1-8B's shape with random bf16 weights (a dry run: a small Llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if c.dry:
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                          rope_parameters=rope)
+        dtype = torch.float32
+    else:
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                          rope_parameters=rope)
+        dtype = torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(c.device):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = LlamaForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(default)
+    return model
+
+
+def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
+    from infinigen_kv.bench.speed import h2d_bandwidth
+
+    model = big_model(c)
+    cal = ig.calibrate(model, tokens=256 if c.dry else 1024)
+    cal_path = c.out / "calibration.safetensors"
+    cal.save(cal_path)
+    h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
+    methods = [("full", "full", {}), ("offload", "offload", {})] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
+               ("infinigen-0.1", "infinigen", {"budget": 0.1}), ("infinigen-0.05", "infinigen", {"budget": 0.05})]
+    rows, kv_row = [], None
+    gen = torch.Generator().manual_seed(0)
+    warm = torch.randint(10, model.config.vocab_size, (1, 2048), generator=gen).to(c.device)
+    for name, method, opts in methods:  # kernels, plans and pinned blocks made outside the timings
+        opts = {**opts, "calibration": str(cal_path)} if method == "infinigen" else opts
+        generate(model, warm, cache=c.cache(method, model, **opts), max_new_tokens=4, stop_at_eos=False)
+    for B in batches:
+        for n in contexts:
+            ids = torch.randint(10, model.config.vocab_size, (B, n), generator=gen).to(c.device)
+            mask = torch.ones_like(ids)
+            full_step = None
+            for name, method, opts in methods:
+                row = {"method": name, "batch": B, "context": n}
+                try:
+                    if c.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(c.device)
+                    if method == "infinigen":
+                        opts = {**opts, "calibration": str(cal_path)}
+                    cache = c.cache(method, model, **opts)
+                    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False)
+                    step = res.decode_s / max(res.decode_steps, 1)
+                    stats = getattr(cache, "stats", {})
+                    row.update(decode_tok_s=round(B / step, 2), step_ms=round(step * 1e3, 2),
+                               prefill_s=round(res.prefill_s, 2))
+                    if kv_row is None:
+                        kv_row = 2 * model.config.num_key_value_heads * (model.config.hidden_size //
+                                 model.config.num_attention_heads) * next(model.parameters()).element_size()
+                    if stats.get("bytes_moved") is not None and method != "full":
+                        row["h2d_mb_per_step"] = round(stats["bytes_moved"] / max(res.decode_steps, 1) / 1e6, 2)
+                        row["fetched_fraction"] = round(stats.get("fetched_fraction", 1.0), 4)
+                    elif method == "hf-offloaded":  # every layer's whole K/V, every step
+                        row["h2d_mb_per_step"] = round(model.config.num_hidden_layers * B * (n + new_tokens / 2)
+                                                       * kv_row / 1e6, 2)
+                    if c.device.type == "cuda":
+                        row["peak_gib"] = round(torch.cuda.max_memory_allocated(c.device) / 2**30, 2)
+                    if method == "full":
+                        full_step = step
+                    if h2d and row.get("h2d_mb_per_step") and full_step:
+                        # transfer time at the measured H2D bandwidth; what the step took beyond the full cache's
+                        # (all on the device) is the exposed part
+                        xfer = row["h2d_mb_per_step"] * 1e6 / h2d
+                        row["transfer_ms"] = round(xfer * 1e3, 2)
+                        row["hidden_share"] = round(max(0.0, min(1.0, 1 - max(0.0, step - full_step) / xfer)), 3)
+                    del cache
+                except torch.cuda.OutOfMemoryError:
+                    row["error"] = "out of device memory"
+                except Exception as e:  # a method failing is a result: the next one runs
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(row)
+                log(f"  speed {row}")
+    ok = all("error" not in r or r["method"] == "full" for r in rows)
+    return {"ok": ok, "h2d_gb_s": round(h2d / 1e9, 2) if h2d else None, "rows": rows}
+
+
+def step_profile(c: Check, n: int, B: int) -> dict:
+    """Where a decode step's time goes (torch.profiler over 6 steps after a warm-up): host time per step, device
+    kernel time per step, and the top host and device ops, for transformers' own cache, full and infinigen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = big_model(c)
+    cal_path = c.out / "calibration.safetensors"
+    if not cal_path.is_file():
+        ig.calibrate(model, tokens=256 if c.dry else 1024).save(cal_path)
+    ids = torch.randint(10, model.config.vocab_size, (B, n), generator=torch.Generator().manual_seed(0)).to(c.device)
+    rows = {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.device.type == "cuda" else [])
+    for name, method, opts in [("hf-dynamic", "hf-dynamic", {}), ("full", "full", {}),
+                               ("infinigen-0.1", "infinigen", {"budget": 0.1, "calibration": str(cal_path)})]:
+        generate(model, ids, cache=c.cache(method, model, **opts), max_new_tokens=4, stop_at_eos=False)
+        cache = c.cache(method, model, **opts)
+        steps = 6
+        state = {}
+
+        def on_step(i, *_):
+            if i == 0:
+                state["prof"] = profile(activities=acts)
+                state["prof"].__enter__()
+                c.sync()
+                state["t"] = time.perf_counter()
+            if i == steps:
+                c.sync()
+                state["wall"] = time.perf_counter() - state["t"]
+                state["prof"].__exit__(None, None, None)
+
+        generate(model, ids, cache=cache, max_new_tokens=steps + 1, stop_at_eos=False, on_step=on_step)
+        prof = state["prof"]
+        events = prof.key_averages()
+        dev_us = sum(e.self_device_time_total for e in events) if c.device.type == "cuda" else 0
+        top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+        top_dev = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:8]
+        rows[name] = {
+            "wall_ms_per_step": round(state["wall"] / steps * 1e3, 2),
+            "device_ms_per_step": round(dev_us / steps / 1e3, 2),
+            "top_host": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 2), e.count // steps) for e in top_cpu],
+            "top_device": [(e.key, round(getattr(e, "self_device_time_total", 0) / steps / 1e3, 2)) for e in top_dev],
+        }
+        log(f"  profile {name}: {rows[name]['wall_ms_per_step']} ms/step, device {rows[name]['device_ms_per_step']}")
+        for k, ms, cnt in rows[name]["top_host"]:
+            log(f"     host {ms:8.2f} ms  x{cnt:5d}  {k}")
+        for k, ms in rows[name]["top_device"]:
+            log(f"     dev  {ms:8.2f} ms  {k[:90]}")
+    return {"ok": True, "batch": B, "context": n, "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="every step on CPU at tiny sizes (tests the script)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu-check")
+    ap.add_argument("--steps", default="tests,exact,race,syncs,batching,speed")
+    ap.add_argument("--contexts", default=None, help="speed: prompt lengths (default 16384,32768; dry: 256,512)")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
+    args = ap.parse_args()
+    dry = args.dry_run or os.environ.get("DEVICE") == "cpu"
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here (use --dry-run to rehearse on CPU)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if dry else "cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    c = Check(device, dry, out)
+    contexts = [int(x) for x in (args.contexts or ("256,512" if dry else "16384,32768")).split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    new_tokens = args.new_tokens or (4 if dry else 32)
+    if dry:
+        from infinigen_kv import kernels
+
+        kernels.cpu = lambda: None  # the PyTorch code a GPU runs
+    info = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "dry_run": dry}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    report = {"machine": info, "steps": {}}
+    steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
+             "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),
+             "speed": lambda: step_speed(c, contexts, batches, new_tokens),
+             "profile": lambda: step_profile(c, contexts[0], batches[0])}
+    for name in args.steps.split(","):
+        t0 = time.perf_counter()
+        log(f"gpu_check: {name} ...")
+        try:
+            with torch.inference_mode():
+                r = steps[name]()
+        except Exception as e:
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        report["steps"][name] = r
+        (out / "check.json").write_text(json.dumps(report, indent=1))
+        log(f"gpu_check: {name} {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s)")
+    print(summary(report))
+    return 0 if all(r["ok"] for r in report["steps"].values()) else 1
+
+
+def summary(report: dict) -> str:
+    lines = [f"# GPU check: {report['machine']['device']}, torch {report['machine']['torch']}, "
+             f"{report['machine']['date']}", ""]
+    for name, r in report["steps"].items():
+        extra = r.get("summary") or r.get("error", "")
+        lines.append(f"- {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s) {extra}".rstrip())
+    speed = report["steps"].get("speed", {})
+    if speed.get("rows"):
+        lines += ["", f"H2D bandwidth {speed.get('h2d_gb_s')} GB/s", "",
+                  "| method | B | context | tok/s | step ms | H2D MB/step | transfer ms | hidden | peak GiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in speed["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['error']} | | | | | |")
+                continue
+            lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['decode_tok_s']} | {r['step_ms']} | "
+                         f"{r.get('h2d_mb_per_step', '-')} | {r.get('transfer_ms', '-')} | "
+                         f"{r.get('hidden_share', '-')} | {r.get('peak_gib', '-')} |")
+    syncs = report["steps"].get("syncs", {})
+    for key in ("B1", "B2"):
+        if key in syncs:
+            lines.append(f"\nsyncs per decode step, {key}: {syncs[key]['syncs_per_step']} "
+                         f"(ours {syncs[key]['ours_per_step']}): {syncs[key]['sites']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

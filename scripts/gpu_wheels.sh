@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Wheels the GPU machine lacks (it has torch and an older transformers, no internet), into .whl/ (git-ignored;
+# it travels with the working tree: name it in the device tool's `carry`). Run here, where pip reaches PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl transformers==5.23.0 gguf==0.19.0
+du -sh .whl

@@ -1,0 +1,209 @@
+"""The CUDA transfer path (CudaTransfer: pinned-pool worker gather, side-stream copy, events) run on CPU with
+stand-ins for torch.cuda (conftest.FakeCuda): the same code in the same order, the copies done at once. What a
+GPU run would show of its results, host syncs, allocations and bytes moved, checked here on every commit
+(tests/test_cuda.py runs the real thing on a GPU)."""
+
+import threading
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from conftest import left_padded_batch, on_fake_cuda, tiny_model
+from infinigen_kv import kernels
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """No CPU kernels: the PyTorch code a GPU runs (scores, select, partial query rows, attention)."""
+    monkeypatch.setattr(kernels, "cpu", lambda: None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama-gqa")
+
+
+def run(model, ids, mask, method="infinigen", fake=True, new=8, **options):
+    cache = ig.make_cache(method, model, **options)
+    transfer = on_fake_cuda(cache) if fake else None
+    out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=new, stop_at_eos=False)
+    return out.tokens, cache, transfer
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "opt"])
+def test_device_path_is_exact_at_full_budget(device_path, kind):
+    model = tiny_model(kind)
+    ids, mask = left_padded_batch(lengths=(90, 70, 51))
+    ref, _, _ = run(model, ids, mask, "full", fake=False)
+    got, cache, transfer = run(model, ids, mask, alpha=1e9, budget=1.0)
+    assert torch.equal(got, ref)
+    assert transfer.bytes_moved > 0 and cache.stats["bytes_moved"] == transfer.bytes_moved
+    got, _, _ = run(model, ids, mask, "offload")
+    assert torch.equal(got, ref)
+
+
+def test_device_path_selects_as_the_direct_path(device_path):
+    """Budget 0.3 of the past, alpha small enough that rows differ in their counts: the worker trims each fetch
+    to its largest real count, and the tokens are those of the CPU (direct) path with the same selection."""
+    model = tiny_model("llama-gqa")
+    with torch.no_grad():  # peaked attention (a random init's is flat: every token within any alpha)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    ids, mask = left_padded_batch(lengths=(160, 120))
+    for alpha in (1.0, 12.0):
+        opts = dict(alpha=alpha, budget=0.3, min_budget=0)
+        ref, _, _ = run(model, ids, mask, fake=False, **opts)
+        got, cache, transfer = run(model, ids, mask, **opts)
+        assert torch.equal(got, ref)
+        rows = cache._rows_moved * 2 * 16 * 4  # every slot of every fetch, K and V, float32, d = 16
+        if alpha == 1.0:  # few tokens within alpha: the trimmed fetches move less than the cap's slots
+            assert 0 < transfer.bytes_moved < rows
+        else:
+            assert transfer.bytes_moved == rows
+
+
+def where() -> str:
+    """file:line of the innermost caller outside torch."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename:
+            return f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}"
+    return "?"
+
+
+SYNCS = ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy")
+
+
+def test_decode_loop_has_no_host_sync_on_the_device_path(device_path, model, monkeypatch):
+    """Every call that reads a device tensor's value on the host (a host sync on a GPU), made on the main thread
+    during the decode steps, is counted: none. (select used to size each fetch with a .tolist() of the
+    counts: one sync per speculated layer and step, draining the compute stream before every prefetch.)"""
+    calls = []
+    counting = threading.Event()
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            if counting.is_set() and threading.current_thread() is threading.main_thread():
+                calls.append(f"{_name} at {where()}")
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def on_step(i, ids, lp):  # the decode steps only: from the first token to the last (the setup may sync)
+        counting.set() if i < 5 else counting.clear()
+
+    for lengths in ((150,), (150, 110)):  # unpadded (no mask at all) and left-padded
+        ids, mask = left_padded_batch(lengths=lengths)
+        cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
+        on_fake_cuda(cache)
+        counting.clear()
+        ig.generate(model, ids, mask, cache=cache, max_new_tokens=6, stop_at_eos=False, on_step=on_step)
+        counting.clear()
+        assert cache.stats["fetched_fraction"] < 0.5  # the speculated path ran
+        if len(lengths) == 1:
+            assert calls == [], calls
+        calls.clear()
+
+
+def test_no_allocation_inside_decode(device_path, model):
+    """Staging slots, decode-row staging and events are made with the prefill (sized by cache.reserve), none
+    inside the decode steps: the buffers stay the same, and no Event is made after step 0."""
+    ids, mask = left_padded_batch(lengths=(150, 110))
+    cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
+    transfer = on_fake_cuda(cache)
+    seen = {}
+
+    def buffers():
+        ring = [b.data_ptr() for s in transfer.ring.host + transfer.ring.dev for b in s.bufs.values()]
+        return ring + [b.data_ptr() for s in transfer.rows.values() for b in s.bufs.values()]
+
+    def on_step(i, ids, lp):
+        if i == 0:
+            seen["buffers"], seen["events"] = buffers(), len(transfer.cuda.events)
+
+    ig.generate(model, ids, mask, cache=cache, max_new_tokens=40, stop_at_eos=False, on_step=on_step)
+    assert buffers() == seen["buffers"] and len(transfer.cuda.events) == seen["events"]
+
+
+def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch):
+    """Offload on the device path: no index tensor goes to the host and nothing is gathered through staging;
+    each (sequence, head)'s rows are copied from the pool as they lie (rows_to)."""
+    from infinigen_kv import pool, transfer as transfer_mod
+
+    ids, mask = left_padded_batch(lengths=(70, 50))
+    ref, _, _ = run(model, ids, mask, "full", fake=False, new=5)
+    cache = ig.make_cache("offload", model)
+    transfer = on_fake_cuda(cache)
+    moved = []
+    rows_to = transfer_mod.rows_to
+    monkeypatch.setattr(transfer_mod, "rows_to", lambda buf, n, out: (moved.append(n), rows_to(buf, n, out)))
+    gather = pool.RowBuffer.gather
+
+    def no_gather(self, idx, out=None):
+        if threading.current_thread() is not threading.main_thread():
+            raise AssertionError("the offload worker gathered rows by index")
+        return gather(self, idx, out)
+
+    monkeypatch.setattr(pool.RowBuffer, "gather", no_gather)
+    got = ig.generate(model, ids, mask, cache=cache, max_new_tokens=5, stop_at_eos=False).tokens
+    assert torch.equal(got, ref)
+    assert moved and not any(s.bufs for s in transfer.ring.host), [list(s.bufs) for s in transfer.ring.host]  # no index, no staging
+
+
+def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model, monkeypatch):
+    """A prompt in chunks (the server's prefill): each chunk attends over the whole past. The pool is read back
+    once per layer (at the second chunk), not once per chunk, and decoding after it matches a one-shot prefill."""
+    from infinigen_kv import transfer as transfer_mod
+
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(3))
+    read = []
+    rows_to = transfer_mod.rows_to
+    monkeypatch.setattr(transfer_mod, "rows_to", lambda buf, n, out: (read.append(n), rows_to(buf, n, out)))
+    cache, full = ig.make_cache("infinigen", model, budget=0.3, min_budget=0), ig.make_cache("full", model)
+    on_fake_cuda(cache)
+    with torch.inference_mode():
+        for s in range(0, 200, 50):  # four chunks
+            got = model(input_ids=ids[:, s : s + 50], past_key_values=cache, use_cache=True).logits
+            ref = model(input_ids=ids[:, s : s + 50], past_key_values=full, use_cache=True).logits
+            torch.testing.assert_close(got, ref)  # each chunk attended over the whole past
+    pooled = sum(not layer.dense for layer in cache.layers)
+    assert read == [100] * 2 * pooled  # K and V of each pooled layer, at the second chunk, once (not 100, 150)
+    assert all(layer.mirror[0].length == 200 for layer in cache.layers if not layer.dense)
+    out = ig.generate(model, ids, cache=cache, max_new_tokens=4, stop_at_eos=False, prefilled=got[:, -1])
+    assert out.tokens.shape == (1, 4) and all(layer.mirror is None for layer in cache.layers)
+    assert cache.stats["fetched_fraction"] < 0.5  # decoded through the pool, the mirror dropped
+
+
+def test_partial_query_from_only_the_rows_it_needs(device_path, model):
+    """The PyTorch partial query of a RoPE model with raw channels (a GPU's) computes only the q_proj rows of
+    the partial channels and their rotate-half partners, and equals the whole query's channels."""
+    cache = ig.make_cache("infinigen", model, budget=0.3)
+    a = cache.arch
+    x = torch.randn(3, 1, a.hidden_size if hasattr(a, "hidden_size") else model.config.hidden_size)
+    pos = torch.tensor([[5], [17], [40]])
+    rope = model.model.rotary_emb(x, pos)
+    for layer in range(1, a.num_layers):
+        W = cache._pq_rows_on(layer, "cpu")[0]
+        assert W.shape[0] < a.num_heads * a.head_dim  # fewer rows than the whole q_proj
+        got = cache.partial_query(layer, x, rope)
+        q = a.query(layer, x, rope).view(3, a.num_kv_heads, a.group, a.head_dim)
+        ref = q.gather(-1, cache.pq_channels[layer].view(1, a.num_kv_heads, 1, -1).expand(3, -1, a.group, -1))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_device_map_with_offloaded_layers_is_refused(model):
+    from infinigen_kv.config import ConfigError
+
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu",
+                           "model.layers.2": "disk", "lm_head": 0}
+    try:
+        with pytest.raises(ConfigError, match="model.layers.1, model.layers.2 to cpu/disk"):
+            ig.make_cache("infinigen", model, budget=0.3)
+        model.hf_device_map = {"": "cpu"}  # everything on the CPU: fine
+        ig.make_cache("infinigen", model, budget=0.3)
+    finally:
+        del model.hf_device_map
