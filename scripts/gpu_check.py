@@ -53,7 +53,7 @@ class Check:
         if self.dry and hasattr(cache, "_transfers"):
             from conftest import on_fake_cuda
 
-            on_fake_cuda(cache)
+            on_fake_cuda(cache, os.environ.get("INFINIGEN_CUDA_FETCH", "uva") != "worker")
         return cache
 
     def sync(self):
@@ -92,8 +92,12 @@ def step_exact(c: Check) -> dict:
                 kw = dict(max_new_tokens=16, stop_at_eos=False)
                 ref = generate(model, ids, mask, cache=ig.make_cache("full", model), **kw).tokens
                 got = {}
-                for method, opts in (("infinigen", dict(alpha=1e9, budget=1.0)), ("offload", {})):
-                    got[method] = generate(model, ids, mask, cache=c.cache(method, model, **opts), **kw).tokens
+                for name, method, opts in (("infinigen", "infinigen", dict(alpha=1e9, budget=1.0)),
+                                           ("infinigen-worker", "infinigen", dict(alpha=1e9, budget=1.0)),
+                                           ("offload", "offload", {})):
+                    os.environ["INFINIGEN_CUDA_FETCH"] = "worker" if name.endswith("worker") else "uva"
+                    got[name] = generate(model, ids, mask, cache=c.cache(method, model, **opts), **kw).tokens
+                os.environ.pop("INFINIGEN_CUDA_FETCH")
                 same = {m: round(float((t == ref).float().mean()), 4) for m, t in got.items()}
                 exact = all(v == 1.0 for v in same.values())
                 # bf16: the working set [new token, fetched rows] sums in another order than the full cache's
@@ -118,29 +122,38 @@ def step_race(c: Check) -> dict:
     ref = generate(model, ids, mask, cache=c.cache("infinigen", model, **opts), **kw).tokens
     rnd = random.Random(0)
     spin = (lambda: torch.cuda._sleep(rnd.randint(0, 200_000))) if c.device.type == "cuda" else (lambda: None)
-    gather, fetch, rows_to = tr.CudaTransfer._gather_copy, tr.CudaTransfer.fetch, tr.rows_to
+    gather, view_gather, fetch = tr.CudaTransfer._gather_copy, tr.CudaTransfer._prefetch_view, tr.CudaTransfer.fetch
 
-    def slow_gather(self, *a):
-        time.sleep(rnd.random() * 0.003)
-        with (torch.cuda.stream(self.stream) if c.device.type == "cuda" else _null()):
-            spin()
-        return gather(self, *a)
+    def slow(original):
+        def run(self, *a):
+            time.sleep(rnd.random() * 0.003)
+            with (torch.cuda.stream(self.stream) if c.device.type == "cuda" else _null()):
+                spin()  # the side stream late
+            return original(self, *a)
+        return run
 
     def slow_fetch(self, *a, **k):
         spin()
         return fetch(self, *a, **k)
 
-    same, runs = True, 5 if not c.dry else 2
+    full = generate(model, ids, mask, cache=ig.make_cache("full", model), **kw).tokens
+    same, runs = {}, 4 if not c.dry else 1
     try:
-        tr.CudaTransfer._gather_copy, tr.CudaTransfer.fetch = slow_gather, slow_fetch
-        for _ in range(runs):
-            for method in ("infinigen", "offload"):
-                base = ref if method == "infinigen" else generate(model, ids, mask, cache=ig.make_cache("full", model), **kw).tokens
-                got = generate(model, ids, mask, cache=c.cache(method, model, **(opts if method == "infinigen" else {})), **kw).tokens
-                same &= bool(torch.equal(got, base))
+        tr.CudaTransfer._gather_copy, tr.CudaTransfer._prefetch_view = slow(gather), slow(view_gather)
+        tr.CudaTransfer.fetch = slow_fetch
+        for mode in ("uva", "worker"):
+            os.environ["INFINIGEN_CUDA_FETCH"] = mode
+            for _ in range(runs):
+                for method in ("infinigen", "offload"):
+                    cache = c.cache(method, model, **(opts if method == "infinigen" else {}))
+                    got = generate(model, ids, mask, cache=cache, **kw).tokens
+                    key = f"{method}-{mode}"
+                    same[key] = same.get(key, True) and bool(torch.equal(got, ref if method == "infinigen" else full))
     finally:
-        tr.CudaTransfer._gather_copy, tr.CudaTransfer.fetch, tr.rows_to = gather, fetch, rows_to
-    return {"ok": same, "runs": runs}
+        tr.CudaTransfer._gather_copy, tr.CudaTransfer._prefetch_view = gather, view_gather
+        tr.CudaTransfer.fetch = fetch
+        os.environ.pop("INFINIGEN_CUDA_FETCH", None)
+    return {"ok": all(same.values()), "runs": runs, "same_tokens": same}
 
 
 class _null:
@@ -239,7 +252,8 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
     cal.save(cal_path)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
     methods = [("full", "full", {}), ("offload", "offload", {})] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
-               ("infinigen-0.1", "infinigen", {"budget": 0.1}), ("infinigen-0.05", "infinigen", {"budget": 0.05})]
+               ("infinigen-0.1", "infinigen", {"budget": 0.1}), ("infinigen-0.05", "infinigen", {"budget": 0.05}),
+               ("infinigen-0.1-worker", "infinigen", {"budget": 0.1})]
     rows, kv_row = [], None
     gen = torch.Generator().manual_seed(0)
     warm = torch.randint(10, model.config.vocab_size, (1, 2048), generator=gen).to(c.device)
@@ -259,8 +273,11 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                         torch.cuda.reset_peak_memory_stats(c.device)
                     if method == "infinigen":
                         opts = {**opts, "calibration": str(cal_path)}
+                    os.environ["INFINIGEN_CUDA_FETCH"] = "worker" if name.endswith("worker") else "uva"
                     cache = c.cache(method, model, **opts)
                     res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False)
+                    if hasattr(cache, "transfer"):
+                        row["fetch"] = "uva" if getattr(cache.transfer, "uva", False) else "worker"
                     step = res.decode_s / max(res.decode_steps, 1)
                     stats = getattr(cache, "stats", {})
                     row.update(decode_tok_s=round(B / step, 2), step_ms=round(step * 1e3, 2),
@@ -289,6 +306,7 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                     row["error"] = "out of device memory"
                 except Exception as e:  # a method failing is a result: the next one runs
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                os.environ.pop("INFINIGEN_CUDA_FETCH", None)
                 rows.append(row)
                 log(f"  speed {row}")
     ok = all("error" not in r or r["method"] == "full" for r in rows)

@@ -210,11 +210,12 @@ class FakeCuda:
         return contextlib.nullcontext()
 
 
-def on_fake_cuda(cache):
-    """Make `cache` (not yet run) move its rows with CudaTransfer on CPU stand-ins: returns the transfer."""
+def on_fake_cuda(cache, uva: bool = True):
+    """Make `cache` (not yet run) move its rows with CudaTransfer on CPU stand-ins: returns the transfer. uva: the
+    side stream gathers from the pool's device view (the default on a GPU that allows it), else the worker."""
     from infinigen_kv.transfer import CudaTransfer
 
-    transfer = CudaTransfer("cpu", cuda=FakeCuda(), pin=False)
+    transfer = CudaTransfer("cpu", cuda=FakeCuda(), pin=False, uva=uva)
     cache._transfers = {torch.device("cpu"): transfer}
     cache.transfer = transfer
     return transfer

@@ -1,6 +1,7 @@
-"""The CUDA transfer path (CudaTransfer: pinned-pool worker gather, side-stream copy, events) run on CPU with
-stand-ins for torch.cuda (conftest.FakeCuda): the same code in the same order, the copies done at once. What a
-GPU run would show of its results, host syncs, allocations and bytes moved, checked here on every commit
+"""The CUDA transfer path (CudaTransfer, pinned pool, side stream, events) run on CPU with stand-ins for torch.cuda
+(conftest.FakeCuda): the same code in the same order, the copies done at once, in both of its modes (`uva`: the
+side stream gathers through a device view of the pool; `worker`: a thread gathers on the host). What a GPU run
+would show of its results, host syncs, allocations and bytes moved, checked here on every commit
 (tests/test_cuda.py runs the real thing on a GPU)."""
 
 import threading
@@ -24,28 +25,35 @@ def model():
     return tiny_model("llama-gqa")
 
 
-def run(model, ids, mask, method="infinigen", fake=True, new=8, **options):
+MODES = [True, False]  # uva, worker
+MODE_IDS = ["uva", "worker"]
+
+
+def run(model, ids, mask, method="infinigen", fake=True, new=8, uva=True, **options):
     cache = ig.make_cache(method, model, **options)
-    transfer = on_fake_cuda(cache) if fake else None
+    transfer = on_fake_cuda(cache, uva) if fake else None
     out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=new, stop_at_eos=False)
     return out.tokens, cache, transfer
 
 
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "opt"])
-def test_device_path_is_exact_at_full_budget(device_path, kind):
+def test_device_path_is_exact_at_full_budget(device_path, kind, uva):
     model = tiny_model(kind)
     ids, mask = left_padded_batch(lengths=(90, 70, 51))
     ref, _, _ = run(model, ids, mask, "full", fake=False)
-    got, cache, transfer = run(model, ids, mask, alpha=1e9, budget=1.0)
+    got, cache, transfer = run(model, ids, mask, alpha=1e9, budget=1.0, uva=uva)
     assert torch.equal(got, ref)
     assert transfer.bytes_moved > 0 and cache.stats["bytes_moved"] == transfer.bytes_moved
-    got, _, _ = run(model, ids, mask, "offload")
+    got, _, _ = run(model, ids, mask, "offload", uva=uva)
     assert torch.equal(got, ref)
 
 
-def test_device_path_selects_as_the_direct_path(device_path):
-    """Budget 0.3 of the past, alpha small enough that rows differ in their counts: the worker trims each fetch
-    to its largest real count, and the tokens are those of the CPU (direct) path with the same selection."""
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
+def test_device_path_selects_as_the_direct_path(device_path, uva):
+    """Budget 0.3 of the past, alpha small enough that rows differ in their counts: the tokens are those of the
+    CPU (direct) path with the same selection; the worker trims each fetch to its largest real count (the uva
+    gather fetches every slot of the cap: the counts stay on the device, as the mask)."""
     model = tiny_model("llama-gqa")
     with torch.no_grad():  # peaked attention (a random init's is flat: every token within any alpha)
         for layer in model.model.layers:
@@ -55,10 +63,10 @@ def test_device_path_selects_as_the_direct_path(device_path):
     for alpha in (1.0, 12.0):
         opts = dict(alpha=alpha, budget=0.3, min_budget=0)
         ref, _, _ = run(model, ids, mask, fake=False, **opts)
-        got, cache, transfer = run(model, ids, mask, **opts)
+        got, cache, transfer = run(model, ids, mask, uva=uva, **opts)
         assert torch.equal(got, ref)
         rows = cache._rows_moved * 2 * 16 * 4  # every slot of every fetch, K and V, float32, d = 16
-        if alpha == 1.0:  # few tokens within alpha: the trimmed fetches move less than the cap's slots
+        if alpha == 1.0 and not uva:  # few tokens within alpha: the trimmed fetches move less than the cap's slots
             assert 0 < transfer.bytes_moved < rows
         else:
             assert transfer.bytes_moved == rows
@@ -77,7 +85,8 @@ def where() -> str:
 SYNCS = ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
 
-def test_decode_loop_has_no_host_sync_on_the_device_path(device_path, model, monkeypatch):
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
+def test_decode_loop_has_no_host_sync_on_the_device_path(device_path, model, monkeypatch, uva):
     """Every call that reads a device tensor's value on the host (a host sync on a GPU), made on the main thread
     during the decode steps, is counted: none. (select used to size each fetch with a .tolist() of the
     counts: one sync per speculated layer and step, draining the compute stream before every prefetch.)"""
@@ -99,7 +108,7 @@ def test_decode_loop_has_no_host_sync_on_the_device_path(device_path, model, mon
     for lengths in ((150,), (150, 110)):  # unpadded (no mask at all) and left-padded
         ids, mask = left_padded_batch(lengths=lengths)
         cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
-        on_fake_cuda(cache)
+        on_fake_cuda(cache, uva)
         counting.clear()
         ig.generate(model, ids, mask, cache=cache, max_new_tokens=6, stop_at_eos=False, on_step=on_step)
         counting.clear()
@@ -109,12 +118,13 @@ def test_decode_loop_has_no_host_sync_on_the_device_path(device_path, model, mon
         calls.clear()
 
 
-def test_no_allocation_inside_decode(device_path, model):
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
+def test_no_allocation_inside_decode(device_path, model, uva):
     """Staging slots, decode-row staging and events are made with the prefill (sized by cache.reserve), none
     inside the decode steps: the buffers stay the same, and no Event is made after step 0."""
     ids, mask = left_padded_batch(lengths=(150, 110))
     cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
-    transfer = on_fake_cuda(cache)
+    transfer = on_fake_cuda(cache, uva)
     seen = {}
 
     def buffers():
@@ -129,32 +139,34 @@ def test_no_allocation_inside_decode(device_path, model):
     assert buffers() == seen["buffers"] and len(transfer.cuda.events) == seen["events"]
 
 
-def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch):
-    """Offload on the device path: no index tensor goes to the host and nothing is gathered through staging;
-    each (sequence, head)'s rows are copied from the pool as they lie (rows_to)."""
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
+def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch, uva):
+    """Offload on the device path: no index tensor goes to the host and nothing is gathered by index or through
+    staging; the pool's rows are copied as they lie (the worker: one copy per (sequence, head), rows_to; uva:
+    one copy from the pool's view)."""
     from infinigen_kv import pool, transfer as transfer_mod
 
     ids, mask = left_padded_batch(lengths=(70, 50))
     ref, _, _ = run(model, ids, mask, "full", fake=False, new=5)
     cache = ig.make_cache("offload", model)
-    transfer = on_fake_cuda(cache)
+    transfer = on_fake_cuda(cache, uva)
     moved = []
     rows_to = transfer_mod.rows_to
     monkeypatch.setattr(transfer_mod, "rows_to", lambda buf, n, out: (moved.append(n), rows_to(buf, n, out)))
     gather = pool.RowBuffer.gather
 
     def no_gather(self, idx, out=None):
-        if threading.current_thread() is not threading.main_thread():
-            raise AssertionError("the offload worker gathered rows by index")
-        return gather(self, idx, out)
+        raise AssertionError("offload gathered rows by index")
 
     monkeypatch.setattr(pool.RowBuffer, "gather", no_gather)
     got = ig.generate(model, ids, mask, cache=cache, max_new_tokens=5, stop_at_eos=False).tokens
     assert torch.equal(got, ref)
-    assert moved and not any(s.bufs for s in transfer.ring.host), [list(s.bufs) for s in transfer.ring.host]  # no index, no staging
+    assert bool(moved) != uva and transfer.bytes_moved > 0
+    assert not any(s.bufs for s in transfer.ring.host)  # no index, no staging
 
 
-def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model, monkeypatch):
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
+def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model, monkeypatch, uva):
     """A prompt in chunks (the server's prefill): each chunk attends over the whole past. The pool is read back
     once per layer (at the second chunk), not once per chunk, and decoding after it matches a one-shot prefill."""
     from infinigen_kv import transfer as transfer_mod
@@ -164,7 +176,7 @@ def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model,
     rows_to = transfer_mod.rows_to
     monkeypatch.setattr(transfer_mod, "rows_to", lambda buf, n, out: (read.append(n), rows_to(buf, n, out)))
     cache, full = ig.make_cache("infinigen", model, budget=0.3, min_budget=0), ig.make_cache("full", model)
-    on_fake_cuda(cache)
+    on_fake_cuda(cache, uva)
     with torch.inference_mode():
         for s in range(0, 200, 50):  # four chunks
             got = model(input_ids=ids[:, s : s + 50], past_key_values=cache, use_cache=True).logits
