@@ -1,0 +1,25 @@
+"""scripts/gpu_check.sh --dry-run: the GPU check's every step, on CPU at tiny sizes (what a GPU machine runs, minus
+the GPU), so that the first GPU run is one command that returns figures."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--contexts", "256",
+                        "--batches", "1,2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "batching", "speed"}
+    assert all(step["ok"] for step in report["steps"].values())
+    speed = report["steps"]["speed"]["rows"]
+    assert {r["method"] for r in speed} >= {"full", "offload", "infinigen-0.1", "infinigen-0.05"}
+    assert all(r["decode_tok_s"] > 0 for r in speed)
+    assert {r.get("fetch") for r in speed if r["method"].startswith("infinigen")} == {"uva", "worker"}
+    assert "| method | B | context |" in (tmp_path / "summary.md").read_text()
