@@ -219,3 +219,8 @@ def test_device_map_with_offloaded_layers_is_refused(model):
         ig.make_cache("infinigen", model, budget=0.3)
     finally:
         del model.hf_device_map
+
+
+def test_hf_offloaded_needs_a_gpu(model):
+    with pytest.raises(ValueError, match="must be on cuda"):
+        ig.make_cache("hf-offloaded", model)

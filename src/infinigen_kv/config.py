@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 
 # every KV-cache method by name (the registry is baselines.METHODS; here so the CLI parses without torch)
-METHOD_NAMES = ("infinigen", "full", "offload", "quant", "streaming", "h2o", "hf-dynamic")
+METHOD_NAMES = ("infinigen", "full", "offload", "quant", "streaming", "h2o", "hf-dynamic", "hf-offloaded")
 DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streaming unless one is given
 # The floor under a fractional budget, in tokens: a budget never fetches (or keeps) fewer than this many entries,
 # or the whole past when it is shorter. 10% of a short past is a few tokens per head, which no selection survives

@@ -28,7 +28,9 @@ def _hf_dynamic(model, **_):
 
 def _hf_offloaded(model, **_):
     """transformers' own offloaded cache: every layer's K/V on the host, the whole layer brought back (and the
-    next one prefetched) at each forward."""
+    next one prefetched) at each forward. It offloads from a GPU: refused for a model on the CPU."""
+    if next(model.parameters()).device.type != "cuda":
+        raise ValueError("hf-offloaded (transformers' offloaded cache) offloads a GPU's cache: the model must be on cuda")
     return DynamicCache(config=model.config, offloading=True)
 
 
