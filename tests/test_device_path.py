@@ -190,6 +190,27 @@ def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model,
     assert cache.stats["fetched_fraction"] < 0.5  # decoded through the pool, the mirror dropped
 
 
+def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypatch):
+    """No device memory for the prompt's mirror: each chunk reads the past back from the pool instead (more
+    bytes moved, same attention)."""
+    from infinigen_kv import transfer as transfer_mod
+
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("no room")
+
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(3))
+    cache, full = ig.make_cache("infinigen", model, budget=0.3, min_budget=0), ig.make_cache("full", model)
+    on_fake_cuda(cache)
+    with torch.inference_mode():
+        for s in range(0, 150, 50):
+            ref = model(input_ids=ids[:, s : s + 50], past_key_values=full, use_cache=True).logits
+            if s == 50:
+                monkeypatch.setattr(transfer_mod, "RowBuffer", no_room)  # the mirror's allocation fails
+            got = model(input_ids=ids[:, s : s + 50], past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(got, ref)
+    assert all(layer.mirror is None for layer in cache.layers)
+
+
 def test_partial_query_from_only_the_rows_it_needs(device_path, model):
     """The PyTorch partial query of a RoPE model with raw channels (a GPU's) computes only the q_proj rows of
     the partial channels and their rotate-half partners, and equals the whole query's channels."""

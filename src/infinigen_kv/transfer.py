@@ -455,12 +455,24 @@ class CudaTransfer:
             return layer.k.valid(), layer.v.valid()
         if layer.mirror is None:
             self.flush(layer)
-            layer.mirror = tuple(RowBuffer(b.batch, b.heads, b.width, b.dtype, self.device) for b in (layer.k, layer.v))
+            try:
+                layer.mirror = tuple(RowBuffer(b.batch, b.heads, b.width, b.dtype, self.device)
+                                     for b in (layer.k, layer.v))
+                for mirror, buf in zip(layer.mirror, (layer.k, layer.v)):
+                    mirror.reserve(buf.length)
+            except torch.cuda.OutOfMemoryError:  # no room for the prompt on the device: read it back per chunk
+                layer.mirror = None
+                return tuple(self._read_back(buf) for buf in (layer.k, layer.v))
             for mirror, buf in zip(layer.mirror, (layer.k, layer.v)):
-                mirror.reserve(buf.length)
                 rows_to(buf, buf.length, mirror.data[:, :, : buf.length])
                 mirror.length = buf.length
         return layer.mirror[0].valid(), layer.mirror[1].valid()
+
+    def _read_back(self, buf) -> torch.Tensor:
+        """A pool buffer's valid rows on the device, copied (async, per (sequence, head)) into a fresh tensor."""
+        out = torch.empty(buf.batch, buf.heads, buf.length, buf.width, dtype=buf.dtype, device=self.device)
+        rows_to(buf, buf.length, out)
+        return out
 
     def reset(self) -> None:
         """Drop what is in flight (a cache reused for a new prompt, or a step abandoned midway)."""
