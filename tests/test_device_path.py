@@ -245,3 +245,18 @@ def test_device_map_with_offloaded_layers_is_refused(model):
 def test_hf_offloaded_needs_a_gpu(model):
     with pytest.raises(ValueError, match="must be on cuda"):
         ig.make_cache("hf-offloaded", model)
+
+
+def test_scores_are_float32_on_every_device(model):
+    """Item 7: the approximate scores are float32 whatever the partial keys' storage (bf16 logits step 0.125-0.25
+    at 20-40 and tie the top-k); on a GPU "auto" stores the partial keys in float32, "model" in the model's dtype."""
+    from infinigen_kv.speculate import approx_scores
+
+    q, k = torch.randn(1, 2, 2, 8, dtype=torch.bfloat16), torch.randn(1, 2, 30, 8, dtype=torch.bfloat16)
+    s = approx_scores(q, k, 0.5)
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(s, q.float() @ k.float().transpose(-1, -2) * 0.5)
+    cache = ig.make_cache("infinigen", model, budget=0.3)
+    assert cache.partial_dtype(torch.bfloat16, torch.device("cuda")) == torch.float32
+    cache.config = cache.config.__class__(**{**cache.config.__dict__, "partial_dtype": "model"})
+    assert cache.partial_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16

@@ -300,6 +300,8 @@ class InfiniGenCache(Rebatch, Cache):
         # the whole head)
         self.pq_rows = self.pq_channels = None
         self._pq_rows_memo = {}  # layer -> its q_proj rows and channel maps on its device (_pq_rows_on)
+        self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
+        self._rope_channels_memo = (None, None, None)  # (cos, cos at P, signed sin at P) of the current step
         if calibration is not None and self.arch.rope and calibration.unskewed and not self.arch.qk_norm:
             self.pq_rows = list(rope_channels(calibration.channels, self.arch.head_dim))
             self.pq_channels = [c.contiguous() for c in calibration.channels]
@@ -410,21 +412,22 @@ class InfiniGenCache(Rebatch, Cache):
     def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels): x (B, D) times only the
         q_proj rows of the partial channels P and their rotate-half partners S (a copy of those rows made once per
-        layer, on its device), then RoPE of P in float32 with cos, sin (B, d): (B, G, r, p)."""
-        W, b, own, partner, sign, P = self._pq_rows_on(layer, x.device)
+        layer, on its device), then RoPE of P in float32, from cos and the signed sin of every layer's P gathered
+        once a step (_step_rope_channels): (B, G, r, p). Five small ops a layer (a GPU step is host-bound)."""
+        W, b, both = self._pq_rows_on(layer, x.device)
         a = self.arch
-        B, (G, p) = x.shape[0], P.shape
+        B, (G, p2) = x.shape[0], both.shape
         y = F.linear(x.to(W.dtype), W, b).float().view(B, G, a.group, -1)  # (B, G, r, c)
         if a.q_scale != 1.0:
             y = y * a.q_scale
-        at = lambda i: y.gather(-1, i.view(1, G, 1, p).expand(B, G, a.group, p))  # noqa: E731
-        cos_p, sin_p = (t.index_select(1, P.view(-1)).view(B, G, 1, p) for t in (cos, sin))
-        return at(own) * cos_p + at(partner) * sign.view(1, G, 1, p) * sin_p
+        y = y.gather(-1, both.view(1, G, 1, p2).expand(B, G, a.group, p2))  # (B, G, r, 2p): [P, partners of P]
+        cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device)
+        p = p2 // 2
+        return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
 
     def _pq_rows_on(self, layer: int, device) -> tuple:
-        """(W (H c, D), bias or None, own (G, p), partner (G, p), sign (G, p), P (G, p)) of `layer` on `device`:
-        the q_proj rows h d + S[g] of every query head h of group g; where P[g, t] and its partner (t +- d/2)
-        sit in S[g], and the partner's sign in rotate-half (- below d/2)."""
+        """(W (H c, D), bias or None, both (G, 2p)) of `layer` on `device`: the q_proj rows h d + S[g] of every query
+        head h of group g, and where P[g, t] and then its rotate-half partner (t +- d/2) sit in S[g]."""
         memo = self._pq_rows_memo.get(layer)
         if memo is not None and memo[0].device == torch.device(device):
             return memo
@@ -438,12 +441,29 @@ class InfiniGenCache(Rebatch, Cache):
         W = proj.weight.detach()[rows.to(proj.weight.device)].to(device)
         b = proj.bias.detach()[rows.to(proj.bias.device)].to(device) if proj.bias is not None else None
         where = [{ch: i for i, ch in enumerate(S[g].tolist())} for g in range(G)]
-        own = torch.tensor([[where[g][ch] for ch in P[g].tolist()] for g in range(G)])
-        partner = torch.tensor([[where[g][(ch + half) % d] for ch in P[g].tolist()] for g in range(G)])
-        sign = torch.tensor([[-1.0 if ch < half else 1.0 for ch in P[g].tolist()] for g in range(G)])
-        memo = (W, b) + tuple(t.to(device) for t in (own, partner, sign, P))
+        both = torch.tensor([[where[g][ch] for ch in P[g].tolist()] + [where[g][(ch + half) % d] for ch in P[g].tolist()]
+                             for g in range(G)])
+        memo = (W, b, both.to(device))
         self._pq_rows_memo[layer] = memo
         return memo
+
+    def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device):
+        """cos and the rotate-half-signed sin (B, L, G, 1, p) at every layer's partial channels P, of a decode step's
+        cos, sin (B, d): gathered once a step for all layers (memoized on the step's cos tensor)."""
+        memo = self._rope_channels_memo
+        if memo[0] is cos:
+            return memo[1], memo[2]
+        if self._channels_all is None or self._channels_all[0].device != torch.device(device):
+            P = torch.stack([c for c in self.pq_channels])  # (L, G, p)
+            sign = torch.where(P < self.arch.head_dim // 2, -1.0, 1.0)  # rotate-half: -x[c + d/2] below d/2
+            self._channels_all = (P.to(device), sign.to(device))
+        P, sign = self._channels_all
+        L, G, p = P.shape
+        B = cos.shape[0]
+        cos_p = cos.index_select(1, P.view(-1)).view(B, L, G, 1, p)
+        ssin_p = (sin.index_select(1, P.view(-1)).view(B, L, G, p) * sign).view(B, L, G, 1, p)
+        self._rope_channels_memo = (cos, cos_p, ssin_p)
+        return cos_p, ssin_p
 
     def _step_rope(self, rope, B: int):
         """cos, sin (B, d) float32 of a decode step's position from rope (B or 1, 1, d): every layer of a
@@ -567,6 +587,7 @@ class InfiniGenCache(Rebatch, Cache):
                     tensors[i] = None
         self._keep_total = (None, None)
         self._rope_memo = (None, None, None)
+        self._rope_channels_memo = (None, None, None)
         self.selection.reset()
 
     def reset(self):
@@ -579,6 +600,7 @@ class InfiniGenCache(Rebatch, Cache):
         self._possible_t = [None] * len(self.layers)
         self._keep_total = (None, None)
         self._rope_memo = (None, None, None)
+        self._rope_channels_memo = (None, None, None)
         self._rows = [0] * len(self.layers)
         self._steps = [0] * len(self.layers)
         self._rows_moved = 0

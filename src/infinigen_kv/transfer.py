@@ -204,6 +204,7 @@ class CudaTransfer:
         self.prefill_jobs = [None, None]
         self.prefill_next = 0
         self.bytes_moved = 0  # host -> device bytes of decode fetches (the worker adds them)
+        self.arange = None  # 0..n-1 on the device, for the working-set masks (_positions)
 
     def compute_stream(self):
         """The stream this device's layers compute on (with device_map, not necessarily the current
@@ -226,6 +227,7 @@ class CudaTransfer:
         row = self.rows.setdefault(layer.layer_idx, Scratch("cpu", pin=self.pin))
         row.get("k", (B, G, 1, kw), dt), row.get("v", (B, G, 1, vw), dt)
         if rows:
+            self._positions(rows + 1)
             for host, dev in zip(self.ring.host, self.ring.dev):
                 if staged and not self.uva:
                     host.get("idx", (B, G, rows), torch.int64), host.get("count", (B, G), torch.int64)
@@ -346,8 +348,17 @@ class CudaTransfer:
         V = torch.cat([v_new, dv], dim=2)
         self.ring.release(slot, self.compute_stream())
         fetch.rows = None
-        mask = fetch.real_mask()
-        return K, V, work_mask(mask[..., : dk.shape[2]] if mask is not None else None)
+        m = dk.shape[2]
+        if fetch.count is not None:  # [new token, m slots]: the new token and the first count slots (one op)
+            return K, V, (self._positions(m + 1) <= fetch.count.unsqueeze(-1)).unsqueeze(2)
+        return K, V, work_mask(fetch.real[..., :m] if fetch.real is not None else None)
+
+    def _positions(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device, a slice of one tensor made with the prefill (init_layer), not each step."""
+        if self.arange is None or self.arange.numel() < n:
+            self.arange = torch.arange(max(n, 2 * (self.arange.numel() if self.arange is not None else 0)),
+                                       device=self.device)
+        return self.arange[:n]
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """New rows into the pool. Device-resident layers (dense ones: layer 0) append directly. A host pool
