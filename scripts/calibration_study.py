@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.adapters import get_arch
+from infinigen_kv.model.arch import get_arch
 from infinigen_kv.bench.tasks import passkey
-from infinigen_kv.calibrate import collect_qk, generated_text_ids, skew_layer, text_file_ids
+from infinigen_kv.methods.infinigen.calibration import skew_layer
+from infinigen_kv.methods.infinigen.offline import collect_qk, generated_text_ids, text_file_ids
 
 
 def capture(model, arch, ids):

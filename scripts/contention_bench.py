@@ -1,5 +1,5 @@
-"""Decode speed alone and beside a competing process that keeps every core busy (docs/BENCHMARKS.md, "Busy
-machine"): a CPU library runs beside builds, other models and test runs, and must degrade gracefully there.
+"""Decode speed alone and beside a competing process that keeps every core busy (docs/BENCHMARKS.md, "Beside
+other work"): a CPU library runs beside builds, other models and test runs, and must degrade gracefully there.
 
 For each competitor (none; another PyTorch process multiplying 1024 x 1024 matrices on its default threads;
 one plain Python busy loop per core) and each setting (extra arguments for `infinigen bench speed`, and an

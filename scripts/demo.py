@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from infinigen_kv.bench.tasks import passkey
-from infinigen_kv.models import load_model
+from infinigen_kv.model.load import load_model
 
 root = Path(__file__).resolve().parent.parent
 build = root / "build"

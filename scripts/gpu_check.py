@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 import infinigen_kv as ig  # noqa: E402
-from infinigen_kv.generation import generate  # noqa: E402
+from infinigen_kv.runtime.generation import generate  # noqa: E402
 
 
 def log(*a):
@@ -113,7 +113,7 @@ def step_race(c: Check) -> dict:
     """Delays where a missing wait would show: the worker sleeps before gathering, the side stream spins before
     its copy, the compute stream spins before reading a slot. Tokens must equal an undelayed run."""
     from conftest import left_padded_batch
-    from infinigen_kv import transfer as tr
+    from infinigen_kv.methods.infinigen import cuda_transfer as tr
 
     model = tiny("llama-gqa", c, torch.float32)
     ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=(300, 260, 200)))
@@ -384,7 +384,7 @@ def main() -> int:
     batches = [int(x) for x in args.batches.split(",")]
     new_tokens = args.new_tokens or (4 if dry else 32)
     if dry:
-        from infinigen_kv import kernels
+        from infinigen_kv.model import kernels
 
         kernels.cpu = lambda: None  # the PyTorch code a GPU runs
     info = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)", "torch": torch.__version__,

@@ -12,10 +12,11 @@ import types
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv import attention as attention_mod
-from infinigen_kv import kernels
-from infinigen_kv import cache as cache_mod
-from infinigen_kv import selection as selection_mod
+from infinigen_kv.model import install as attention_mod
+from infinigen_kv.model import kernels
+from infinigen_kv.methods.infinigen import cache as cache_mod
+from infinigen_kv.methods.infinigen import layer as layer_mod
+from infinigen_kv.methods.infinigen import speculator as selection_mod
 from infinigen_kv.bench.speed import prompts
 
 TIMES = collections.defaultdict(float)
@@ -61,7 +62,7 @@ def main():
         timed(kernels._module, "attend", "attention kernel (all layers, full's too)")
         timed(kernels._module, "linear", "linear kernel (all decode linears)")
         timed(kernels._module, "partial_query", "  partial query kernel")
-    timed(cache_mod.InfiniGenLayer, "update", "update (pool append, fetch)")
+    timed(layer_mod.InfiniGenLayer, "update", "update (pool append, fetch)")
     timed(attention_mod, "infinigen_attention", "attention")
     attention_mod.register()  # re-register the wrapped attention function
     x = torch.full((B, 1), 100)

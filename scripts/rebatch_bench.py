@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from infinigen_kv.baselines import make_cache
-from infinigen_kv.batching import Prefill, RunningBatch
-from infinigen_kv.models import load_model
+from infinigen_kv.methods.registry import make_cache
+from infinigen_kv.runtime.batching import Prefill, RunningBatch
+from infinigen_kv.model.load import load_model
 
 
 def main() -> None:

@@ -11,11 +11,11 @@ Prints the outputs, the per-layer recall and those layers (docs/BENCHMARKS.md, "
 import argparse
 
 import infinigen_kv as ig
-from infinigen_kv.baselines import make_cache
+from infinigen_kv.methods.registry import make_cache
 from infinigen_kv.bench import accuracy, ruler
 from infinigen_kv.cli import _budget
-from infinigen_kv.generation import generate, prefill
-from infinigen_kv.tee import TeeCache
+from infinigen_kv.runtime.generation import generate, prefill
+from infinigen_kv.bench.tee import TeeCache
 
 
 def decode(model, tokenizer, ids, cache, logits, max_new, scorer, dense=()):

@@ -1,7 +1,7 @@
 """Tuning InfiniGen's knobs on the accuracy harness: one row per variant of the defaults (alpha,
 partial_ratio, GQA combination, channel rule, skew, calibration text), scored on decode-mode perplexity
 (reduced windows), niah and passkey at one budget. The defaults in config.py follow this table
-(docs/BENCHMARKS.md, "Tuning").
+(docs/BENCHMARKS.md, "Tuning InfiniGen's defaults").
 
     python scripts/tuning_study.py --data ../shared/data [--budget 0.1] [--samples 5]
 """

@@ -20,7 +20,7 @@ ALL_THREADS = torch.get_num_threads()  # the count the suite started with
 def _fixed_threads():
     """Tests compare runs bit for bit: the thread tuner stays off (PyTorch's own ops, unlike the kernels, may
     differ in the last bit between thread counts), and every test starts on all cores."""
-    from infinigen_kv import threads
+    from infinigen_kv.runtime import threads
 
     threads.TUNER.enabled = False
     torch.set_num_threads(ALL_THREADS)
@@ -139,17 +139,17 @@ def row_zero_selections(model, ids, mask, new_tokens=16, **cache_kwargs):
     step (exact floats), row 0's chosen token positions per prefetch, as lists per KV head, counted from its
     first real token)."""
     import infinigen_kv as ig
-    from infinigen_kv.cache import InfiniGenCache
+    from infinigen_kv.methods.infinigen.cache import InfiniGenCache
 
     pad, seen = int((mask[0] == 0).sum()), []
     real = InfiniGenCache.prefetch
 
-    def spy(self, target, fetch, keep, partial_row):
+    def spy(self, target, fetch):
         idx, got = fetch.idx[0], fetch.count[0] if fetch.count is not None else None
         seen.append([sorted((idx[g, : int(got[g])] if got is not None else idx[g][fetch.real[0, g]]) .tolist())
                      for g in range(idx.shape[0])])
         seen[-1] = [[i - pad for i in g] for g in seen[-1]]
-        return real(self, target, fetch, keep, partial_row)
+        return real(self, target, fetch)
 
     InfiniGenCache.prefetch = spy
     try:  # the budget's fraction as named (short test prompts are under the default floor: nothing selected)
@@ -213,7 +213,7 @@ class FakeCuda:
 def on_fake_cuda(cache, uva: bool = True):
     """Make `cache` (not yet run) move its rows with CudaTransfer on CPU stand-ins: returns the transfer. uva: the
     side stream gathers from the pool's device view (the default on a GPU that allows it), else the worker."""
-    from infinigen_kv.transfer import CudaTransfer
+    from infinigen_kv.methods.infinigen.cuda_transfer import CudaTransfer
 
     transfer = CudaTransfer("cpu", cuda=FakeCuda(), pin=False, uva=uva)
     cache._transfers = {torch.device("cpu"): transfer}

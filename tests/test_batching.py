@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.batching import Prefill, RunningBatch
-from infinigen_kv.baselines import make_cache
-from infinigen_kv.generation import generate, prefill
-from infinigen_kv.sampling import SamplingParams
+from infinigen_kv.runtime.batching import Prefill, RunningBatch
+from infinigen_kv.methods.registry import make_cache
+from infinigen_kv.runtime.generation import generate, prefill
+from infinigen_kv.runtime.sampling import SamplingParams
 
 # (name, method, options): exact at full budget for every method; infinigen also at its default budget
 METHODS = [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0}),
@@ -64,16 +64,17 @@ def test_a_sequence_does_not_depend_on_its_batch(tiny_models, kind, name, method
 def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatch):
     """At the default fraction every prefetch of row "a" picks the same positions (counted from its first real
     token) alone and in a batch that others join and leave."""
-    from infinigen_kv.cache import InfiniGenCache
+    from infinigen_kv.methods.infinigen.cache import InfiniGenCache
 
     real, seen = InfiniGenCache.prefetch, []
 
-    def spy(self, target, fetch, keep, partial_row):
+    def spy(self, target, fetch):
+        keep = fetch.keep
         pad = int(keep[0, 0].long().argmax()) if keep is not None else 0  # row 0 ("a"): its padding
         idx, got = fetch.idx[0], fetch.count[0] if fetch.count is not None else None
         seen.append([sorted(int(i) - pad for i in (idx[g, : int(got[g])] if got is not None else idx[g][fetch.real[0, g]]))
                      for g in range(idx.shape[0])])
-        return real(self, target, fetch, keep, partial_row)
+        return real(self, target, fetch)
 
     monkeypatch.setattr(InfiniGenCache, "prefetch", spy)
     model = tiny_models["llama-gqa"]
@@ -199,7 +200,7 @@ def test_a_cache_goes_with_its_last_reference(tiny_models):
 def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
     """TeeCache: one prefill lands in full, infinigen, h2o (its prefill scores too), streaming and offload
     caches; each, forked per budget, decodes exactly as if prefilled alone."""
-    from infinigen_kv.tee import TeeCache
+    from infinigen_kv.bench.tee import TeeCache
 
     for kind in ("llama-gqa", "gemma3", "qwen2"):
         model = tiny_models[kind]

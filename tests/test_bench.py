@@ -186,7 +186,7 @@ def test_bench_accuracy_ruler_suite_and_mean(tmp_path, capsys):
 
 
 def test_ruler_summary_table():
-    from infinigen_kv.bench.accuracy import ruler_summary
+    from infinigen_kv.bench.accuracy_report import ruler_summary
 
     rows = [{"task": t, "method": m, "budget": b, "value": v, "n": 10, "fetched_fraction": f}
             for m, b, f, vs in (("full", None, 1.0, (1.0, 0.5)), ("infinigen", 0.1, 0.12, (1.0, 0.0)))

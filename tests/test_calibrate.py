@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.adapters import get_arch
-from infinigen_kv.calibrate import (Calibration, CalibrationError, calibrate, collect_qk, default_path, fingerprint,
-                                   load_or_calibrate)
+from infinigen_kv.model.arch import get_arch, step_inputs
+from infinigen_kv.methods.infinigen import Calibration, CalibrationError, InfiniGenCache, calibrate
+from infinigen_kv.methods.infinigen.calibration import default_path, fingerprint
+from infinigen_kv.methods.infinigen.offline import collect_qk, load_or_calibrate
 from conftest import KINDS, tiny_model
 
 
@@ -103,6 +104,7 @@ def test_arch_queries_and_keys_are_the_models(kind):
     AttentionInterface.register("capture-test", capture)
     model.config._attn_implementation = "capture-test"
     arch = get_arch(model)
+    arch.step = step_inputs(model, arch.base)  # the hooks install() registers: what a forward computes once
     for l, attn in enumerate(arch.attns):
         attn.register_forward_pre_hook(
             lambda m, a, kw, l=l: inputs.__setitem__(l, (kw["hidden_states"], kw.get("position_embeddings"))),
@@ -135,7 +137,7 @@ def test_recall_is_measured_once_and_kept(tmp_path, tiny_models):
     default_path(model, config).unlink(missing_ok=True)  # whatever another test cached
     plain = load_or_calibrate(model, ig.InfiniGenConfig(partial_ratio=0.5))  # cached without recall
     assert "recall" not in plain.meta
-    with_recall = load_or_calibrate(model, config)  # measured now, and saved in the cache file
+    with_recall = load_or_calibrate(model, config, cache_cls=InfiniGenCache)  # measured now, and saved in the cache file
     assert with_recall.meta["recall"][1] is not None
     assert load_or_calibrate(model, ig.InfiniGenConfig(partial_ratio=0.5)).meta["recall"] == with_recall.meta["recall"]
 
@@ -149,7 +151,7 @@ def test_calibration_reports_progress_and_its_time_without_a_terminal(tiny_model
     TICK_SECONDS: here every step) and how long it took."""
     import importlib
 
-    calibration = importlib.import_module("infinigen_kv.calibrate")  # the module (the package exports the function)
+    calibration = importlib.import_module("infinigen_kv.methods.infinigen.offline")  # calibrating a model
 
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "TICK_SECONDS", 0.0)

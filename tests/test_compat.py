@@ -13,7 +13,7 @@ from transformers.models.opt.modeling_opt import OPTAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 import infinigen_kv as ig
-from infinigen_kv.attention import HOOK_KWARGS, NAME
+from infinigen_kv.model.install import HOOK_KWARGS, NAME
 from conftest import left_padded_batch
 
 

@@ -15,7 +15,7 @@ def gpu_model():
 
 
 def test_pool_is_pinned_and_stream_path_used(gpu_model):
-    from infinigen_kv.transfer import CudaTransfer
+    from infinigen_kv.methods.infinigen.cuda_transfer import CudaTransfer
 
     ids, mask = left_padded_batch(lengths=(64, 50))
     cache = ig.make_cache("infinigen", gpu_model, budget=0.3, min_budget=0)
@@ -118,8 +118,8 @@ def test_reset_mid_run_leaves_nothing_in_flight(gpu_model):
 def test_a_fork_on_gpu_has_its_own_pinned_pool_and_stream(gpu_model):
     """Rebatch.fork on the CUDA path (the accuracy bench's per-budget decodes): a copy with its own pinned pool
     and transfer engine decodes as a cache prefilled alone, and leaves the original as it was."""
-    from infinigen_kv.generation import generate, prefill
-    from infinigen_kv.tee import TeeCache
+    from infinigen_kv.runtime.generation import generate, prefill
+    from infinigen_kv.bench.tee import TeeCache
 
     ids = torch.randint(3, 256, (1, 120), generator=torch.Generator().manual_seed(0)).cuda()
     base, full = ig.make_cache("infinigen", gpu_model, budget=0.2, min_budget=0), ig.make_cache("full", gpu_model)
@@ -141,7 +141,7 @@ def test_pinned_pool_joins_in_place_and_is_counted_whole():
     """Continuous batching on a pinned pool: a join allocates spare sequences (half as many again), so the next
     join writes into them in place instead of re-pinning the batch; nbytes counts the whole pinned allocation
     (the server's pool figure) and the cost model counts pinned bytes at the allocator's worst rounding."""
-    from infinigen_kv.pool import PIN_ROUNDING, RowBuffer
+    from infinigen_kv.methods.rows import PIN_ROUNDING, RowBuffer
 
     def buf(n):
         b = RowBuffer(1, 2, 64, torch.bfloat16, "cpu", pin=True)

@@ -5,8 +5,8 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.bench.tasks import passkey
-from infinigen_kv.calibrate import cache_dir
-from infinigen_kv.models import model_dtype
+from infinigen_kv.config import cache_dir
+from infinigen_kv.model.load import model_dtype
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch, on_fake_cuda, tiny_model
-from infinigen_kv import kernels
+from infinigen_kv.model import kernels
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_device_path_selects_as_the_direct_path(device_path, uva):
         ref, _, _ = run(model, ids, mask, fake=False, **opts)
         got, cache, transfer = run(model, ids, mask, uva=uva, **opts)
         assert torch.equal(got, ref)
-        rows = cache._rows_moved * 2 * 16 * 4  # every slot of every fetch, K and V, float32, d = 16
+        rows = cache.counters.rows_moved * 2 * 16 * 4  # every slot of every fetch, K and V, float32, d = 16
         if alpha == 1.0 and not uva:  # few tokens within alpha: the trimmed fetches move less than the cap's slots
             assert 0 < transfer.bytes_moved < rows
         else:
@@ -144,7 +144,8 @@ def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch, uva):
     """Offload on the device path: no index tensor goes to the host and nothing is gathered by index or through
     staging; the pool's rows are copied as they lie (the worker: one copy per (sequence, head), rows_to; uva:
     one copy from the pool's view)."""
-    from infinigen_kv import pool, transfer as transfer_mod
+    from infinigen_kv.methods import rows as pool
+    from infinigen_kv.methods.infinigen import cuda_transfer as transfer_mod
 
     ids, mask = left_padded_batch(lengths=(70, 50))
     ref, _, _ = run(model, ids, mask, "full", fake=False, new=5)
@@ -169,7 +170,7 @@ def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch, uva):
 def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model, monkeypatch, uva):
     """A prompt in chunks (the server's prefill): each chunk attends over the whole past. The pool is read back
     once per layer (at the second chunk), not once per chunk, and decoding after it matches a one-shot prefill."""
-    from infinigen_kv import transfer as transfer_mod
+    from infinigen_kv.methods.infinigen import cuda_transfer as transfer_mod
 
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(3))
     read = []
@@ -193,7 +194,7 @@ def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model,
 def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypatch):
     """No device memory for the prompt's mirror: each chunk reads the past back from the pool instead (more
     bytes moved, same attention)."""
-    from infinigen_kv import transfer as transfer_mod
+    from infinigen_kv.methods.infinigen import cuda_transfer as transfer_mod
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room")
@@ -220,11 +221,11 @@ def test_partial_query_from_only_the_rows_it_needs(device_path, model):
     pos = torch.tensor([[5], [17], [40]])
     rope = model.model.rotary_emb(x, pos)
     for layer in range(1, a.num_layers):
-        W = cache._pq_rows_on(layer, "cpu")[0]
+        W = cache.pq.rows_on(layer, "cpu")[0]
         assert W.shape[0] < a.num_heads * a.head_dim  # fewer rows than the whole q_proj
         got = cache.partial_query(layer, x, rope)
         q = a.query(layer, x, rope).view(3, a.num_kv_heads, a.group, a.head_dim)
-        ref = q.gather(-1, cache.pq_channels[layer].view(1, a.num_kv_heads, 1, -1).expand(3, -1, a.group, -1))
+        ref = q.gather(-1, cache.pq.channels[layer].view(1, a.num_kv_heads, 1, -1).expand(3, -1, a.group, -1))
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -250,7 +251,7 @@ def test_hf_offloaded_needs_a_gpu(model):
 def test_scores_are_float32_on_every_device(model):
     """Item 7: the approximate scores are float32 whatever the partial keys' storage (bf16 logits step 0.125-0.25
     at 20-40 and tie the top-k); on a GPU "auto" stores the partial keys in float32, "model" in the model's dtype."""
-    from infinigen_kv.speculate import approx_scores
+    from infinigen_kv.methods.infinigen.speculator import approx_scores
 
     q, k = torch.randn(1, 2, 2, 8, dtype=torch.bfloat16), torch.randn(1, 2, 30, 8, dtype=torch.bfloat16)
     s = approx_scores(q, k, 0.5)

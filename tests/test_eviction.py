@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.pool import Slots
+from infinigen_kv.methods.infinigen.pool import Slots
 from conftest import left_padded_batch
 from test_exactness import EXACT, step_logits
 

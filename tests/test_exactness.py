@@ -180,7 +180,7 @@ def test_local_prefill_equals_the_masked_one(T):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from infinigen_kv.attention import _local_prefill
+    from infinigen_kv.model.attention import _local_prefill
 
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
     q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
@@ -193,7 +193,7 @@ def test_local_prefill_equals_the_masked_one(T):
 def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():
     """The sampler takes the nucleus from the top NUCLEUS_TOPK ids when it lies there and sorts the whole
     vocabulary when it does not: either way the draws of a full sort's nucleus, same seed."""
-    from infinigen_kv.sampling import NUCLEUS_TOPK, Sampler, SamplingParams
+    from infinigen_kv.runtime.sampling import NUCLEUS_TOPK, Sampler, SamplingParams
 
     def reference(logits, temperature, top_p, seed):
         probs = torch.softmax(logits / temperature, dim=-1)

@@ -6,7 +6,7 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.bench.tasks import passkey
-from infinigen_kv.adapters import get_arch
+from infinigen_kv.model.arch import get_arch
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from conftest import left_padded_batch
 
 @pytest.mark.parametrize("chunk", [256, 7])  # one chunk of queries, or several (each over its causal keys)
 def test_prefill_scores_are_attention_column_sums(tiny_models, monkeypatch, chunk):
-    from infinigen_kv.adapters import get_arch
-    from infinigen_kv.baselines import h2o
-    from infinigen_kv.calibrate import collect_qk
+    from infinigen_kv.model.arch import get_arch
+    from infinigen_kv.methods import h2o
+    from infinigen_kv.methods.infinigen.offline import collect_qk
 
     monkeypatch.setattr(h2o, "QUERY_CHUNK", chunk)
     model = tiny_models["llama-mha"]
@@ -34,9 +34,9 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
     query's window on, and the sums still equal the windowed attention's column sums."""
     from conftest import tiny_model
 
-    from infinigen_kv.adapters import get_arch
-    from infinigen_kv.baselines import h2o
-    from infinigen_kv.calibrate import collect_qk
+    from infinigen_kv.model.arch import get_arch
+    from infinigen_kv.methods import h2o
+    from infinigen_kv.methods.infinigen.offline import collect_qk
 
     monkeypatch.setattr(h2o, "QUERY_CHUNK", 7)
     model = tiny_model("mistral")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv import kernels
-from infinigen_kv.speculate import relative
+from infinigen_kv.model import kernels
+from infinigen_kv.methods.infinigen.speculator import relative
 from conftest import KINDS, left_padded_batch
 from test_exactness import step_logits
 
@@ -122,7 +122,7 @@ def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
     rounded to bfloat16)."""
     import copy
 
-    from infinigen_kv.models import fast_cpu_linears
+    from infinigen_kv.model.load import fast_cpu_linears
 
     ref = copy.deepcopy(tiny_models["qwen2"])  # biases too
     fast = copy.deepcopy(ref)
@@ -143,13 +143,13 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     weights without RoPE) equals the full query's skewed channels."""
     import copy
 
-    from infinigen_kv.models import fast_cpu_linears
+    from infinigen_kv.model.load import fast_cpu_linears
 
     model = copy.deepcopy(tiny_models[kind])
     fast_cpu_linears(model, weights=weights)
     cache = ig.make_cache("infinigen", model)
     # tiny RoPE models calibrate unskewed ("auto"); a QK-norm needs whole heads: no row kernel
-    assert (cache.pq_rows is not None) == (cache.arch.rope and not cache.arch.qk_norm)
+    assert (cache.pq.rows is not None) == (cache.arch.rope and not cache.arch.qk_norm)
     torch.manual_seed(4)
     B, D, d = 3, cache.arch.hidden_size, cache.arch.head_dim
     x = torch.randn(B, 1, D)
@@ -183,7 +183,7 @@ def test_partial_key_storage(tiny_models, monkeypatch):
 
 def test_bf16_weights_default(monkeypatch):
     """Weight-only bfloat16 is the CPU default where the kernels can read it; float32 when asked or without them."""
-    from infinigen_kv.models import bf16_weights
+    from infinigen_kv.model.load import bf16_weights
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
@@ -196,8 +196,8 @@ def test_weight_bytes_count_bf16_copies(tiny_models):
     """The bytes model reads a linear layer's bfloat16 decode copy at 2 bytes per weight (bf16-weights)."""
     import copy
 
-    from infinigen_kv.models import fast_cpu_linears, model_dtype
-    from infinigen_kv.report import weight_bytes
+    from infinigen_kv.model.load import fast_cpu_linears, model_dtype
+    from infinigen_kv.bench.report import weight_bytes
 
     model = copy.deepcopy(tiny_models["llama-gqa"])
     before = weight_bytes(model)
@@ -214,7 +214,7 @@ def test_env_switch_read_at_start_up():
     import subprocess
     import sys
 
-    code = "from infinigen_kv import kernels; assert kernels.cpu() is None; print('off')"
+    code = "from infinigen_kv.model import kernels; assert kernels.cpu() is None; print('off')"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "INFINIGEN_KERNELS": "0"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "off" in out.stdout, out.stderr
@@ -271,7 +271,7 @@ def test_kernels_give_the_same_bits_with_any_thread_count(tiny_models):
 def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
     """Every interval the tuner reads how many cores other processes kept busy (the CPUs' busy time minus this
     process's own) and runs on the rest, at least one, at most the count it started with; --threads fixes it."""
-    from infinigen_kv import threads
+    from infinigen_kv.runtime import threads
 
     counts = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: counts.append(n))
@@ -331,7 +331,7 @@ def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
 def test_the_machine_load_is_read_from_proc_stat():
     """On Linux the sample is real: wall time, busy seconds of this process's CPUs and our own CPU seconds all
     grow, and a busy loop of ours shows up as our own time, not as another process's."""
-    from infinigen_kv import threads
+    from infinigen_kv.runtime import threads
 
     load = threads.Load()
     first = load.sample()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.pool import CHUNK, RowBuffer
+from infinigen_kv.methods.rows import CHUNK, RowBuffer
 
 
 def test_growth_keeps_contents_and_is_chunked():
@@ -52,7 +52,7 @@ def test_worker_writes_inference_tensors():
     (ig.generate): it must run under inference mode too. The mechanism, reproduced on CPU with a thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from infinigen_kv.transfer import submit_inference
+    from infinigen_kv.methods.infinigen.cuda_transfer import submit_inference
 
     with torch.inference_mode():
         pool = torch.zeros(4, 8)
@@ -74,7 +74,7 @@ def test_prefill_leaves_room_for_decode():
 
 
 def test_pinned_capacity_fills_the_power_of_two_block():
-    from infinigen_kv.pool import pinned_capacity
+    from infinigen_kv.methods.rows import pinned_capacity
 
     row = 4 * 3 * 64 * 2  # B x G x d x bf16
     for rows in (1, 1000, 4096 + 64, 5000):
@@ -89,7 +89,7 @@ def test_no_buffer_grows_inside_decode(tiny_models, method, monkeypatch):
     """ig.generate sizes every buffer for prompt + new tokens before the prefill: no pool is re-allocated (on
     a GPU: re-pinned, every layer at once) inside decode. Small chunks make the old growth show at step 9."""
     import infinigen_kv as ig
-    from infinigen_kv import pool
+    from infinigen_kv.methods import rows as pool
 
     monkeypatch.setattr(pool, "CHUNK", 8)
     model = tiny_models["llama-gqa"]
@@ -113,7 +113,7 @@ def test_staging_ring_is_shared_in_turn_and_refuses_overrun():
     """The CUDA path's staging slots are used in turn by every layer; a slot is held from its prefetch to
     its layer's fetch, and more fetches in flight than slots is a bug that must not pass silently."""
     from conftest import FakeCuda
-    from infinigen_kv.transfer import StagingRing
+    from infinigen_kv.methods.infinigen.cuda_transfer import StagingRing
 
     cuda = FakeCuda()
     ring = StagingRing("cpu", cuda, slots=3, pin=False)
@@ -171,7 +171,7 @@ def test_cost_model_counts_pinned_rounding():
     """A pinned pool's bytes per token are counted at the pinned allocator's worst rounding (a power of two):
     the server's admission must not let pinned memory outgrow RAM."""
     from conftest import tiny_model
-    from infinigen_kv.pool import PIN_ROUNDING
+    from infinigen_kv.methods.rows import PIN_ROUNDING
 
     model = tiny_model("llama-gqa")
     cache = ig.make_cache("infinigen", model, budget=0.3)

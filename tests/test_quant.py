@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.baselines.quant import GROUP, dequantize, quantize
+from infinigen_kv.methods.quant import GROUP, dequantize, quantize
 from conftest import left_padded_batch
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.sampling import Sampler, SamplingParams
+from infinigen_kv.runtime.sampling import Sampler, SamplingParams
 
 V = 50
 
@@ -89,7 +89,7 @@ def test_bad_knobs_are_refused():
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(TypeError, match="unknown sampling knob"):
-        from infinigen_kv.sampling import params_list
+        from infinigen_kv.runtime.sampling import params_list
 
         params_list(1, top_q=3)
 

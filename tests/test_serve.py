@@ -418,7 +418,7 @@ def test_admission_by_pool_bytes(model_dir, tmp_path):
 
 
 def test_text_stream_holds_back_what_may_start_a_stop_sequence():
-    from infinigen_kv.serve.engine import TextStream
+    from infinigen_kv.serve.output import TextStream
 
     class Chars:  # token id = code point
         def decode(self, ids, skip_special_tokens=True):

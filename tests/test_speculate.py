@@ -5,7 +5,8 @@ import torch
 
 from conftest import KINDS, row_zero_selections, tiny_model
 
-from infinigen_kv.speculate import approx_scores, counted, select
+from infinigen_kv.methods.infinigen.fetch import counted
+from infinigen_kv.methods.infinigen.speculator import approx_scores, select
 
 
 def rows(*vals):
@@ -87,7 +88,7 @@ def test_a_rows_selection_does_not_depend_on_its_batch(kind):
     """Issue 13, item 1: a row's tokens and its chosen entries at every layer and step are the same alone and
     in a batch, padded or not (the prefill's BLAS path, SDPA's blocking over the padded length and the
     linear kernel's row blocks each made a row's last bits depend on its batch-mates)."""
-    from infinigen_kv.models import fast_cpu_linears
+    from infinigen_kv.model.load import fast_cpu_linears
 
     model = tiny_model(kind)
     fast_cpu_linears(model, weights="bfloat16")  # as load_model does on CPU: the decode's linear kernel
@@ -107,7 +108,8 @@ def test_a_rows_selection_does_not_depend_on_its_batch(kind):
 
 
 def test_budget_caps_fractions_and_token_counts():
-    from infinigen_kv.config import ConfigError, InfiniGenConfig, budget_caps
+    from infinigen_kv.config import ConfigError, InfiniGenConfig
+    from infinigen_kv.methods.budget import budget_caps
 
     assert [budget_caps(n, 0.1) for n in (1, 10, 11, 4000)] == [1, 1, 2, 400]
     assert [budget_caps(n, 256) for n in (1, 100, 256, 4000)] == [1, 100, 256, 256]
@@ -132,7 +134,7 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
     the partial keys would read as much as the whole past) the layer attends all of its past, with no
     selection: the full cache's tokens and fetched fraction 1.0."""
     import infinigen_kv as ig
-    from infinigen_kv.speculate import saves_bytes
+    from infinigen_kv.methods.infinigen.speculator import saves_bytes
 
     assert not saves_bytes(1000, 1000, 512, 64) and not saves_bytes(1100, 1024, 512, 64)
     assert saves_bytes(4000, 1024, 512, 64) and not saves_bytes(100, 1, 512, 512)
@@ -181,11 +183,11 @@ def test_unpadded_decode_builds_no_keep():
     ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(0))
     cache = ig.make_cache("infinigen", model)
     ig.generate(model, ids, torch.ones_like(ids), cache=cache, max_new_tokens=4, stop_at_eos=False)
-    assert all(t is None for t in cache._possible_t) and cache._possible[2] > 0
+    assert all(t is None for t in cache.counters.possible_t) and cache.counters.possible[2] > 0
 
 
 def test_layer_scales_follow_the_misses_and_keep_the_mean():
-    from infinigen_kv.speculate import layer_budgets, layer_scales
+    from infinigen_kv.methods.infinigen.speculator import layer_budgets, layer_scales
 
     recall = [None, 0.95, 0.80, 0.99, 0.90, None]  # dense layers (None) take no share
     s = layer_scales(recall)
@@ -223,7 +225,7 @@ def test_layer_budget_recall_shares_the_fetch_by_layer():
     for got, want in zip(share, budgets[1:]):  # the cap binds at alpha 50: ceil(budget x past) per row
         assert want - 1e-6 <= got <= want + 0.01
     assert abs(sum(share) / len(share) - 0.2) < 0.01
-    from infinigen_kv.speculate import layer_budgets
+    from infinigen_kv.methods.infinigen.speculator import layer_budgets
 
     twin = cache.fork(budget=0.4)  # a fork at another budget shares it out again, from the same recall
     assert twin._budgets == layer_budgets(0.4, cache.budget_scale) != budgets

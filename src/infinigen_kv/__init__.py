@@ -1,19 +1,28 @@
 """infinigen-kv: InfiniGen's speculative KV-cache selection over a host KV pool, for transformers models.
 
+The layout, in the order of the data path (load -> calibrate -> prefill -> speculate -> prefetch -> attend):
+  config.py   options and defaults        model/     load, per-architecture facts, what is installed, kernels
+  methods/    every KV-cache method (InfiniGen in methods/infinigen/), a registry by name
+  runtime/    generation (prefill, decode loop), continuous batching, sampling, threads
+  serve/      the OpenAI-compatible server    bench/  the benchmarks    cli.py  the command line
+
 The names below are imported on first use (PEP 562), so `infinigen --help` and `--version` answer without
-importing torch or transformers.
+importing torch or transformers. Modules that moved in the re-layout stay importable by their old names.
 """
 
 import sys
-import types
+import warnings
 from importlib import import_module
+from importlib.abc import Loader, MetaPathFinder
+from importlib.util import spec_from_loader
 
 __version__ = "0.1.0"
 
 _WHERE = {
-    "METHODS": ".baselines", "make_cache": ".baselines", "InfiniGenCache": ".cache", "Calibration": ".calibrate",
-    "CalibrationError": ".calibrate", "calibrate": ".calibrate", "ConfigError": ".config",
-    "InfiniGenConfig": ".config", "generate": ".generation", "load_model": ".models",
+    "METHODS": ".methods.registry", "make_cache": ".methods.registry", "InfiniGenCache": ".methods.infinigen",
+    "Calibration": ".methods.infinigen", "CalibrationError": ".methods.infinigen", "calibrate": ".methods.infinigen",
+    "ConfigError": ".config", "InfiniGenConfig": ".config", "generate": ".runtime.generation",
+    "load_model": ".model.load",
 }
 __all__ = list(_WHERE)
 
@@ -30,15 +39,40 @@ def __dir__():
     return sorted(list(globals()) + __all__)
 
 
-class _Package(types.ModuleType):
-    """Importing the submodule `calibrate` binds it on the package over the function of the same name (what
-    `from .calibrate import calibrate` used to undo at import time): the package keeps the function; the
-    submodule stays reachable as sys.modules["infinigen_kv.calibrate"] and by `from .calibrate import ...`."""
+# old module -> its new place (the re-layout of issue 32)
+MOVED = {
+    "adapters": "model.arch", "attention": "model.attention", "kernels": "model.kernels", "models": "model.load",
+    "baselines": "methods.registry", "baselines.full": "methods.full", "baselines.offload": "methods.offload",
+    "baselines.h2o": "methods.h2o", "baselines.streaming": "methods.streaming", "baselines.quant": "methods.quant",
+    "baselines.evicting": "methods.evicting", "layer": "methods.base", "pool": "methods.rows",
+    "selection": "methods.infinigen.speculator", "speculate": "methods.infinigen.speculator",
+    "cache": "methods.infinigen.cache", "transfer": "methods.infinigen.transfer",
+    "generation": "runtime.generation", "batching": "runtime.batching", "sampling": "runtime.sampling",
+    "threads": "runtime.threads", "tee": "bench.tee", "report": "bench.report",
+}
+# "calibrate" was a module and is the package's function: the old module is not aliased (it would shadow it)
+GONE = {"calibrate": "infinigen_kv.methods.infinigen.calibration (the file format), .offline (calibrating), "
+                     "infinigen_kv.calibrate (the function)"}
 
-    def __setattr__(self, name, value):
-        if name in _WHERE and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
+
+class _Moved(MetaPathFinder, Loader):
+    """`import infinigen_kv.cache` (an old path) gives infinigen_kv.methods.infinigen.cache, with a warning."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        prefix, _, rest = fullname.partition(".")
+        if prefix != __name__ or not rest:
+            return None
+        if rest in GONE:
+            raise ModuleNotFoundError(f"{fullname} moved: see {GONE[rest]}", name=fullname)
+        return spec_from_loader(fullname, self) if rest in MOVED else None
+
+    def create_module(self, spec):
+        new = f"{__name__}.{MOVED[spec.name.partition('.')[2]]}"
+        warnings.warn(f"{spec.name} moved to {new}", DeprecationWarning, stacklevel=2)
+        return import_module(new)
+
+    def exec_module(self, module) -> None:
+        """The new module is already executed."""
 
 
-sys.modules[__name__].__class__ = _Package
+sys.meta_path.append(_Moved())

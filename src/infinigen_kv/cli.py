@@ -15,15 +15,11 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, LAYER_BUDGETS, LOCAL_LAYERS, METHOD_NAMES, InfiniGenConfig
-
-
-class CLIError(Exception):
-    """Bad input: reported as one line, exit status 2."""
-
-
-class RunError(Exception):
-    """A failure at run time that is not a bug (a busy port...): one line, exit status 1."""
+from .config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, LAYER_BUDGETS, LOCAL_LAYERS, InfiniGenConfig
+from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
+from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_speed,
+                       cmd_calibrate, cmd_generate, cmd_serve)
+from .methods.registry import METHODS
 
 
 class Help(argparse.HelpFormatter):
@@ -149,7 +145,7 @@ def _int_list(text):
 
 
 def _add_model_args(p):
-    p.add_argument("--model", default=None, help="hub id, checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=f"hub id, checkpoint directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
                    "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
@@ -179,8 +175,8 @@ def _budget_list(text):
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     """serving: the server's subset (every method but hf-dynamic; no --capacity: --max-pool-bytes bounds it)."""
     if single_method:
-        names = [m for m in METHOD_NAMES if not serving or not m.startswith("hf-")]
-        p.add_argument("--method", default="infinigen", choices=names, help="KV-cache method (default: infinigen)")
+        names = [m.name for m in METHODS.values() if not serving or m.batches]
+        p.add_argument("--method", default=DEFAULT_METHOD, choices=names, help=f"KV-cache method (default: {DEFAULT_METHOD})")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)
@@ -222,6 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"infinigen-kv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
 
+    _add_generate(sub)
+    _add_calibrate(sub)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
+    _add_speed(bsub)
+    _add_accuracy(bsub)
+    _add_serve(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text with a KV-cache method")
     _add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -236,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
+
+def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="calibrate a model (skewing matrices, partial channels) and cache it")
     _add_model_args(c)
     c.add_argument("--text-file", default=None, help="calibration text (default: text the model generates itself)")
@@ -249,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", type=_positive_int, default=4096, help="calibration tokens")
     c.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
+
+def _add_speed(bsub) -> None:
     s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
     _add_model_args(s)
     _add_method_args(s, single_method=False)
@@ -263,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="directory for JSON and markdown results (default: none, stdout only)")
     s.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
+
+def _add_accuracy(bsub) -> None:
     a = bsub.add_parser("accuracy", help="accuracy of every method through the real decode path")
     _add_model_args(a)
     _add_method_args(a, single_method=False, budget_list=True)
@@ -274,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--lengths", type=_int_list, default=[4000], help="prompt lengths in tokens, e.g. 2000,4000,6000")
     a.add_argument("--samples", type=_positive_int, default=10, help="prompts (ppl: windows) per task, length and method")
     a.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    a.add_argument("--data", default=None, help="text for ppl and agreement: a directory such as ../shared/data, or a file (default: none; "
+    a.add_argument("--data", default=None, help="text for ppl and agreement: a directory with wikitext-2/ (and pg19/ for RULER), or a file (default: none; "
                    "those tasks then ask for it)")
     a.add_argument("--window", type=_positive_int, default=4096, help="ppl window W (tokens)")
     a.add_argument("--prefix", type=_positive_int, default=1024, help="ppl prefix P prefilled with full attention")
@@ -290,13 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "settings left in --out (samples.jsonl); without it a run starts over")
     a.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
+
+def _add_serve(sub) -> None:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)")
     _add_model_args(v)
     _add_method_args(v, serving=True)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     v.add_argument("--port", type=_port, default=8000, help="port to listen on")
     v.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or "
-                   "SmolLM2-135M-Instruct)")
+                   f"{DEFAULT_MODEL})")
     v.add_argument("--api-key", default=os.environ.get("INFINIGEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $INFINIGEN_API_KEY; none = open)")
     v.add_argument("--max-batch", type=_positive_int, default=8, help="rows of the running batch at most")
@@ -319,205 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: start Ray on this machine)")
     v.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: time given to requests in flight before they end with an error event")
-    return parser
-
-
-def _method_options(args) -> dict:
-    kind, value = getattr(args, "capacity", None) or (None, None)
-    return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget, "min_budget": args.min_budget,
-            "calibration": args.calibration, "bits": args.quant_bits, "eviction": getattr(args, "eviction", None),
-            "local_layers": args.local_layers, "layer_budget": args.layer_budget,
-            "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
-
-
-def _load(args):
-    from .models import load_model
-    from .threads import set_threads
-
-    set_threads(getattr(args, "threads", None))
-
-    return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None))
-
-
-def cmd_generate(args) -> dict:
-    from .baselines import make_cache
-    from .generation import generate
-    from .models import model_dtype
-    from .report import bytes_read_per_step
-
-    prompt = args.prompt_text  # read and checked by _check_inputs, before torch loads
-    model, tok = _load(args)
-    if args.chat:
-        if not tok.chat_template:
-            raise CLIError("--chat: this model's tokenizer has no chat template")
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    enc = tok([prompt] * args.batch, return_tensors="pt", padding=True)
-    n = enc["input_ids"].shape[1]
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and n + args.max_new_tokens > limit:
-        raise CLIError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds the model's context of {limit}")
-    device = next(model.parameters()).device
-    cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
-    res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
-                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, progress="generate")
-    texts = [tok.decode(res.tokens[i, : res.lengths[i]], skip_special_tokens=True) for i in range(args.batch)]
-    stats = getattr(cache, "stats", {})
-    out = {
-        "method": args.method,
-        "model": args.model or "SmolLM2-135M-Instruct",
-        "device": str(device),
-        "dtype": model_dtype(model),
-        "batch": args.batch,
-        "prompt_tokens": n,
-        "new_tokens": int(res.tokens.shape[1]),
-        "text": texts[0],
-        "texts": texts,
-        "prefill_s": round(res.prefill_s, 4),
-        "decode_s": round(res.decode_s, 4),
-        "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
-        "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
-        "bytes_read_per_step": bytes_read_per_step(model, cache, args.batch, n, res.decode_steps),
-    }
-    if "bytes_moved" in stats:
-        out["bytes_moved"] = stats["bytes_moved"]
-    return out
-
-
-def cmd_calibrate(args) -> dict:
-    from .calibrate import calibrate, default_path
-
-    model, tok = _load(args)
-    cal = calibrate(model, tok, args.text_file, args.partial_ratio, args.channel_rule, args.skew, args.tokens,
-                    recall=True)
-    config = InfiniGenConfig(partial_ratio=args.partial_ratio, channel_rule=args.channel_rule, skew=args.skew,
-                             calibration_text=args.text_file)
-    path = default_path(model, config)
-    if args.out:
-        path = Path(args.out) / path.name
-    cal.save(path)
-    return {"model": args.model or "SmolLM2-135M-Instruct", "path": str(path), **cal.meta,
-            "partial_channels": int(cal.channels.shape[-1])}
-
-
-def _methods(args) -> list[str]:
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHOD_NAMES]
-    if unknown or not methods:
-        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_NAMES)}")
-    return methods
-
-
-def cmd_bench_accuracy(args) -> dict:
-    from .bench.accuracy import NEEDS_TEXT, TASKS, run_accuracy
-
-    from .bench.ruler import TASKS as RULER
-
-    methods = _methods(args)
-    tasks = list(dict.fromkeys(x for t in args.tasks.split(",") if t for x in (RULER if t == "ruler" else [t])))
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
-    if NEEDS_TEXT & set(tasks):
-        if args.data is None:
-            raise CLIError(f"tasks {', '.join(sorted(NEEDS_TEXT & set(tasks)))} need text: pass --data ../shared/data "
-                           "(WikiText-2 test, PG-19 excerpt) or any text file")
-        if not Path(args.data).exists():
-            raise CLIError(f"--data path not found: {args.data}")
-    lmeval = None
-    if "lmeval" in tasks:
-        if not args.lmeval_tasks:
-            raise CLIError("the lmeval task needs --lmeval-tasks (and --lmeval-include DIR for local task YAMLs)")
-        try:
-            import lm_eval  # noqa: F401
-        except ImportError:
-            raise CLIError("the lmeval task needs lm-evaluation-harness: pip install 'infinigen-kv[lmeval]'") from None
-        lmeval = {"tasks": args.lmeval_tasks.split(","), "include_path": args.lmeval_include, "limit": args.lmeval_limit}
-    if args.resume and not args.out:
-        raise CLIError("--resume needs --out (the directory of the run to go on from)")
-    if args.prefix >= args.window:
-        raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
-    model, tok = _load(args)
-    options = {k: v for k, v in _method_options(args).items() if k != "budget"}
-    return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
-                        lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
-                        new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval,
-                        windows=args.windows, resume=args.resume, batch=args.batch)
-
-
-def cmd_bench_speed(args) -> dict:
-    from .bench.speed import run_speed
-
-    methods = _methods(args)
-    if args.data is not None and not Path(args.data).exists():
-        raise CLIError(f"--data path not found: {args.data}")
-    model, tok = _load(args)
-    return run_speed(model, tok, methods, args.batch, args.prompt_len, args.new_tokens, args.repeats,
-                     _method_options(args), data=args.data, out=args.out, model_name=args.model)
-
-
-def cmd_serve(args) -> None:
-    from .serve import Engine, listen, run_server
-
-    try:  # the port first: a busy one fails now, not after the model has loaded
-        sock = listen(args.host, args.port)
-    except OSError as e:
-        raise RunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another server "
-                           "running there? pick another --port)") from None
-    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    engine_args = dict(max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
-                       prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes)
-    options = {k: v for k, v in _method_options(args).items() if v is not None}
-    if args.replicas is not None:  # Ray Serve: its proxy listens on the port
-        sock.close()
-        _serve_ray(args, model_id, options, engine_args)
-        return
-    try:
-        model, tok = _load(args)
-        engine = Engine(model, tok, args.method, options, **engine_args)
-    except BaseException:
-        sock.close()
-        raise
-    print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit,
-               args.grace_period, sock)
-
-
-def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
-    from .serve import ray_app
-
-    try:
-        ray_app.import_serve()
-    except RuntimeError as e:
-        raise RunError(str(e)) from None
-    import torch
-
-    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    app = ray_app.application(
-        args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map},
-        args.method, options, engine_args,
-        {"model_id": model_id, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
-         "max_tokens_limit": args.max_tokens_limit},
-        gpus=1 if cuda else 0, grace_s=args.grace_period, threads=args.threads)
-    print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1 "
-          f"({args.replicas} Ray Serve replicas)", file=sys.stderr)
-    ray_app.run(app, args.host, args.port, args.ray_address)
-
-
-def _summary(result: dict) -> str:
-    if "rows" in result and "machine" in result:
-        from .bench.speed import markdown_table
-
-        return markdown_table(result)
-    if "rows" in result:
-        from .bench.accuracy import markdown_table
-
-        return markdown_table(result)
-    if "text" in result:
-        return (f"{result['text']}\n\n[{result['method']}] {result['prompt_tokens']} prompt tokens, "
-                f"{result['new_tokens']} new; prefill {result['prefill_s']:.2f}s, decode "
-                f"{result['decode_tokens_per_s']:.1f} tok/s, fetched fraction {result['fetched_fraction']:.3f}")
-    return "\n".join(f"{k}: {v}" for k, v in result.items())
 
 
 def _check_inputs(args) -> None:

@@ -1,18 +1,19 @@
-"""InfiniGenConfig: the knobs of the method, named as in the paper, validated on construction."""
+"""The options and defaults: InfiniGenConfig (the method's knobs, named as in the paper, validated on construction),
+the default model and budgets, and where infinigen-kv keeps its files. No tensor code (the CLI parses without torch)."""
 
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
-# every KV-cache method by name (the registry is baselines.METHODS; here so the CLI parses without torch)
-METHOD_NAMES = ("infinigen", "full", "offload", "quant", "streaming", "h2o", "hf-dynamic", "hf-offloaded")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # what load_model(None) loads (model/load.py: from a wheel's GGUF)
+DEFAULT_METHOD = "infinigen"  # the KV-cache method the CLI, the server and make_cache users get by default
 DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streaming unless one is given
 # The floor under a fractional budget, in tokens: a budget never fetches (or keeps) fewer than this many entries,
-# or the whole past when it is shorter. 10% of a short past is a few tokens per head, which no selection survives
-# (a 4-token prompt answered "of of of ..."), and reading a short past whole costs little (docs/BENCHMARKS.md,
-# "Budget floor").
+# or the whole past when it is shorter: 10% of a short past is a few tokens per head, which no selection survives,
+# and reading a short past whole costs little (docs/BENCHMARKS.md, "The budget floor").
 DEFAULT_MIN_BUDGET = 1024
 
 
@@ -28,25 +29,22 @@ class ConfigError(ValueError):
 class InfiniGenConfig:
     # alpha: a past token is fetched when its speculated score is within `alpha` of the row's maximum,
     # i.e. its softmax weight is at least e^-alpha of the largest. Larger alpha = more tokens fetched.
-    # The paper uses 4-5 (OPT, Llama-2); on SmolLM2-135M, whose attention is diffuse, passkey retrieval
-    # needs 12 (measured: alpha 8 fails every 4k passkey, 12 passes them; docs/BENCHMARKS.md).
+    # The paper uses 4-5 (OPT, Llama-2); the default model's diffuse attention needs more
+    # (docs/BENCHMARKS.md, "alpha on SmolLM2").
     alpha: float = 12.0
     # partial_ratio: share of the head dimension kept as partial query/key channels (|P| = ceil(ratio*d)).
-    # The paper uses 0.2-0.3; on SmolLM2 (d = 64) the speculation needs more: at budget 0.1, 0.2 -> 0.3 -> 0.5
-    # took decode perplexity from 1.44x to 1.16x to 1.07x full's and niah from 2/8 to 6/8 (docs/BENCHMARKS.md,
-    # "Tuning"). Cost: the partial key cache is ratio/2 of the K+V bytes.
+    # The paper uses 0.2-0.3; a small head (SmolLM2: d = 64) needs more (docs/BENCHMARKS.md, "Tuning InfiniGen's
+    # defaults"). Cost: the partial key cache is ratio/2 of the K+V bytes.
     partial_ratio: float = 0.5
     # budget: cap on the fetched tokens per (sequence, KV head, layer): a fraction of the past length in
     # (0, 1], or a token count (an integer > 1, e.g. 1024: at most that many, the field's usual unit).
-    # 0.1 (the paper's 0.2 halved): on the default model it keeps decode perplexity within 4% of the full
-    # cache's and passkey retrieval equal to it, and reads half the rows (docs/BENCHMARKS.md).
+    # 0.1, the paper's 0.2 halved (docs/BENCHMARKS.md, "Accuracy").
     budget: float = DEFAULT_BUDGET
     # min_budget: a fractional budget's floor in tokens: each (sequence, KV head, layer) fetches up to
     # max(budget x past, min_budget) entries, the whole past when it is shorter, and a step whose cap leaves
     # nothing to save (the fetched rows plus the partial keys would read as many bytes as the whole past)
     # attends densely without speculating. 0 turns the floor off (a budget sweep: each budget as named). A token
-    # count budget is not floored. 1024, measured on short prompts (>= 90% outputs identical to the full
-    # cache's, where 0.1 alone gave almost none) and at 1k tokens (as fast as full); at 8k+ the fraction rules.
+    # count budget is not floored (docs/BENCHMARKS.md, "The budget floor").
     min_budget: int = DEFAULT_MIN_BUDGET
     # max_num_kv: optional absolute cap on fetched tokens per (sequence, KV head, layer).
     max_num_kv: int | None = None
@@ -79,16 +77,14 @@ class InfiniGenConfig:
     partial_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;
-    # "speculate" selects within the window like any layer (the budget then counts the window's tokens).
-    # Measured on Gemma 3 270M, RULER at 8k, budget 0.1: dense 0.48 (= full), speculate 0.19, and slower
-    # (docs/BENCHMARKS.md, "Gemma 3 270M").
+    # "speculate" selects within the window like any layer (the budget then counts the window's tokens;
+    # docs/BENCHMARKS.md, "Models: Gemma 3 270M").
     local_layers: str = "dense"
     # layer_budget: how the budget is shared among the speculated layers: "uniform" (each layer fetches up to
     # the budget) or "recall": a layer gets budget x its share of the speculation's misses (1 - recall,
     # measured once per model on the calibration text and kept in the calibration file; within 0.5x-3x), the
-    # layers' mean unchanged. A retrieval layer the partial channels predict worst is where a needle is lost
-    # (docs/BENCHMARKS.md, "Where the needle is lost"); measured: +2-3 RULER points on SmolLM2 at 8k, none on
-    # Gemma 3, whose calibration recall does not single out that layer ("Per-layer budget"): so not the default.
+    # layers' mean unchanged: a retrieval layer the partial channels predict worst is where a needle is lost.
+    # Opt-in: it helps some models, not others (docs/BENCHMARKS.md, "RULER", "Per-layer budget").
     layer_budget: str = "uniform"
 
     def __post_init__(self):
@@ -136,17 +132,6 @@ def check_min_budget(value) -> None:
         raise ConfigError(f"min_budget must be a token count >= 0 (0: no floor), got {value!r}")
 
 
-def budget_caps(valid, budget, floor: int = 0):
-    """Entries a sequence with `valid` past tokens keeps/fetches (an int, or a tensor of counts): ceil(budget x
-    valid) for a fraction, but at least min(floor, valid); min(budget, valid) for a token count; at least 1."""
-    if budget > 1:
-        return max(1, min(int(budget), valid)) if isinstance(valid, int) else valid.clamp(max=int(budget), min=1)
-    if isinstance(valid, int):
-        return max(1, math.ceil(valid * budget), min(floor, valid))
-    cap = (valid.double() * budget).ceil_().clamp_(min=1).long()  # float64: the int path's result
-    return cap.maximum(valid.clamp(max=floor)) if floor else cap
-
-
 def check_fraction(name: str, value: float) -> None:
     """Knobs that are shares of something live in (0, 1]."""
     try:
@@ -155,3 +140,11 @@ def check_fraction(name: str, value: float) -> None:
         ok = False
     if not ok:
         raise ConfigError(f"{name} must be in (0, 1], got {value}")
+
+
+def cache_dir() -> Path:
+    """User cache directory (INFINIGEN_CACHE_DIR, else $XDG_CACHE_HOME/infinigen_kv, else ~/.cache/infinigen_kv)."""
+    root = os.environ.get("INFINIGEN_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infinigen_kv"

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 
 def write_tables(result: dict, out: Path, stem: str, table: str) -> tuple[list[Path], object]:
-    """Write `stem`.json and `stem`.md under out; returns the paths and pyplot (headless) for the plots."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write `stem`.json and `stem`.md under out; returns the paths and pyplot (headless) for the plots, None
+    without matplotlib (the `bench` extra): the tables are written, the plots skipped with one line."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     (out / f"{stem}.md").write_text(table + "\n")
-    return [out / f"{stem}.json", out / f"{stem}.md"], plt
+    written = [out / f"{stem}.json", out / f"{stem}.md"]
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print("infinigen: no plots: matplotlib is not installed (pip install 'infinigen-kv[bench]')", file=sys.stderr)
+        return written, None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return written, plt
 
 
 def save_plot(plt, fig, ax, path: Path) -> Path:

@@ -28,18 +28,17 @@ from pathlib import Path
 
 import torch
 
-from ..baselines import make_cache
-from ..generation import generate, prefill
-from ..layer import Rebatch
-from ..tee import TeeCache
+from ..config import DEFAULT_MODEL
+from ..methods.base import Rebatch, cache_stats
+from ..methods.registry import METHODS, REFERENCE, make_cache
+from ..runtime.generation import generate, prefill
+from .tee import TeeCache
 from . import ruler
 from . import tasks as task_lib
-from . import save_plot, write_tables
+from .accuracy_report import write_reports
 
 TASKS = ("ppl", "passkey", "niah", "vt", "agreement", "short", "lmeval", *ruler.TASKS)
 DEFAULT_TASKS = ("ppl", "passkey", "niah", "vt", "agreement")
-BUDGETED = {"infinigen", "h2o", "streaming"}
-SHARED_PREFILL = {"full", "infinigen", "offload", "h2o", "streaming"}  # see _groups
 NEEDS_TEXT = {"ppl", "agreement", *ruler.NEEDS_ESSAY}
 
 
@@ -81,7 +80,7 @@ def _cache(model, method, budget, options):
 
 
 def _fetched(cache) -> float:
-    return getattr(cache, "stats", {}).get("fetched_fraction", 1.0)
+    return cache_stats(cache).get("fetched_fraction", 1.0)
 
 
 @torch.inference_mode()
@@ -164,8 +163,8 @@ class SampleLog:
 def _groups(methods) -> list[list[str]]:
     """Methods that can share a prefill (TeeCache: those whose prefill attends over the prompt itself), then
     each other one alone (quant attends over its dequantized entries; hf-dynamic cannot fork)."""
-    shared = [m for m in methods if m in SHARED_PREFILL]
-    return ([shared] if shared else []) + [[m] for m in methods if m not in SHARED_PREFILL]
+    shared = [m for m in methods if METHODS[m].shares_prefill]
+    return ([shared] if shared else []) + [[m] for m in methods if not METHODS[m].shares_prefill]
 
 
 def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, samples, seed, essay, log, batch=4):
@@ -181,14 +180,14 @@ def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, s
         for length in lengths:
             for task in tasks:
                 todo = {(m, b): [s for s in seeds if (task, length, s, m, b) not in log.done]
-                        for m in methods for b in (budgets if m in BUDGETED else [None])}
+                        for m in methods for b in (budgets if METHODS[m].takes_budget else [None])}
                 needed = sorted({s for got in todo.values() for s in got})
                 prompts = {s: make_prompt(tokenizer, task, length, s, essay) for s in needed}
                 for group in _groups([m for m in methods if any(todo[k] for k in todo if k[0] == m)]):
                     wanted = sorted({s for (m, _), got in todo.items() if m in group for s in got})
                     rows = _prefill_rows(model, tokenizer, group, {s: prompts[s] for s in wanted}, options)
                     for method in group:
-                        runs = [b for b in (budgets if method in BUDGETED else [None]) if todo[(method, b)]]
+                        runs = [b for b in (budgets if METHODS[method].takes_budget else [None]) if todo[(method, b)]]
                         for j, budget in enumerate(runs):
                             got = todo[(method, budget)]
                             caches = [_for_budget(rows[s][1][method], budget, last=j == len(runs) - 1) for s in got]
@@ -235,7 +234,7 @@ def _for_budget(cache, budget, last: bool):
 def _decode_rows(model, ids, caches, logits, max_new):
     """Greedy decode of prefilled caches (one row each; ids (1, n_i), logits (1, V)): joined into one batch
     (left-padded) where the method can join, else one by one. -> (generated ids per row, fetched share)."""
-    if len(caches) > 1 and all(isinstance(c, Rebatch) and not getattr(c, "limited", False) for c in caches):
+    if len(caches) > 1 and all(isinstance(c, Rebatch) and not c.limited for c in caches):
         batch = caches[0]  # (a pool with a capacity cannot join)
         for c in caches[1:]:
             batch.join(c, room=max_new)
@@ -271,7 +270,7 @@ def run_agreement(model, ids: torch.Tensor, method, budget, options, length, sam
         x = torch.stack([ids[s : s + length] for s in starts[b : b + batch]]).to(device)  # (b, length)
         key = (length, b)
         if key not in references:
-            ref = generate(model, x, cache=make_cache("full", model), max_new_tokens=new_tokens, stop_at_eos=False)
+            ref = generate(model, x, cache=make_cache(REFERENCE, model), max_new_tokens=new_tokens, stop_at_eos=False)
             references[key] = ref.tokens
         cache = _cache(model, method, budget, options)
         out = generate(model, x, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False).tokens
@@ -306,7 +305,7 @@ def run_short(model, prompts, method, budget, options, new_tokens, references):
     for i, ids in enumerate(prompts):
         x = torch.tensor([ids], device=device)
         if i not in references:
-            r = generate(model, x, cache=make_cache("full", model), max_new_tokens=new_tokens)
+            r = generate(model, x, cache=make_cache(REFERENCE, model), max_new_tokens=new_tokens)
             references[i] = r.tokens[0, : r.lengths[0]].tolist()
         cache = _cache(model, method, budget, options)
         r = generate(model, x, cache=cache, max_new_tokens=new_tokens)
@@ -331,7 +330,7 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
     if {"ppl", "agreement"} & set(tasks):
         text_ids = tokenizer(load_text(data), return_tensors="pt")["input_ids"][0]
     essay = load_essay(data) if ruler.NEEDS_ESSAY & set(tasks) else None
-    header = json.loads(json.dumps({"model": model_name or "SmolLM2-135M-Instruct", "options": options,
+    header = json.loads(json.dumps({"model": model_name or DEFAULT_MODEL, "options": options,
                                     "data": data}, default=str))  # as it reads back from the file
     log = SampleLog(Path(out) / "samples.jsonl" if out else None, header, resume)
     # budgets as named: a sweep compares them, so no floor unless one is given (`infinigen bench accuracy --min-budget`)
@@ -348,7 +347,7 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
 
     for task in tasks:
         for method in methods:
-            for budget in (budgets if method in BUDGETED else [None]):
+            for budget in (budgets if METHODS[method].takes_budget else [None]):
                 if task == "ppl":
                     ppl, f = run_ppl(model, text_ids, method, budget, options, window, prefix, windows or samples)
                     row("ppl", method, budget, "perplexity", ppl, windows or samples, f)
@@ -387,82 +386,7 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
                 got = [r for r in rows if r["task"] in names and (r["method"], r["budget"]) == key]
                 row(f"ruler-mean-{length}", *key, "score", sum(r["value"] for r in got) / len(got), samples,
                     sum(r["fetched_fraction"] for r in got) / len(got))
-    result = {"model": model_name or "SmolLM2-135M-Instruct", "torch": torch.__version__, "rows": rows}
+    result = {"model": model_name or DEFAULT_MODEL, "torch": torch.__version__, "rows": rows}
     if out:
         write_reports(result, Path(out))
     return result
-
-
-def budget_label(budget) -> str:
-    """A budget as tables show it: "-" (budget-free method), a fraction (0.1), or a token count ("1024 tok")."""
-    return "-" if budget is None else f"{int(budget)} tok" if budget > 1 else f"{budget:g}"
-
-
-def markdown_table(result: dict) -> str:
-    lines = ["| task | method | budget | metric | value | n | fetched |", "|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['task']} | {r['method']} | {budget_label(r['budget'])} | {r['metric']} | "
-                     f"{r['value']:.4g} | {r['n']} | {r['fetched_fraction']:.3f} |")
-    return "\n".join(lines + [ruler_summary(result)])
-
-
-def _short(task: str) -> str:
-    """niah_single_1 -> s1, niah_multikey_2 -> mk2, niah_multivalue -> mv, ruler_cwe -> cwe."""
-    for long, short in (("niah_single_", "s"), ("niah_multikey_", "mk"), ("niah_multivalue", "mv"),
-                        ("niah_multiquery", "mq"), ("ruler_", "")):
-        task = task.replace(long, short)
-    return task
-
-
-def ruler_summary(result: dict) -> str:
-    """RULER's table per length: a row per method and budget, a column per task, their mean and the fetched
-    share ("" when no RULER mean was computed)."""
-    rows = result["rows"]
-    cell = {(r["task"], r["method"], r["budget"]): r for r in rows}
-    text = []
-    for mean in dict.fromkeys(r["task"] for r in rows if r["task"].startswith("ruler-mean-")):
-        length = mean.removeprefix("ruler-mean-")
-        tasks = [t for t in dict.fromkeys(r["task"] for r in rows) if t.removesuffix(f"-{length}") in ruler.TASKS]
-        names = [_short(t.removesuffix(f"-{length}")) for t in tasks]
-        text += ["", f"RULER at {length} tokens (fetched: mean share of the past fetched per step)", "",
-                 "| method | budget | " + " | ".join(names) + " | **mean** | fetched | n |",
-                 "|---|---|" + "---|" * (len(names) + 3)]
-        for r in rows:
-            if r["task"] == mean:
-                scores = " | ".join(f"{cell[(t, r['method'], r['budget'])]['value']:.2f}" for t in tasks)
-                text.append(f"| {r['method']} | {budget_label(r['budget'])} | {scores} | **{r['value']:.3f}** | "
-                            f"{r['fetched_fraction']:.3f} | {r['n']} |")
-    return "\n".join(text)
-
-
-def write_reports(result: dict, out: Path) -> list[Path]:
-    """accuracy.json, accuracy.md and PNGs per (task, metric): value vs budget, a line per method, one plot for
-    the fraction budgets and one (`-tokens`) for the token-count budgets."""
-    written, plt = write_tables(result, out, "accuracy", markdown_table(result))
-    every = {r["budget"] for r in result["rows"] if r["budget"] is not None}
-    kinds = {"": sorted(b for b in every if b <= 1), "-tokens": sorted(b for b in every if b > 1)}
-    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in result["rows"]):
-        for suffix, budgets in kinds.items():
-            if not budgets and (suffix or kinds["-tokens"]):  # one plot at least, none of an absent kind
-                continue
-            fig, ax = plt.subplots(figsize=(5, 3.5))
-            for method in dict.fromkeys(r["method"] for r in result["rows"]):
-                pts = [(r["budget"], r["value"]) for r in result["rows"] if r["task"] == task and
-                       r["metric"] == metric and r["method"] == method and (r["budget"] is None or r["budget"] in budgets)]
-                if not pts:
-                    continue
-                if pts[0][0] is None:  # budget-independent method: a horizontal reference line
-                    ax.axhline(pts[0][1], linestyle="--", label=method, color="gray" if method == "full" else None)
-                else:
-                    pts.sort()
-                    ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=method)
-            ax.set_xlabel("budget (tokens per sequence, head and layer)" if suffix else "budget (fraction of the past)")
-            ax.set_ylabel(metric)
-            ax.set_title(task)
-            if budgets:
-                ax.set_xticks(budgets)
-                if suffix:
-                    ax.set_xscale("log", base=2)
-                    ax.set_xticks(budgets, [str(int(b)) for b in budgets])
-            written.append(save_plot(plt, fig, ax, out / f"{task}-{metric}{suffix}.png"))
-    return written

@@ -3,15 +3,16 @@ decode path (the context is prefilled with full attention; every continuation to
 time through the cache under test, as in decode-mode perplexity).
 
 Needs `pip install lm_eval` (optional) and the task's data locally: point `include_path` at a directory of
-task YAMLs whose `dataset_path`/`data_files` name local files (see docs/BENCHMARKS.md, "lm-eval").
+task YAMLs whose `dataset_path`/`data_files` name local files (README, "lm-evaluation-harness tasks").
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..baselines import make_cache
-from ..generation import generate
+from ..methods.base import cache_stats
+from ..methods.registry import make_cache
+from ..runtime.generation import generate
 
 
 def _lm_base():
@@ -53,7 +54,7 @@ def make_lm(model, tokenizer, method: str, options: dict, max_gen_toks: int = 64
                 greedy &= int(logp.argmax()) == tok
                 if i + 1 < len(continuation):
                     logits = model(input_ids=x[:, n + i : n + i + 1], past_key_values=cache).logits[:, -1]
-            self.fetched.append(getattr(cache, "stats", {}).get("fetched_fraction", 1.0))
+            self.fetched.append(cache_stats(cache).get("fetched_fraction", 1.0))
             return total, greedy
 
         def loglikelihood(self, requests):
@@ -79,7 +80,7 @@ def make_lm(model, tokenizer, method: str, options: dict, max_gen_toks: int = 64
                 text = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
                 for stop in until:
                     text = text.split(stop)[0]
-                self.fetched.append(getattr(cache, "stats", {}).get("fetched_fraction", 1.0))
+                self.fetched.append(cache_stats(cache).get("fetched_fraction", 1.0))
                 out.append(text)
             return out
 

@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..baselines import make_cache
-from ..generation import generate
-from ..models import model_dtype
-from ..report import bytes_read_per_step
+from ..config import DEFAULT_MODEL
+from ..methods.base import cache_stats
+from ..methods.registry import REFERENCE, make_cache
+from ..model.load import model_dtype
+from ..runtime.generation import generate
+from .report import bytes_read_per_step
 from . import save_plot, write_tables
 from .tasks import passkey
 
@@ -97,7 +99,7 @@ def prompts(tokenizer, batch: int, length: int, data: str | None = None) -> tupl
 def run_once(model, method, ids, mask, new_tokens, options):
     cache = make_cache(method, model, **options)
     res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False)
-    stats = getattr(cache, "stats", {})
+    stats = cache_stats(cache)
     return res, stats, bytes_read_per_step(model, cache, ids.shape[0], ids.shape[1], res.decode_steps)
 
 
@@ -125,7 +127,7 @@ def run_speed(model, tokenizer, methods, batches, prompt_lens, new_tokens, repea
                           file=sys.stderr)
             for method in methods:
                 rows.append(summarize(method, B, n, new_tokens, runs[method], machine))
-    result = {"model": model_name or "SmolLM2-135M-Instruct", "dtype": model_dtype(model), "machine": machine, "options": {
+    result = {"model": model_name or DEFAULT_MODEL, "dtype": model_dtype(model), "machine": machine, "options": {
         k: v for k, v in options.items() if k != "tokenizer"}, "rows": rows}
     if out:
         write_reports(result, Path(out))
@@ -163,6 +165,8 @@ def summarize(method, batch, prompt_len, new_tokens, runs, machine) -> dict:
 def write_reports(result: dict, out: Path) -> list[Path]:
     """speed.json, speed.md and one PNG per batch size: decode tokens/s vs prompt length, a line per method."""
     written, plt = write_tables(result, out, "speed", markdown_table(result))
+    if plt is None:
+        return written
     for B in dict.fromkeys(r["batch"] for r in result["rows"]):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for method in dict.fromkeys(r["method"] for r in result["rows"]):
@@ -179,7 +183,7 @@ def write_reports(result: dict, out: Path) -> list[Path]:
 
 def markdown_table(result: dict) -> str:
     """Rows with each method's speed-up over `full` at the same (batch, prompt length)."""
-    base = {(r["batch"], r["prompt_len"]): r["decode_tokens_per_s"] for r in result["rows"] if r["method"] == "full"}
+    base = {(r["batch"], r["prompt_len"]): r["decode_tokens_per_s"] for r in result["rows"] if r["method"] == REFERENCE}
     lines = ["| method | batch | prompt | decode tok/s | vs full | prefill s | fetched | MB read/step | step / floor |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

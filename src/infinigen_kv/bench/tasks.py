@@ -98,7 +98,7 @@ def score(task: str, output: str, answer: str) -> float:
 
 # Short prompts as a new user sends them (5-200 tokens): ("chat", message) goes through the model's chat template,
 # ("text", prefix) is continued as it is. The `short` task compares each method's 64 greedy tokens with the full
-# cache's: a budget must not starve a short past (docs/BENCHMARKS.md, "Budget floor").
+# cache's: a budget must not starve a short past (docs/BENCHMARKS.md, "The budget floor").
 SHORT_PROMPTS = [
     ("text", "Once upon a time"),
     ("text", "The capital of France is"),

@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
-import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..baselines import make_cache
-from .. import threads
-from ..batching import Prefill, RunningBatch
-from ..sampling import SamplingParams
+from ..config import DEFAULT_METHOD
+from ..methods.registry import make_cache
+from ..methods.registry import method as method_traits
+from ..runtime import threads
+from ..runtime.batching import Prefill, RunningBatch
+from ..runtime.sampling import SamplingParams
+from .memory import available_memory, release_memory
 from .metrics import Metrics
+from .output import Logprobs, TextStream
 
 log = logging.getLogger(__name__)
 
@@ -92,53 +93,6 @@ class Job:
             self.cancelled = True
 
 
-def _byte_level_alphabet(tokenizer) -> dict[str, int] | None:
-    """GPT-2's byte <-> printable character map, inverted, if the tokenizer is byte-level BPE; else None."""
-    try:
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    except Exception:  # a slow tokenizer: no backend to ask
-        return None
-    if decoder.get("type") != "ByteLevel":
-        return None
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {b: b for b in keep}, 0
-    for b in range(256):
-        if b not in chars:
-            chars[b], extra = 256 + extra, extra + 1
-    return {chr(c): b for b, c in chars.items()}
-
-
-class TextStream:
-    """Incremental detokenization of one job with stop sequences: text is released only when no stop
-    sequence can still begin inside it, and never with half a UTF-8 character."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop, self.ids, self.sent = tokenizer, stop, [], 0
-        self.text = ""
-
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Add a token; returns (text to send now, whether a stop sequence was hit)."""
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = text[: min(hits)]
-            return self._release(len(self.text)), True
-        self.text = text
-        safe = len(text) - (1 if text.endswith("\ufffd") else 0)
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
-        return self._release(safe - hold), False
-
-    def flush(self) -> str:
-        return self._release(len(self.text))
-
-    def _release(self, upto: int) -> str:
-        if upto <= self.sent:
-            return ""
-        delta, self.sent = self.text[self.sent : upto], upto
-        return delta
-
-
 @dataclass
 class Row:
     """A job's choice in the running batch: its detokenizer and the logprob entries not yet sent."""
@@ -148,38 +102,6 @@ class Row:
     entries: list = field(default_factory=list)
     last: float = 0.0  # when its last token came (inter-token latency)
     tokens: int = 0  # generated
-
-
-def available_memory() -> int:
-    """Bytes of RAM available to new allocations (MemAvailable: free + reclaimable cache)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _libc_trim():
-    """glibc's malloc_trim, or None: what a prefill chunk or a rebatch frees in pieces below malloc's mmap
-    threshold (activations, masks, per-row state) stays in the heap, resident, until it is trimmed (KV
-    buffers are mappings of their own: pool.host_mapped). Without the trims after joins and retires, the
-    admission burst grew RSS by 1.06x the pool limit, 1.03x with them (one run each)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-malloc_trim = _libc_trim()
-
-
-def release_memory() -> None:
-    """Return the heap's free pages to the OS (after a batch's cache moved or shrank)."""
-    if malloc_trim is not None:
-        malloc_trim(0)
 
 
 POOL_SHARE = 0.5  # the default --max-pool-bytes: this share of the memory free when the server starts
@@ -199,7 +121,7 @@ class Engine:
     if the batch with it fits `max_pool_bytes`; one that could never fit alone is refused at submit
     (TooLarge, a 400)."""
 
-    def __init__(self, model, tokenizer, method: str = "infinigen", options: dict | None = None,
+    def __init__(self, model, tokenizer, method: str = DEFAULT_METHOD, options: dict | None = None,
                  max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
                  max_pool_bytes: int | None = None):
         if batching not in BATCHING:
@@ -213,8 +135,8 @@ class Engine:
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
-        self._unbyte = _byte_level_alphabet(tokenizer)  # piece character -> byte, for byte-level BPE
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
+        self.logprobs = Logprobs(tokenizer, self.tokenizer_lock)
         self.pending: collections.deque[Job] = collections.deque()
         self.cv = threading.Condition()
         self.admitting = True  # False once draining: submit() refuses
@@ -228,7 +150,7 @@ class Engine:
         Prefill(model, probe, [min(self.eos) if self.eos else 0] * 2).step()  # buffers to measure
         self.sequence_bytes = probe.sequence_bytes  # the cost model (admits)
         if max_pool_bytes is None:
-            on_device = self.device.type == "cuda" and method not in ("infinigen", "offload")  # else: host memory
+            on_device = self.device.type == "cuda" and not method_traits(method).pool_on_host  # else: host memory
             free = torch.cuda.mem_get_info(self.device)[0] if on_device else available_memory()
             max_pool_bytes = int(POOL_SHARE * free)
         self.max_pool_bytes = max_pool_bytes
@@ -375,7 +297,7 @@ class Engine:
         if done:
             self.prefill = None
             if job.echo or job.prompt_logprobs is not None:
-                entries = self._prompt_entries(job, p.prompt_logprobs) if job.prompt_logprobs is not None else None
+                entries = self.logprobs.prompt_entries(job, p.prompt_logprobs) if job.prompt_logprobs is not None else None
                 for i in range(job.n):
                     job.emit("prompt", None, entries, i)
             if job.max_tokens == 0:  # the prompt only (scoring)
@@ -443,7 +365,7 @@ class Engine:
             delta, stopped = row.stream.push(t)
             if job.logprobs is not None:
                 chosen, values, ids = lps[0][b], lps[1][b], lps[2][b]
-                row.entries.append(self._entry(t, chosen, zip(ids[: job.logprobs], values[: job.logprobs])))
+                row.entries.append(self.logprobs.entry(t, chosen, zip(ids[: job.logprobs], values[: job.logprobs])))
         if delta:
             job.emit("text", delta, self._taken(row), row.index)
         if stopped:
@@ -499,34 +421,3 @@ class Engine:
             last["fetched_fraction"] = stats["fetched_fraction"]
         self.last, self._window = last, [now, 0]
 
-    def _prompt_entries(self, job: Job, lps) -> list[dict]:
-        """The prompt tokens' logprob entries: the first has none (nothing precedes it)."""
-        chosen, values, ids = lps  # (n - 1,), (n - 1, k), (n - 1, k) lists
-        k = job.prompt_logprobs
-        with self.tokenizer_lock:
-            first = self.tokenizer.decode([job.prompt_ids[0]])
-            out = [{"token": first, "logprob": None, "bytes": self._bytes(job.prompt_ids[0], first),
-                    "top_logprobs": None}]
-            for i, t in enumerate(job.prompt_ids[1:]):
-                out.append(self._entry(t, chosen[i], zip(ids[i][:k], values[i][:k])))
-        return out
-
-    def _entry(self, token: int, logprob: float, alternatives) -> dict:
-        """One token's logprob entry, in the chat API's form (the completions form is derived from it)."""
-        def one(t: int, lp: float) -> dict:
-            text = self.tokenizer.decode([t])
-            return {"token": text, "logprob": lp, "bytes": self._bytes(t, text)}
-
-        return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in alternatives]}
-
-    def _bytes(self, token: int, text: str) -> list[int]:
-        """A token's own bytes: its text may be half a UTF-8 character (decoded as U+FFFD), which is what
-        the API's `bytes` field is for. Byte-level BPE pieces and <0xNN> byte-fallback pieces map back to
-        bytes exactly; other pieces are whole characters."""
-        piece = self.tokenizer.convert_ids_to_tokens(token)
-        if isinstance(piece, str):
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                return [int(piece[3:5], 16)]
-            if self._unbyte is not None and all(c in self._unbyte for c in piece):
-                return [self._unbyte[c] for c in piece]
-        return list(text.encode("utf-8"))

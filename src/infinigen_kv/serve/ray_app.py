@@ -16,6 +16,8 @@ import os
 import signal
 import threading
 
+from ..config import DEFAULT_METHOD, DEFAULT_MODEL
+
 log = logging.getLogger("uvicorn.error")
 
 
@@ -34,8 +36,8 @@ class Replica:
                  fixed_threads: int | None = None):
         import torch
 
-        from ..models import load_model
-        from ..threads import set_threads
+        from ..model.load import load_model
+        from ..runtime.threads import set_threads
         from .app import create_app
         from .engine import Engine
 
@@ -87,10 +89,10 @@ def app_builder(args: dict):
     engine = {k: int(args[k]) for k in ("max_batch", "queue_size", "max_pool_bytes", "prefill_chunk") if k in args}
     if "batching" in args:
         engine["batching"] = args["batching"]
-    app = {"model_id": args.get("served_model_name") or model or "SmolLM2-135M-Instruct",
+    app = {"model_id": args.get("served_model_name") or model or DEFAULT_MODEL,
            "api_key": args.get("api_key")}
     return application(int(args.get("replicas", 1)), {"name": model, "device": args.get("device")},
-                       args.get("method", "infinigen"), options, engine, app)
+                       args.get("method", DEFAULT_METHOD), options, engine, app)
 
 
 def replica_pids() -> set[int]:

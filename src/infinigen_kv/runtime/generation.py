@@ -57,6 +57,36 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     ).logits[:, -1]
 
 
+def _run_mask(attention_mask: torch.Tensor, max_new_tokens: int):
+    """The run's mask (B, n + new), preallocated (each step uses a longer view, nothing is concatenated), the
+    prompt's positions (B, n) (left padding aware), and whether nothing is padded: then decode steps pass no
+    mask (one check now; transformers would test an all-ones mask every step, a host sync on a GPU)."""
+    B, n = attention_mask.shape
+    mask = torch.ones(B, n + max_new_tokens, dtype=attention_mask.dtype, device=attention_mask.device)
+    mask[:, :n] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    return mask, positions, bool(attention_mask.all())
+
+
+def _sampler(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: list, seed) -> Sampler:
+    """The batch's Sampler: one generator for all rows, or one per row for a list of seeds; each row's prompt
+    tokens where a repetition penalty needs them."""
+    prompts = [row[m.bool()] for row, m in zip(input_ids, attention_mask)] if any(
+        p.repetition_penalty != 1.0 for p in params) else None
+    per_row = isinstance(seed, (list, tuple))
+    return Sampler.for_batch(input_ids.device, model.config.vocab_size, params, prompts,
+                             shared_seed=None if per_row else seed, shared=not per_row)
+
+
+def _stop_ids(model, eos_token_id, ignore_eos: bool, device):
+    """(the ids that end a sequence (none with ignore_eos), the id written after a sequence ended)."""
+    if eos_token_id is None:
+        eos_token_id = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=device)
+    pad = int(eos[0]) if eos.numel() else 0
+    return (eos[:0] if ignore_eos else eos), pad
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -97,27 +127,12 @@ def generate(
     B, n = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    # Preallocated mask for the whole run: each step uses a longer view, nothing is concatenated.
-    mask = torch.ones(B, n + max_new_tokens, dtype=attention_mask.dtype, device=device)
-    mask[:, :n] = attention_mask
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
-    # no padding: decode steps pass no mask (one check now; transformers would test an all-ones mask every step,
-    # a host sync on a GPU)
-    unpadded = bool(attention_mask.all())
+    mask, positions, unpadded = _run_mask(attention_mask, max_new_tokens)
     params = params_list(B, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          repetition_penalty=repetition_penalty, logit_bias=logit_bias)
-    prompts = [input_ids[b][attention_mask[b].bool()] for b in range(B)] if any(
-        p.repetition_penalty != 1.0 for p in params) else None
-    sampler = Sampler.for_batch(device, model.config.vocab_size, params, prompts,
-                                shared_seed=None if isinstance(seed, (list, tuple)) else seed,
-                                shared=not isinstance(seed, (list, tuple)))
-    if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=device)
-    pad = int(eos[0]) if eos.numel() else 0
-    if ignore_eos:
-        eos = eos[:0]
+    sampler = _sampler(model, input_ids, attention_mask, params, seed)
+    eos, pad = _stop_ids(model, eos_token_id, ignore_eos, device)
 
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)

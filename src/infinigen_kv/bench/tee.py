@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .layer import LogicalLayer
+from ..methods.base import LogicalLayer
 
 
 class TeeLayer(LogicalLayer):
@@ -18,7 +18,7 @@ class TeeLayer(LogicalLayer):
     def __init__(self, layers: list):
         super().__init__()
         self.children = layers
-        self.needs_probs = any(getattr(layer, "needs_probs", False) for layer in layers)  # H2O scores the prefill
+        self.needs_probs = any(layer.needs_probs for layer in layers)  # H2O scores the prefill
 
     def lazy_initialization(self, key_states, value_states) -> None:
         """Nothing of its own: the caches in it make their buffers."""
@@ -33,7 +33,7 @@ class TeeLayer(LogicalLayer):
 
     def add_prefill_scores(self, *args) -> None:
         for layer in self.children:
-            if getattr(layer, "needs_probs", False):
+            if layer.needs_probs:
                 layer.add_prefill_scores(*args)
 
     def get_seq_length(self) -> int:
@@ -41,7 +41,8 @@ class TeeLayer(LogicalLayer):
 
 
 class TeeCache(Cache):
-    """`TeeCache(caches)`: a prefill through it lands in every cache of the list (same model)."""
+    """`TeeCache(caches)`: a prefill through it lands in every cache of the list (same model; caches of methods
+    that declare `shares_prefill`, all made of methods/base.LogicalLayer)."""
 
     def __init__(self, caches: list):
         self.caches = caches
@@ -54,5 +55,4 @@ class TeeCache(Cache):
 
     def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
         for c in self.caches:
-            if hasattr(c, "before_attention"):
-                c.before_attention(layer_idx, x, rope, attention_mask)
+            c.before_attention(layer_idx, x, rope, attention_mask)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..methods.base import cache_stats
+
 
 def weight_bytes(model) -> int:
     """Bytes of the parameters a decode step reads (tied embeddings counted once: the LM head reads them
@@ -28,7 +30,7 @@ def full_kv_bytes_per_step(model, batch: int, prompt_len: int, decode_steps: int
 
 
 def bytes_read_per_step(model, cache, batch: int, prompt_len: int, decode_steps: int) -> int:
-    stats = getattr(cache, "stats", None) or {}
+    stats = cache_stats(cache)
     kv = stats.get("kv_bytes_per_step")
     if kv is None:
         kv = full_kv_bytes_per_step(model, batch, prompt_len, decode_steps)

@@ -7,7 +7,6 @@ seconds instead of the ~30 s of transformers' GGUF path.
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import importlib.util
 import os
@@ -19,10 +18,10 @@ from pathlib import Path
 import torch
 
 from . import kernels
-from .adapters import check_supported
-from .calibrate import cache_dir
+from ..config import DEFAULT_MODEL, cache_dir
+from .arch import check_supported
+from .install import fast_cpu_linears
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {None, "", "default", DEFAULT_MODEL.lower(), "smollm2", "smollm2-135m-instruct"}
 
 
@@ -165,95 +164,11 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows
-# Whether the model's current forward has several tokens per sequence (set by a pre-hook on the model: a
-# linear's input alone cannot tell, OPT flattens a prefill's rows before its MLP).
-_prefilling = contextvars.ContextVar("infinigen_prefilling", default=False)
-
-
-def _note_phase(module, args, kwargs) -> None:
-    x = kwargs.get("input_ids")
-    if x is None:
-        x = args[0] if args else kwargs.get("inputs_embeds")
-    _prefilling.set(x is not None and x.dim() >= 2 and x.shape[1] > 1)
-
-
-def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-    """A prefill's linear by the BLAS, padded to PREFILL_MIN_ROWS rows: above that the BLAS gives each row the
-    same bits at any row count and offset (measured), below it its small-matrix path does not, so a short
-    prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie
-    selections, issue 13)."""
-    if rows >= PREFILL_MIN_ROWS or not x.is_cpu:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    padded = x.new_zeros(PREFILL_MIN_ROWS, x.shape[-1])
-    padded[:rows] = x.reshape(rows, -1)
-    return torch.nn.functional.linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
-
-
-def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward, with decode-sized inputs (a few rows) through the `linear` kernel (its bfloat16
-    copy of the weight when the layer has one) or computed as (W x^T)^T; prefills unchanged. Runs ~200
-    times a decode step: the checks are ordered cheapest first."""
-    rows = x.numel() // x.shape[-1]
-    if _prefilling.get():  # one path whatever the batch (see _prefill_linear)
-        return _prefill_linear(self, x, rows)
-    if rows > SMALL_BATCH or not x.is_cpu or x.dtype != torch.float32:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    w16 = self.weight_bf16
-    if rows <= (KERNEL_ROWS if w16 is None else KERNEL_ROWS_BF16) and (kern := kernels.cpu()) is not None:
-        y = kern.linear(x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1).contiguous(),
-                        self.weight if w16 is None else w16, self.bias)
-        return y.view(*x.shape[:-1], -1)
-    if rows < 2:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()  # (rows, out)
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], -1)
-
-
-SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32)
-# Rows up to which the `linear` kernel beats the BLAS (dev machine, AMD EPYC, the default model's 211 matrices,
-# cold): float32 20 / 23 / 26 ms against 38 / 26 / 43 at 1 / 4 / 8 rows, level at 16 (54 ms); bfloat16 weights
-# 10 / 12 / 20 ms, 46 against 56 at 16 rows.
-KERNEL_ROWS = 8
-KERNEL_ROWS_BF16 = 16
-
-
 def model_dtype(model) -> str:
     """How the model computes, as --dtype names it: "bf16-weights", or its parameters' dtype."""
     if any(getattr(m, "weight_bf16", None) is not None for m in model.modules()):
         return BF16_WEIGHTS
     return str(next(model.parameters()).dtype).replace("torch.", "")
-
-
-def fast_cpu_linears(model, weights: str = "float32") -> None:
-    """Decode steps through a float32 model's linear layers on CPU. A few rows (a decode step of a batch)
-    are bound by reading the weights, which the CPU BLAS does at half the machine's bandwidth on these
-    shapes: up to KERNEL_ROWS rows go through the `linear` kernel (one streamed read of each weight row for
-    all rows), up to SMALL_BATCH as W @ x^T; prefills by the BLAS (at least PREFILL_MIN_ROWS rows).
-
-    weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): every linear weight is rounded to
-    bfloat16 values (kept in float32 for prefill and larger batches, so every path sees the same weights)
-    and a bfloat16 copy serves decode steps through the kernel, which reads half the bytes. Activations,
-    norms and the KV cache stay float32. Idempotent."""
-    import types
-
-    if not getattr(model, "_infinigen_phase_hook", False):
-        model.register_forward_pre_hook(_note_phase, with_kwargs=True)
-        model._infinigen_phase_hook = True
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear:
-            continue
-        if weights == "bfloat16" and getattr(module, "weight_bf16", None) is None and module.weight.dtype == torch.float32:
-            with torch.no_grad():
-                module.weight.copy_(module.weight.to(torch.bfloat16))  # tied weights are rounded once, alike
-            module.weight_bf16 = module.weight.detach().to(torch.bfloat16)
-        if not getattr(module, "_infinigen_fast", False):
-            if not hasattr(module, "weight_bf16"):
-                module.weight_bf16 = None  # float32 weights: the kernel reads module.weight
-            module.forward = types.MethodType(_small_batch_linear, module)
-            module._infinigen_fast = True
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,

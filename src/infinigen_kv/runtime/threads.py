@@ -3,7 +3,7 @@
 A decode step is hundreds of short parallel regions (the kernels and PyTorch's own ops run on PyTorch's intra-op
 team, `at::parallel_for`). Each region ends at a barrier, so it is as slow as its slowest thread: when another
 process keeps the cores busy, one descheduled thread stalls the whole team for a scheduler time slice, many times
-a step. Measured (docs/BENCHMARKS.md, "Busy machine"): beside a PyTorch process multiplying matrices on both
+a step. Measured (docs/BENCHMARKS.md, "Beside other work"): beside a PyTorch process multiplying matrices on both
 cores of a 2-core machine, two threads decode at 0.013x their idle speed and one thread at 0.53x.
 
 So the decode loops look at the machine every `INTERVAL` seconds: `Load` reads how many cores other processes

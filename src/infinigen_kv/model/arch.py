@@ -41,7 +41,8 @@ class Arch:
     qk_norm: bool = False  # per-head RMSNorm of q and k (attn.q_norm, attn.k_norm) before RoPE (Qwen3, Gemma 3)
     windows: list = field(default_factory=list)  # each layer's sliding window (None: global attention)
     rope_types: list | None = None  # each layer's RoPE type, where the model has one RoPE per type (Gemma 3)
-    step: "StepInputs | None" = None  # what the current forward computed once for all layers (hooks fill it)
+    step: "StepInputs | None" = None  # what the current forward computed once for all layers (install's hooks)
+    base: nn.Module | None = None  # the module that holds the layers and builds their masks
 
     @property
     def mixed(self) -> bool:
@@ -90,7 +91,7 @@ class Arch:
 class StepInputs:
     """What a forward computes once and hands to its layers, kept for the speculation of the next layer:
     the attention mask the model was called with (2-D, 4-D, one per layer type, or None) and, for models
-    with a RoPE per layer type, each type's (cos, sin). Filled by hooks on the model (get_arch), cleared
+    with a RoPE per layer type, each type's (cos, sin). Filled by hooks on the model (install.py), cleared
     when the forward ends."""
 
     def __init__(self):
@@ -143,7 +144,8 @@ def check_supported(config) -> None:
 
 
 def get_arch(model: nn.Module) -> Arch:
-    """The adapter of a *ForCausalLM model (raises UnsupportedModelError for other architectures)."""
+    """The adapter of a *ForCausalLM model (raises UnsupportedModelError for other architectures); reads the
+    model, changes nothing (install.py hooks it)."""
     config = model.config
     check_supported(config)
     mt = model_type_of(config)
@@ -155,11 +157,11 @@ def get_arch(model: nn.Module) -> Arch:
     H = config.num_attention_heads
     G = getattr(config, "num_key_value_heads", None) or H
     d = getattr(config, "head_dim", None) or config.hidden_size // H
-    step = step_inputs(model, base)
+    step = getattr(model, "_infinigen_step", None)  # install() registers the hooks that fill it
     if mt == "opt":
         # OPT multiplies q by d^-0.5 itself and calls the kernel with scaling=1.0.
         return Arch(mt, attns, H, G, d, config.hidden_size, rope=False, q_scale=d**-0.5, score_scale=1.0,
-                    windows=[None] * len(attns), step=step)
+                    windows=[None] * len(attns), step=step, base=base)
     # Mistral windows every layer by the config; the others name each layer's window (None: global)
     windows = [getattr(config, "sliding_window", None) if mt == "mistral" else getattr(a, "sliding_window", None)
                for a in attns]
@@ -167,4 +169,4 @@ def get_arch(model: nn.Module) -> Arch:
     return Arch(mt, attns, H, G, d, config.hidden_size, rope=True, q_scale=1.0,
                 score_scale=float(getattr(attns[0], "scaling", d**-0.5)),  # Gemma: query_pre_attn_scalar^-0.5
                 qk_norm=hasattr(attns[0], "q_norm"), windows=windows,
-                rope_types=list(config.layer_types) if per_type else None, step=step)
+                rope_types=list(config.layer_types) if per_type else None, step=step, base=base)

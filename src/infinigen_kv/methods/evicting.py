@@ -13,16 +13,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..adapters import get_arch
-from ..attention import install
-from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, budget_caps, check_budget, check_min_budget
-from ..layer import LogicalLayer, Rebatch
-from ..pool import RowBuffer
-from ..selection import keep_source, valid_keys
+from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_min_budget
+from ..model.install import install
+from .base import LogicalLayer, Rebatch
+from .budget import budget_caps
+from .keep import keep_source, valid_keys
+from .rows import RowBuffer
 
 
 class EvictingLayer(LogicalLayer):
-    needs_probs = False  # H2O: the attention function reports the attention weights of each step
 
     def __init__(self, cache: "EvictingCache", layer_idx: int):
         super().__init__()
@@ -193,9 +192,8 @@ class EvictingCache(Rebatch, Cache):
         check_budget(budget)
         check_min_budget(min_budget)
         self.budget, self.min_budget = budget, min_budget  # keep max(budget x seen, min_budget) entries
-        self.arch = get_arch(model)
+        self.arch = install(model)
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
-        install(model)
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
 
     def entries(self, tokens):

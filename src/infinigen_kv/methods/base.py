@@ -1,4 +1,7 @@
-"""The cache-layer base shared by every cache here, and the decode-read statistics of the dense ones."""
+"""The contract every method here follows: a cache layer (`LogicalLayer`) that reports the logical length and
+declares its traits, a cache base (`Rebatch`) for continuous batching and forks, and the decode-read statistics
+of the caches that read every entry. The attention function (model/attention.py) reads the traits; shared code
+never tests a method's name or probes for an attribute."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .pool import PIN_ROUNDING, release_pinned
+from .rows import PIN_ROUNDING, release_pinned
 
 
 class LogicalLayer(CacheLayerMixin):
@@ -17,6 +20,10 @@ class LogicalLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    # Traits, declared by a method's layer class, read by the attention function:
+    dense_kernel = False  # a decode step over the whole cache may attend in place with the CPU kernel (full, layer 0)
+    needs_probs = False  # attention hands the layer its weights: the prefill's scores, each decode step's (H2O)
+    fused = None  # (idx, count, new slot) of a step whose chosen rows attention reads in place (InfiniGen, CPU)
     # The attention function attends over what update() returned with `work_mask` (B, G or 1, 1, m) when
     # `working` is set (None: all of it), and with transformers' own mask otherwise.
     working = False
@@ -106,6 +113,14 @@ class Rebatch:
     a common length (the caller's attention mask marks the padding); `room` is capacity for that many more
     tokens per sequence, allocated now so that no buffer grows inside the decode steps that follow."""
 
+    method = None  # the registry's name of the method (methods/registry.py)
+    limited = False  # its pool has a capacity: a prompt may overflow it (InfiniGen with capacity)
+    track_recall = False  # the attention function reports each step's true attention (InfiniGen's recall diagnostic)
+
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
+        """Called from layer l's attention pre-hook with its input x (B, T, D) (model/install.py): a method
+        that chooses what a step reads does it here; the hook then hands the cache to the attention function."""
+
     @torch.inference_mode()  # the buffers were made under it (a prefill): only written in place under it
     def join(self, other, room: int = 0) -> None:
         """Append other's sequences (a cache of this method, prefilled, not decoding) after this one's; other
@@ -183,3 +198,9 @@ def read_stats(layers) -> dict:
         "kv_bytes_per_step": sum(l.bytes_read for l in layers) // max(steps, 1),
         "pool_bytes": sum(l.nbytes for l in layers),
     }
+
+
+def cache_stats(cache) -> dict:
+    """What a cache reports of its decode steps (fetched_fraction, kv_bytes_per_step, ...): {} for a cache not
+    made here (transformers' DynamicCache)."""
+    return cache.stats if isinstance(cache, Rebatch) else {}

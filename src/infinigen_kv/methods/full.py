@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..adapters import UnsupportedModelError, get_arch
-from ..attention import install
-from ..layer import LogicalLayer, Rebatch, read_stats
-from ..pool import RowBuffer
+from ..model.arch import UnsupportedModelError
+from ..model.install import install
+from .base import LogicalLayer, Rebatch, read_stats
+from .rows import RowBuffer
 
 
 class FullLayer(LogicalLayer):
@@ -78,8 +78,7 @@ class FullCache(Rebatch, Cache):
         n = model.config.num_hidden_layers if model is not None else 0
         if model is not None:
             try:
-                windows = get_arch(model).windows
-                install(model)  # the same attention function as every method here (the CPU kernel in decode)
+                windows = install(model).windows  # the attention function of every method (the CPU kernel in decode)
             except UnsupportedModelError:
                 windows = [None] * n  # any other model: transformers' own attention
             super().__init__(layers=[FullLayer(window=w) for w in windows])
@@ -90,9 +89,6 @@ class FullCache(Rebatch, Cache):
         """Make the buffers for `tokens` tokens per sequence (prompt + new tokens): no copy inside decode."""
         for layer in self.layers:
             layer.reserved = max(layer.reserved, int(tokens))
-
-    def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
-        """Nothing to speculate: the hook only hands this cache to the attention function."""
 
     @property
     def stats(self) -> dict:

@@ -1,9 +1,6 @@
-"""The transformers side: a registered attention function and mask function named "infinigen", and a
-forward pre-hook on every layer's self_attn.
+"""The attention function every method here runs under (registered as "infinigen" by install.py), called
+with the cache the pre-hook handed it as the `infinigen_cache` keyword.
 
-- The pre-hook sees layer l's post-norm input, the RoPE (cos, sin), the mask and the cache. If the cache
-  speculates (`before_attention`), it runs there, and the cache rides along to the attention function
-  as the `infinigen_cache` keyword.
 - The attention function attends over the fetched working set with its per-(sequence, KV head) mask
   when the cache's layer has one, and is plain transformers sdpa otherwise, so a model with these
   hooks behaves exactly as before with any other cache. On CPU, with the kernels of kernels/cpu.cpp,
@@ -16,20 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
-from .adapters import get_arch
 
-NAME = "infinigen"
-HOOK_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
-
-
-# SDPA backends on a GPU: all but cuDNN's, which builds a plan for every new key length on the host (measured on an
-# H100, torch 2.11: 0.8-1.7 ms of host time per call, a decode step of a Llama-3.1-8B-shaped model 66-116 ms of
-# which 25-55 in it; docs/BENCHMARKS.md, "On a GPU")
+# SDPA backends on a GPU: all but cuDNN's, which builds a plan on the host for every new key length (a host-bound
+# decode step spent a large share of its time there: docs/BENCHMARKS.md, "On a GPU")
 GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -46,13 +35,14 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     layer = cache.layers[module.layer_idx] if cache is not None else None
     B, H, T, d = query.shape
     G = key.shape[1]
+    # a cache of ours hands its layer (methods/base.LogicalLayer: its traits); another cache (DynamicCache) none
     if layer is None or not layer.working:
-        first = getattr(layer, "kv_offset", 0)  # a sliding window's buffers begin at that position
+        first = layer.kv_offset if layer is not None else 0  # a sliding window's buffers begin at that position
         if first and attention_mask is not None:
             attention_mask = attention_mask[..., first : first + key.shape[2]]
-        if getattr(layer, "needs_probs", False) and T > 1:  # H2O scores the prefill
+        if layer is not None and layer.needs_probs and T > 1:  # H2O scores the prefill
             layer.add_prefill_scores(query, key, attention_mask, scaling)
-        if T == 1 and getattr(layer, "dense_kernel", False):
+        if T == 1 and layer is not None and layer.dense_kernel:
             out = _dense_kernel(layer, query, key, attention_mask, scaling)
             if out is not None:
                 return out, None
@@ -61,20 +51,20 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
-    fused = getattr(layer, "fused", None)
+    fused = layer.fused
     if fused is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
         idx, count, new = fused
         out = kernels.cpu().attend(q.float().contiguous(), key, value, idx, count,
                                    new if isinstance(new, torch.Tensor) else None,
                                    new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype)
-    elif getattr(layer, "needs_probs", False):  # H2O accumulates the weights: explicit softmax
+    elif layer.needs_probs:  # H2O accumulates the weights: explicit softmax
         s = torch.matmul(q, key.transpose(-1, -2)) * scaling  # (B, G, r, m)
         p = torch.softmax(s.masked_fill(~layer.work_mask, float("-inf")).float(), dim=-1)
         layer.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
     else:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=layer.work_mask, scale=scaling)  # (B, G, r, d)
-    if getattr(cache, "track_recall", False):
+    if cache.track_recall:
         cache.record_recall(module.layer_idx, q, attention_mask, scaling)
     return out.reshape(B, 1, H, d), None
 
@@ -103,17 +93,6 @@ def _dense_kernel(layer, query, key, attention_mask, scaling):
     q = query.reshape(B, G, H // G, d).float().contiguous()
     out = kern.attend(q, buf_k, buf_v, None, None, None, -1, keep, n, _scale(scaling, d), query.dtype)
     return out.reshape(B, 1, H, d)
-
-
-def _pre_hook(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    speculate = getattr(cache, "before_attention", None)
-    if speculate is None:  # not one of our caches
-        return None
-    speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
-              kwargs.get("attention_mask"))
-    kwargs["infinigen_cache"] = cache
-    return args, kwargs
 
 
 def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
@@ -152,22 +131,3 @@ def _local_prefill(module, query, key, value, window: int, scaling, kwargs):
         out[:, a:b] = sdpa_attention_forward(module, query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b], mask,
                                              scaling=scaling, **kwargs)[0]
     return out
-
-
-def register() -> None:
-    AttentionInterface.register(NAME, infinigen_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # without this, padding would be silently ignored
-
-
-def install(model) -> None:
-    """Hooks + attention implementation on `model`, once (idempotent)."""
-    if getattr(model, "_infinigen_installed", False):
-        return
-    register()
-    for attn in get_arch(model).attns:
-        attn.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    try:
-        model.set_attn_implementation(NAME)
-    except Exception:
-        model.config._attn_implementation = NAME
-    model._infinigen_installed = True

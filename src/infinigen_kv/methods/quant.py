@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..layer import LogicalLayer, Rebatch, read_stats
-from ..pool import RowBuffer
+from .base import LogicalLayer, Rebatch, read_stats
+from .rows import RowBuffer
 
 GROUP = 64
 

@@ -1,0 +1,221 @@
+"""What each `infinigen` command does once its arguments are parsed (cli.py): generate, calibrate, bench speed /
+accuracy, serve. Each returns the JSON-able result the CLI prints (serve: None, once shut down)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .config import DEFAULT_MODEL, InfiniGenConfig
+from .methods.registry import METHODS
+
+
+class CLIError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+class RunError(Exception):
+    """A failure at run time that is not a bug (a busy port...): one line, exit status 1."""
+
+
+def _method_options(args) -> dict:
+    kind, value = getattr(args, "capacity", None) or (None, None)
+    return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget, "min_budget": args.min_budget,
+            "calibration": args.calibration, "bits": args.quant_bits, "eviction": getattr(args, "eviction", None),
+            "local_layers": args.local_layers, "layer_budget": args.layer_budget,
+            "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
+
+
+def _load(args):
+    from .model.load import load_model
+    from .runtime.threads import set_threads
+
+    set_threads(getattr(args, "threads", None))
+
+    return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None))
+
+
+def cmd_generate(args) -> dict:
+    from .bench.report import bytes_read_per_step
+    from .methods.base import cache_stats
+    from .methods.registry import make_cache
+    from .model.load import model_dtype
+    from .runtime.generation import generate
+
+    prompt = args.prompt_text  # read and checked by _check_inputs, before torch loads
+    model, tok = _load(args)
+    if args.chat:
+        if not tok.chat_template:
+            raise CLIError("--chat: this model's tokenizer has no chat template")
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    enc = tok([prompt] * args.batch, return_tensors="pt", padding=True)
+    n = enc["input_ids"].shape[1]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and n + args.max_new_tokens > limit:
+        raise CLIError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds the model's context of {limit}")
+    device = next(model.parameters()).device
+    cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
+    res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, progress="generate")
+    texts = [tok.decode(res.tokens[i, : res.lengths[i]], skip_special_tokens=True) for i in range(args.batch)]
+    stats = cache_stats(cache)
+    out = {
+        "method": args.method,
+        "model": args.model or DEFAULT_MODEL,
+        "device": str(device),
+        "dtype": model_dtype(model),
+        "batch": args.batch,
+        "prompt_tokens": n,
+        "new_tokens": int(res.tokens.shape[1]),
+        "text": texts[0],
+        "texts": texts,
+        "prefill_s": round(res.prefill_s, 4),
+        "decode_s": round(res.decode_s, 4),
+        "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+        "fetched_fraction": round(stats.get("fetched_fraction", 1.0), 4),
+        "bytes_read_per_step": bytes_read_per_step(model, cache, args.batch, n, res.decode_steps),
+    }
+    if "bytes_moved" in stats:
+        out["bytes_moved"] = stats["bytes_moved"]
+    return out
+
+
+def cmd_calibrate(args) -> dict:
+    from .methods.infinigen import calibrate
+    from .methods.infinigen.calibration import default_path
+
+    model, tok = _load(args)
+    cal = calibrate(model, tok, args.text_file, args.partial_ratio, args.channel_rule, args.skew, args.tokens,
+                    recall=True)
+    config = InfiniGenConfig(partial_ratio=args.partial_ratio, channel_rule=args.channel_rule, skew=args.skew,
+                             calibration_text=args.text_file)
+    path = default_path(model, config)
+    if args.out:
+        path = Path(args.out) / path.name
+    cal.save(path)
+    return {"model": args.model or DEFAULT_MODEL, "path": str(path), **cal.meta,
+            "partial_channels": int(cal.channels.shape[-1])}
+
+
+def _methods(args) -> list[str]:
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    return methods
+
+
+def cmd_bench_accuracy(args) -> dict:
+    from .bench.accuracy import NEEDS_TEXT, TASKS, run_accuracy
+
+    from .bench.ruler import TASKS as RULER
+
+    methods = _methods(args)
+    tasks = list(dict.fromkeys(x for t in args.tasks.split(",") if t for x in (RULER if t == "ruler" else [t])))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
+    if NEEDS_TEXT & set(tasks):
+        if args.data is None:
+            raise CLIError(f"tasks {', '.join(sorted(NEEDS_TEXT & set(tasks)))} need text: pass --data ../shared/data "
+                           "(WikiText-2 test, PG-19 excerpt) or any text file")
+        if not Path(args.data).exists():
+            raise CLIError(f"--data path not found: {args.data}")
+    lmeval = None
+    if "lmeval" in tasks:
+        if not args.lmeval_tasks:
+            raise CLIError("the lmeval task needs --lmeval-tasks (and --lmeval-include DIR for local task YAMLs)")
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError:
+            raise CLIError("the lmeval task needs lm-evaluation-harness: pip install 'infinigen-kv[lmeval]'") from None
+        lmeval = {"tasks": args.lmeval_tasks.split(","), "include_path": args.lmeval_include, "limit": args.lmeval_limit}
+    if args.resume and not args.out:
+        raise CLIError("--resume needs --out (the directory of the run to go on from)")
+    if args.prefix >= args.window:
+        raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
+    model, tok = _load(args)
+    options = {k: v for k, v in _method_options(args).items() if k != "budget"}
+    return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
+                        lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
+                        new_tokens=args.new_tokens, out=args.out, model_name=args.model, lmeval=lmeval,
+                        windows=args.windows, resume=args.resume, batch=args.batch)
+
+
+def cmd_bench_speed(args) -> dict:
+    from .bench.speed import run_speed
+
+    methods = _methods(args)
+    if args.data is not None and not Path(args.data).exists():
+        raise CLIError(f"--data path not found: {args.data}")
+    model, tok = _load(args)
+    return run_speed(model, tok, methods, args.batch, args.prompt_len, args.new_tokens, args.repeats,
+                     _method_options(args), data=args.data, out=args.out, model_name=args.model)
+
+
+def cmd_serve(args) -> None:
+    try:
+        from .serve import Engine, listen, run_server
+    except ModuleNotFoundError as e:  # the core install has no server
+        raise RunError(f"serve needs the server's packages ({e.name} is missing): pip install 'infinigen-kv[serve]'") from None
+
+    try:  # the port first: a busy one fails now, not after the model has loaded
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        raise RunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another server "
+                           "running there? pick another --port)") from None
+    model_id = args.served_model_name or args.model or DEFAULT_MODEL
+    engine_args = dict(max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
+                       prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes)
+    options = {k: v for k, v in _method_options(args).items() if v is not None}
+    if args.replicas is not None:  # Ray Serve: its proxy listens on the port
+        sock.close()
+        _serve_ray(args, model_id, options, engine_args)
+        return
+    try:
+        model, tok = _load(args)
+        engine = Engine(model, tok, args.method, options, **engine_args)
+    except BaseException:
+        sock.close()
+        raise
+    print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit,
+               args.grace_period, sock)
+
+
+def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
+    from .serve import ray_app
+
+    try:
+        ray_app.import_serve()
+    except RuntimeError as e:
+        raise RunError(str(e)) from None
+    import torch
+
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    app = ray_app.application(
+        args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map},
+        args.method, options, engine_args,
+        {"model_id": model_id, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
+         "max_tokens_limit": args.max_tokens_limit},
+        gpus=1 if cuda else 0, grace_s=args.grace_period, threads=args.threads)
+    print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1 "
+          f"({args.replicas} Ray Serve replicas)", file=sys.stderr)
+    ray_app.run(app, args.host, args.port, args.ray_address)
+
+
+def _summary(result: dict) -> str:
+    if "rows" in result and "machine" in result:
+        from .bench.speed import markdown_table
+
+        return markdown_table(result)
+    if "rows" in result:
+        from .bench.accuracy_report import markdown_table
+
+        return markdown_table(result)
+    if "text" in result:
+        return (f"{result['text']}\n\n[{result['method']}] {result['prompt_tokens']} prompt tokens, "
+                f"{result['new_tokens']} new; prefill {result['prefill_s']:.2f}s, decode "
+                f"{result['decode_tokens_per_s']:.1f} tok/s, fetched fraction {result['fetched_fraction']:.3f}")
+    return "\n".join(f"{k}: {v}" for k, v in result.items())

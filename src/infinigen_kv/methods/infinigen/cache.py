@@ -1,0 +1,204 @@
+"""InfiniGenCache: a transformers Cache whose layers keep every K/V in a host pool and hand attention only
+the rows that layer l's speculation chose for layer l+1 (plus the new token).
+
+One decode step, layer l (l >= 1), file by file:
+  1. model/install.py: layer l's attention pre-hook calls `before_attention(l, x)` here;
+  2. the selection (speculator.py: `Speculate.choose`; offload: `FetchAll`) returns layer l+1's fetch, from
+     the partial query (partial.py) scored against layer l+1's partial key cache;
+  3. `prefetch` counts it (stats.py) and starts it (transfer.py on CPU, cuda_transfer.py on a GPU);
+  4. layer l+1's `update(k, v)` (layer.py) fetches the chosen rows, stores the new token in the pool (rows.py;
+     pool.py when it has a capacity) and returns the working set [new token, fetched rows] (B, G, m + 1, d);
+  5. model/attention.py attends over it with the working-set mask (or the CPU kernel over the rows in place).
+Layer 0 has no previous layer and attends over all of its (device-resident) cache. The cache reports the
+logical length, so transformers builds masks and positions as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.cache_utils import Cache
+
+from ...config import ConfigError, InfiniGenConfig
+from ...model import kernels
+from ...model.install import install
+from ..base import Rebatch
+from ..keep import valid_keys
+from .calibration import Calibration
+from .cuda_transfer import CudaTransfer
+from .fetch import Fetch
+from .layer import InfiniGenLayer
+from .offline import ensure_recall, load_or_calibrate
+from .partial import PartialQuery
+from .speculator import Speculate, layer_budgets, layer_scales
+from .stats import Counters
+from .transfer import DirectTransfer
+
+
+def refuse_offloaded_layers(model) -> None:
+    """A device_map that leaves layers on "cpu" / "disk" beside GPU ones (accelerate loads their weights only
+    when the layer runs) cannot serve speculation, which runs layer l+1's q_proj inside layer l: refused."""
+    placed = getattr(model, "hf_device_map", None) or {}
+    offloaded = sorted(k for k, v in placed.items() if v in ("cpu", "disk"))
+    if offloaded and any(v not in ("cpu", "disk") for v in placed.values()):
+        raise ConfigError(f"device_map offloads {', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''} "
+                          "to cpu/disk: InfiniGen computes layer l+1's partial query inside layer l, before "
+                          "accelerate would load its weights; give the GPUs every layer (or run all on the CPU)")
+
+
+def make_transfer(device: torch.device):
+    """The transfer engine of a compute device: direct on CPU, a side stream and pinned staging on a GPU."""
+    return CudaTransfer(device) if torch.device(device).type == "cuda" else DirectTransfer()
+
+
+class InfiniGenCache(Rebatch, Cache):
+    """`InfiniGenCache(model, config)`: calibrates on first use (or loads the cached calibration) and
+    installs the speculation hooks and the attention function on the model (once per model). `selection`
+    decides what each decode step fetches (default: InfiniGen's speculation; `FetchAll` for offload)."""
+
+    method = "infinigen"
+
+    def __init__(self, model, config: InfiniGenConfig | None = None, calibration: Calibration | None = None,
+                 tokenizer=None, selection=None, **overrides):
+        self.config = config or InfiniGenConfig(**overrides)
+        self.selection = selection if selection is not None else Speculate()
+        self.arch = install(model)
+        refuse_offloaded_layers(model)
+        if not self.selection.calibrated:
+            calibration = None
+        elif calibration is None:
+            calibration = load_or_calibrate(model, self.config, tokenizer, type(self))
+        else:
+            calibration.check(model, self.config.partial_ratio)
+        self.calibration = calibration
+        # layer_budget "recall": each speculated layer's share of the budget, from the calibration's recall
+        self.budget_scale = None
+        if calibration is not None and self.config.layer_budget == "recall":
+            self.budget_scale = layer_scales(ensure_recall(model, calibration, self.config, tokenizer, type(self)))
+        self._budgets = layer_budgets(self.config.budget, self.budget_scale)
+        self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        self.pq = PartialQuery(self.arch, calibration, dtype) if calibration is not None else None
+        # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
+        self.limited = self.selection.calibrated and (self.config.capacity is not None
+                                                      or self.config.capacity_bytes is not None)
+        self.reserved = 0  # rows every buffer reserves when it is made (reserve())
+        self._transfers = {}
+        self.transfer = self.transfer_for(device)  # the first device's (one per device with device_map)
+        L = self.arch.num_layers
+        super().__init__(layers=[InfiniGenLayer(self, i) for i in range(L)])
+        self.counters = Counters(L, device)
+        # Diagnostic (off by default, costs a full attention per layer): share of the true attention
+        # mass that the fetched entries carry, per layer.
+        self.track_recall = False
+
+    def reserve(self, tokens: int) -> None:
+        """Size every buffer for `tokens` tokens per sequence (prompt + new tokens) when it is made, so that no
+        pool grows inside decode (a pinned pool's growth re-allocates and re-pins every layer at one step).
+        `ig.generate` calls it before the prefill; beyond it, buffers still grow in chunks."""
+        self.reserved = max(self.reserved, int(tokens))
+
+    def budget_of(self, layer: int) -> float:
+        """Layer `layer`'s budget: the config's, or its share under layer_budget "recall"."""
+        return self.config.budget if self._budgets is None else self._budgets[layer]
+
+    def set_budget(self, budget: float) -> None:
+        """A new budget (the cap of each decode step's fetch)."""
+        self.config = dataclasses.replace(self.config, budget=budget)
+        self._budgets = layer_budgets(budget, self.budget_scale)  # (the step memo keys its caps by budget)
+
+    def fork(self, budget: float | None = None):
+        twin = super().fork(budget)
+        for layer in twin.layers:  # its own transfer engines: their events and staging, made now
+            if layer.is_initialized:
+                layer.prepare_transfer()
+        return twin
+
+    def shared(self) -> dict:
+        """A fork shares the model's modules, the calibration and what is derived from it; it gets transfer
+        engines of its own (a CUDA one owns its stream, events and staging buffers)."""
+        memo = super().shared()
+        for obj in (self.calibration, self.skew_partial, self.pq):
+            if obj is not None:
+                memo[id(obj)] = obj
+        for device, transfer in self._transfers.items():
+            memo[id(transfer)] = make_transfer(device)
+        return memo
+
+    def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
+        "auto" stores bfloat16 where the CPU kernel scores it (half the bytes, scores still in float32), and
+        float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
+        if self.config.partial_dtype == "model":
+            return dtype
+        if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
+            return torch.bfloat16
+        return torch.float32
+
+    def transfer_for(self, device: torch.device):
+        """The transfer engine of a compute device (one side stream per GPU)."""
+        device = torch.device(device)
+        if device not in self._transfers:
+            self._transfers[device] = make_transfer(device)
+        return self._transfers[device]
+
+    # --- one decode step: speculation at layer l's attention pre-hook, then the fetch it starts -------------
+
+    def partial_query(self, layer: int, x: torch.Tensor, rope) -> torch.Tensor:
+        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p) (partial.py)."""
+        return self.pq(layer, x, rope, self.layers[layer].skew_p)
+
+    @torch.no_grad()
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
+        """Called from layer l's attention pre-hook with its input x (B, T, D): a decode step's selection chooses
+        what the next layer(s) fetch, and their prefetch starts; a prefill into a pool with a capacity notes its
+        last query (a prompt larger than the pool keeps what that query would fetch: InfiniGenLayer.prefill_keep)."""
+        if x.shape[1] != 1:
+            if self.limited and layer_idx > 0:
+                last = tuple(t[:, -1:] for t in rope) if rope is not None else None
+                keep = valid_keys(attention_mask, x.shape[1])  # the layer's own mask: its last query's keys
+                self.layers[layer_idx].prefill_query = (x[:, -1:], last, None if keep is None else keep.unsqueeze(1))
+            return
+        for nxt, fetch in self.selection.choose(self, layer_idx, x, rope, attention_mask):
+            self.prefetch(self.layers[nxt], fetch)
+
+    def prefetch(self, target: InfiniGenLayer, fetch: Fetch) -> None:
+        """Count `fetch` (target's chosen slots) and start it; target's update picks it up."""
+        self.counters.count_fetch(target, fetch)
+        if target.slots is not None:
+            target.slots.record(fetch.idx, fetch.real_mask())
+        target.transfer.prefetch(target, fetch)
+
+    def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
+        """The recall diagnostic (track_recall): the true attention mass of q (B, G, r, d) on the fetched rows."""
+        self.counters.record_recall(self.layers[layer_idx], q, attention_mask, scaling)
+
+    # --- reporting and batch changes ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """fetched fraction per layer and overall, fetched tokens per (sequence, KV head) and step, bytes moved
+        from the pool, KV bytes read per step, pool bytes (stats.py)."""
+        return self.counters.report(self.layers, list(self._transfers.values()), self.track_recall)
+
+    def settle(self) -> None:
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.transfer.flush(layer)
+
+    def rebatched(self) -> None:
+        """Per-row accumulators fold into the host counters (a sync, between steps), memos start over."""
+        self.counters.fold()
+        if self.pq is not None:
+            self.pq.reset()
+        self.selection.reset()
+
+    def reset(self):
+        for transfer in self._transfers.values():
+            transfer.reset()  # nothing in flight touches a pool from here on
+        super().reset()
+        self.counters.reset()
+        if self.pq is not None:
+            self.pq.reset()
+        self.selection.reset()

@@ -1,0 +1,137 @@
+"""The skewed partial query of layer l+1 from layer l's attention input: the speculation's query side.
+
+Three ways, by what the calibration kept: a model without RoPE folds A_P into the weights (`weight`, one
+small linear); a RoPE model with raw (unskewed) channels multiplies x by only the q_proj rows of the partial
+channels P and their rotate-half partners, then rotates P (the CPU kernel's `partial_query`, or the same in
+PyTorch); otherwise the whole query times A_P.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...model import kernels
+
+
+def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
+    """The query channels an unskewed RoPE partial query needs: per (layer, KV head) the partial channels P and
+    their rotate-half partners (c +- d/2), padded by repeating one: (L, G, c) int64 with c <= 2p."""
+    half = d // 2
+    need = [[sorted(set(P.tolist()) | {(ch + half) % d for ch in P.tolist()}) for P in layer] for layer in channels]
+    c = max(len(s) for layer in need for s in layer)
+    return torch.tensor([[s + s[:1] * (c - len(s)) for s in layer] for layer in need], dtype=torch.long)
+
+
+class PartialQuery:
+    """Layer l+1's skewed partial query (B, G, r, p) from layer l's input x (B, 1, D), for every layer of one
+    calibrated model; shared by a cache and its forks (what it memoizes is keyed by identity or device)."""
+
+    def __init__(self, arch, calibration, dtype: torch.dtype):
+        self.arch = arch
+        self.weight = self.bias = None
+        if calibration.pq_weight is not None:  # no RoPE: A_P folded in, per layer on its layer's device
+            devs = [a.q_proj.weight.device for a in arch.attns]
+            self.weight = [w.to(dv, dtype) for w, dv in zip(calibration.pq_weight, devs)]
+            self.bias = [b.to(dv, dtype) for b, dv in zip(calibration.pq_bias, devs)]
+        # RoPE models with raw (unskewed) channels: only the q_proj rows of P and their RoPE partners, per layer
+        # (G, c) and P (G, p) (not with a QK-norm: it needs the whole head)
+        self.rows = self.channels = None
+        if arch.rope and calibration.unskewed and not arch.qk_norm:
+            self.rows = list(rope_channels(calibration.channels, arch.head_dim))
+            self.channels = [c.contiguous() for c in calibration.channels]
+        self._rows_memo = {}  # layer -> its q_proj rows and channel maps on its device (rows_on)
+        self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the current step's memos (a new batch)."""
+        self._rope_memo = (None, None, None)  # (cos tensor, cos, sin) of the current step (_step_rope)
+        self._rope_channels_memo = (None, None, None)  # (cos, cos at P, signed sin at P) of the current step
+
+    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None) -> torch.Tensor:
+        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p); skew_p (G, d, p): the layer's A_P."""
+        a = self.arch
+        B = x.shape[0]
+        kern = kernels.cpu() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if self.weight is not None:  # no RoPE: A_P folded into the partial query weights
+            if kern is not None:
+                q = kern.linear(x.reshape(B, -1), self.weight[layer], self.bias[layer])
+            else:
+                q = F.linear(x, self.weight[layer], self.bias[layer])  # (B, 1, H*p)
+            return q.view(B, a.num_kv_heads, a.group, -1)
+        if self.rows is not None and rope is not None:  # raw channels: only their q_proj rows
+            cos, sin = self._step_rope(rope, B)
+            if kern is None:
+                return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin)
+            proj = a.attns[layer].q_proj
+            w16 = getattr(proj, "weight_bf16", None)  # the weight decode steps use (--dtype bf16-weights)
+            x = x.contiguous()
+            return kern.partial_query(x.reshape(B, -1), w16 if w16 is not None else proj.weight, proj.bias,
+                                      self.rows[layer], self.channels[layer], cos, sin, a.group)
+        q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
+        return torch.matmul(q, skew_p.unsqueeze(0))  # (B, G, r, p)
+
+    def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels): x (B, D) times only the
+        q_proj rows of the partial channels P and their rotate-half partners S (a copy of those rows made once per
+        layer, on its device), then RoPE of P in float32, from cos and the signed sin of every layer's P gathered
+        once a step (_step_rope_channels): (B, G, r, p). Five small ops a layer (a GPU step is host-bound)."""
+        W, b, both = self.rows_on(layer, x.device)
+        a = self.arch
+        B, (G, p2) = x.shape[0], both.shape
+        y = F.linear(x.to(W.dtype), W, b).float().view(B, G, a.group, -1)  # (B, G, r, c)
+        if a.q_scale != 1.0:
+            y = y * a.q_scale
+        y = y.gather(-1, both.view(1, G, 1, p2).expand(B, G, a.group, p2))  # (B, G, r, 2p): [P, partners of P]
+        cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device)
+        p = p2 // 2
+        return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
+
+    def rows_on(self, layer: int, device) -> tuple:
+        """(W (H c, D), bias or None, both (G, 2p)) of `layer` on `device`: the q_proj rows h d + S[g] of every query
+        head h of group g, and where P[g, t] and then its rotate-half partner (t +- d/2) sit in S[g]."""
+        memo = self._rows_memo.get(layer)
+        if memo is not None and memo[0].device == torch.device(device):
+            return memo
+        a = self.arch
+        S, P = self.rows[layer], self.channels[layer]  # (G, c), (G, p)
+        G, c = S.shape
+        d, half = a.head_dim, a.head_dim // 2
+        heads = torch.arange(G * a.group).view(G, a.group, 1)
+        rows = (heads * d + S.view(G, 1, c)).reshape(-1)  # (H c,)
+        proj = a.attns[layer].q_proj
+        W = proj.weight.detach()[rows.to(proj.weight.device)].to(device)
+        b = proj.bias.detach()[rows.to(proj.bias.device)].to(device) if proj.bias is not None else None
+        where = [{ch: i for i, ch in enumerate(S[g].tolist())} for g in range(G)]
+        both = torch.tensor([[where[g][ch] for ch in P[g].tolist()] + [where[g][(ch + half) % d] for ch in P[g].tolist()]
+                             for g in range(G)])
+        memo = (W, b, both.to(device))
+        self._rows_memo[layer] = memo
+        return memo
+
+    def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device):
+        """cos and the rotate-half-signed sin (B, L, G, 1, p) at every layer's partial channels P, of a decode step's
+        cos, sin (B, d): gathered once a step for all layers (memoized on the step's cos tensor)."""
+        memo = self._rope_channels_memo
+        if memo[0] is cos:
+            return memo[1], memo[2]
+        if self._channels_all is None or self._channels_all[0].device != torch.device(device):
+            P = torch.stack([c for c in self.channels])  # (L, G, p)
+            sign = torch.where(P < self.arch.head_dim // 2, -1.0, 1.0)  # rotate-half: -x[c + d/2] below d/2
+            self._channels_all = (P.to(device), sign.to(device))
+        P, sign = self._channels_all
+        L, G, p = P.shape
+        B = cos.shape[0]
+        cos_p = cos.index_select(1, P.view(-1)).view(B, L, G, 1, p)
+        ssin_p = (sin.index_select(1, P.view(-1)).view(B, L, G, p) * sign).view(B, L, G, 1, p)
+        self._rope_channels_memo = (cos, cos_p, ssin_p)
+        return cos_p, ssin_p
+
+    def _step_rope(self, rope, B: int):
+        """cos, sin (B, d) float32 of a decode step's position from rope (B or 1, 1, d): every layer of a
+        step shares the tuple, so converted once (the memo holds the tensor, so its identity is safe)."""
+        if self._rope_memo[0] is not rope[0] or self._rope_memo[1].shape[0] != B:
+            cos, sin = (t[:, -1].expand(B, -1).float().contiguous() for t in rope)
+            self._rope_memo = (rope[0], cos, sin)
+        return self._rope_memo[1], self._rope_memo[2]

@@ -1,0 +1,246 @@
+"""InfiniGen's speculation, the one place it lives: at layer l's attention input, layer l+1's partial query
+(partial.py) is scored against layer l+1's partial key cache; the tokens within alpha of each head's best, at
+most the budget, are the rows layer l+1 fetches (`Speculate.choose` returns them; the cache starts them).
+
+First the tensor functions (no state): approximate scores, relative logits, the caps, the selection, the
+per-layer budgets. Shapes: B sequences, H query heads, G KV heads, r = H / G, n past tokens, p partial
+channels, d head size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ...model import kernels
+from ..budget import budget_caps
+from ..keep import keep_source, layer_keep
+from .fetch import Fetch
+
+
+def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float) -> torch.Tensor:
+    """Approximate attention logits of each past token for each query head, in float32 on every device (alpha
+    and the budgets were tuned on float32 scores; bf16 ones tie).
+
+    q_partial (B, G, r, p): the skewed partial queries of the r query heads sharing a KV head.
+    k_partial (B, G, n, p): the partial key cache (float32, or bfloat16 / the model's dtype). Returns (B, G, r, n).
+    """
+    s = torch.matmul(q_partial.float(), k_partial.float().transpose(-1, -2))  # (B, G, r, n)
+    return s * scale if scale != 1.0 else s
+
+
+def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "max") -> torch.Tensor:
+    """scores (B, G, r, n) -> (B, G, n): each head's logits relative to its own maximum (0 at the max,
+    -inf where keep (B, 1, n) is False), the r heads of a group combined by "max" or "mean"."""
+    if keep is not None:
+        scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))
+    rel = scores - scores.amax(dim=-1, keepdim=True)  # (B, G, r, n), each head's max at 0
+    return rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)
+
+
+def fetch_cap(n: int, budget: float, max_num_kv: int | None, floor: int = 0) -> int:
+    """Most entries a row of n may fetch: the budget's share of n (at least `floor`) or its token count, at most
+    max_num_kv, at least 1 (host integers: this sizes a step's fetch without looking at the scores)."""
+    cap = budget_caps(n, budget, floor)
+    return min(cap, max_num_kv) if max_num_kv else cap
+
+
+def row_caps(keep: torch.Tensor, budget: float, max_num_kv: int | None, floor: int = 0) -> torch.Tensor:
+    """Per-row caps from keep (B, 1 or G, n): the budget of each valid length, in [1, max_num_kv]: (B, 1 or G)."""
+    cap = budget_caps(keep.sum(-1), budget, floor)
+    return cap.clamp_(max=max_num_kv) if max_num_kv else cap
+
+
+def saves_bytes(n: int, cap: int, row: int, partial_row: int) -> bool:
+    """Whether fetching at most `cap` of n rows (`row` bytes each) after scoring n partial keys (`partial_row`
+    bytes each) reads fewer bytes than attending all n rows: if not, a step attends densely (a short past
+    under the budget's floor), with no selection cost."""
+    return n * partial_row + cap * row < n * row
+
+
+def layer_scales(recall: list, lo: float = 0.5, hi: float = 3.0) -> list:
+    """Per layer, its share of the budget from its speculation recall (None: a dense layer, no share):
+    proportional to its misses, 1 - recall, clamped to [lo, hi] and renormalized so the speculated layers'
+    mean is 1 (the total fetched stays the uniform budget's)."""
+    spec = [i for i, r in enumerate(recall) if r is not None]
+    miss = {i: max(1.0 - recall[i], 1e-3) for i in spec}
+    mean = sum(miss.values()) / max(len(spec), 1)
+    scale = {i: m / mean for i, m in miss.items()}
+    for _ in range(50):  # clamp, renormalize: converges in a few rounds
+        scale = {i: min(hi, max(lo, v)) for i, v in scale.items()}
+        mean = sum(scale.values()) / max(len(spec), 1)
+        scale = {i: v / mean for i, v in scale.items()}
+    return [scale.get(i) for i in range(len(recall))]
+
+
+def layer_budgets(budget: float, scales: list | None) -> list | None:
+    """Each layer's budget: `budget` x its scale (None: every layer `budget`). A fraction stays <= 1, the
+    speculated layers' mean kept at `budget` (what a capped layer cannot take goes to the others; at 1.0 every
+    layer fetches everything); a token count is rounded and stays > 1 (a count, not a fraction)."""
+    if scales is None:
+        return None
+    spec = [s for s in scales if s is not None]
+    if budget > 1:
+        return [budget if s is None else float(max(2, round(budget * s))) for s in scales]
+    if budget >= 1.0 or not spec:
+        return [budget] * len(scales)
+    lo, hi = 1.0, 1.0 / (budget * min(spec))  # mean of min(1, budget x s x c) is budget at c = 1, 1 at hi
+    for _ in range(40):  # bisect for the c that keeps the mean at budget
+        c = (lo + hi) / 2
+        if sum(min(1.0, budget * s * c) for s in spec) / len(spec) < budget:
+            lo = c
+        else:
+            hi = c
+    return [budget if s is None else min(1.0, budget * s * hi) for s in scales]
+
+
+def select(
+    scores: torch.Tensor,
+    keep: torch.Tensor | None,
+    alpha: float,
+    budget: float,
+    max_num_kv: int | None = None,
+    combine: str = "max",
+    floor: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens to fetch per (sequence, KV head), with no host sync: the step's fetch size is known on the host.
+
+    scores (B, G, r, n): approximate logits per query head. keep (B, 1, n) bool or None: False marks
+    positions that may not be attended (left padding, masked tokens); they are never selected.
+    Each head's logits are taken relative to its own maximum (a token within alpha of it has a softmax
+    weight of at least e^-alpha of the largest), then the r heads of a group are combined:
+    "max" keeps a token any head wants, "mean" averages the heads' relative logits. A token is selected
+    when the combined value is within alpha of 0; each row is capped at ceil(budget x valid length), at
+    least `floor` (and at most `max_num_kv`), keeping the highest, and keeps at least its best token.
+    Returns idx (B, G, k), best first, k = the cap of n (fetch_cap: a host integer, as the CPU kernel sizes
+    its fetch), and count (B, G) on the device: the first count slots of each row are the selected ones (the
+    rest hold real pool positions, masked; a transfer may leave them out once the count is on the host).
+    """
+    n = scores.shape[-1]
+    k = fetch_cap(n, budget, max_num_kv, floor)
+    rel = relative(scores, keep, combine)  # (B, G, n)
+    count = (rel > -alpha).sum(-1)  # (B, G)
+    if keep is not None:  # per sequence: budget x its valid (unpadded) length
+        count = torch.minimum(count, row_caps(keep, budget, max_num_kv, floor))
+    idx = rel.topk(min(k, n), dim=-1, sorted=True).indices  # (B, G, k), best first
+    return idx, count.clamp_(min=1, max=idx.shape[-1])
+
+
+class Speculate:
+    """InfiniGen's speculation. Layer 0 attends over its whole cache, which stays on the device."""
+
+    calibrated = True  # needs the offline calibration and a partial key cache per layer
+    in_place = True  # on CPU, attention may read the chosen rows where they lie in the pool
+    whole = False  # fetches chosen rows (by index), not whole pasts
+
+    def __init__(self):
+        self._memo = {}  # window -> (key, keep, {budget: caps}) of the current decode step (step_keep)
+        self._dense_step = False  # this decode step's past is under every layer's cap (_under_floor)
+
+    def dense(self, cache, layer_idx: int) -> bool:
+        """Layer 0, and a model's local layers unless `local_layers="speculate"`: their window is short (512
+        tokens on Gemma 3) and attending all of it measured better (docs/BENCHMARKS.md, "Models: Gemma 3 270M")."""
+        return layer_idx == 0 or (cache.arch.local(layer_idx) and cache.config.local_layers == "dense")
+
+    def choose(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> Iterator[tuple[int, Fetch]]:
+        """Called with layer l's decode input x (B, 1, D): the fetches of layer l+1 (and of layer 1 at layer 1),
+        (layer, Fetch) each, yielded as chosen: the cache starts each before the next is scored.
+
+        Layer 0's input is the raw embedding, too unlike layer 1's to predict it (measured attention
+        recall 0.1-0.4 where later layers get 0.9+): layer 0 speculates nothing and layer 1 speculates
+        itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
+        """
+        if layer_idx == 0:  # layer 0: see above
+            self._dense_step = self._under_floor(cache)
+            return
+        if self._dense_step:
+            return
+        targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
+        for nxt in targets:
+            fetch = self.speculate(cache, nxt, x, rope, attention_mask)
+            if fetch is not None:
+                yield nxt, fetch
+
+    @staticmethod
+    def _under_floor(cache) -> bool:
+        """Whether no layer's cap leaves out any of its past this step (a short past under min_budget): then no
+        layer speculates or attends through a selection (CPU, a pool without capacity; once a step, at layer 0)."""
+        c = cache.config
+        for layer in cache.layers[1:]:
+            if not layer.is_initialized or layer.dense:
+                continue
+            if layer.slots is not None or not layer.transfer.host_compute:
+                return False
+            n = layer.partial.length
+            if fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget) < n:
+                return False
+        return True
+
+    def speculate(self, cache, nxt: int, x: torch.Tensor, rope, attention_mask) -> Fetch | None:
+        """Layer nxt's fetch from x (B, 1, D): its partial query scored against its partial key cache, the tokens
+        within alpha of each head's best, at most its budget; None where the layer attends all of its past."""
+        target = cache.layers[nxt]
+        if not target.is_initialized or target.dense:
+            return None
+        dev = target.device
+        rope = cache.arch.rope_for(nxt, rope)  # layer l+1's own (Gemma 3: per layer type)
+        if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
+            x = x.to(dev, non_blocking=True)
+            rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
+        n = target.partial.length  # slots
+        c = cache.config
+        budget = cache.budget_of(nxt)
+        k = fetch_cap(n, budget, c.max_num_kv, c.min_budget)  # known on the host: the step's fetch size
+        partial_row = target.partial.width * target.partial.data.element_size()
+        row = (target.k.width + target.v.width) * target.k.data.element_size()
+        if target.slots is None and target.transfer.host_compute and not saves_bytes(n, k, row, partial_row):
+            # the cap leaves nothing to save (a short past under the floor): the layer attends densely, in place
+            # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
+            return None
+        q = cache.partial_query(nxt, x, rope)  # (B, G, r, p)
+        B, G = q.shape[:2]
+        evicted = target.slots is not None and target.slots.evicted
+        keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted, budget)
+        if keep is not None and evicted:
+            keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
+        kern = kernels.cpu() if dev.type == "cpu" else None
+        if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
+            if keep is not None and caps is None:  # per row: budget x its valid length
+                keep = keep.contiguous()
+                caps = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()  # (B, G)
+            idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
+                                        cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
+            return Fetch(idx, count=count, keep=keep, scored=partial_row)
+        scores = approx_scores(q, target.partial.valid(), cache.arch.score_scale)  # (B, G, r, slots)
+        idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
+        return Fetch(idx, count=count, keep=keep, scored=partial_row)
+
+    @staticmethod
+    def max_fetch(cache, layer_idx: int, tokens: int) -> int:
+        """The most rows one decode step of `layer_idx` fetches per (sequence, KV head) up to `tokens` tokens."""
+        c = cache.config
+        return fetch_cap(tokens, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
+
+    def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool,
+                  budget: float):
+        """keep (B, 1, seen) of `layer` (layer_keep) and, if with_caps, the per-row caps (B, G) of the CPU
+        kernel at `budget`: the same for every layer of a decode step with the same window (and budget), so
+        computed once per step."""
+        mask = keep_source(cache.arch, attention_mask)
+        window = cache.arch.windows[layer]
+        key = (None if mask is None else mask.data_ptr() if torch.is_tensor(mask) else id(mask), seen, dev, B, G)
+        memo = self._memo.get(window)
+        if memo is None or memo[0] != key:
+            keep = layer_keep(cache.arch, layer, mask, seen, B, dev)
+            memo = self._memo[window] = (key, None if keep is None else keep.contiguous(), {})
+        keep, caps = memo[1], memo[2]
+        if keep is None or not with_caps:
+            return keep, None
+        if budget not in caps:
+            c = cache.config
+            caps[budget] = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()
+        return keep, caps[budget]
+
+    def reset(self) -> None:
+        self._memo = {}

@@ -1,0 +1,122 @@
+"""What InfiniGen's decode steps fetched and read, per layer: the `stats` a cache reports, and the recall
+diagnostic (the share of the true attention mass the fetched rows carry).
+
+What the host knows adds up in integers; what only the device knows (real counts, valid lengths) in one
+float64 tensor per layer, one add per layer and step: no host sync in the decode loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fetch import Fetch, counted
+
+
+def _accumulate(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """acc + x in place (a fresh float64 copy of x the first time): one op, no host sync."""
+    return x.to(torch.float64, copy=True) if acc is None else acc.add_(x)
+
+
+class Counters:
+    """Per layer, over decode steps: past entries fetched and fetchable (padding excluded), rows (sequence x KV
+    head) served, steps; rows gathered and KV bytes read over all layers; the recall diagnostic's sums."""
+
+    def __init__(self, layers: int, device):
+        self.recall = torch.zeros(layers, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        L = len(self.recall)
+        self.fetched, self.possible = [0] * L, [0] * L
+        self.fetched_t, self.possible_t = [None] * L, [None] * L
+        self.keep_total = (None, None)  # (keep, its valid entries over all rows) of the current step
+        self.rows, self.steps = [0] * L, [0] * L
+        self.rows_moved = 0  # padded rows gathered (what the transfer actually moves)
+        self.kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
+        self.recall.zero_()
+        self.recall_steps = [0] * L
+
+    def count_fetch(self, target, fetch: Fetch) -> None:
+        """A fetch of `target` (a pool layer) started: what it may read and what it reads."""
+        idx, keep = fetch.idx, fetch.keep
+        B, G, m = idx.shape
+        n, nxt = target.k.length, target.layer_idx
+        got = fetch.count if fetch.count is not None else fetch.real.sum(-1) if fetch.real is not None else None
+        if got is None:
+            self.fetched[nxt] += B * G * m
+        else:
+            self.fetched_t[nxt] = _accumulate(self.fetched_t[nxt], got)
+        if keep is None:
+            self.possible[nxt] += B * G * n
+        else:
+            if self.keep_total[0] is not keep:  # one sum per step: every layer shares the step's mask
+                self.keep_total = (keep, keep.sum() * (G // keep.shape[1]))
+            self.possible_t[nxt] = _accumulate(self.possible_t[nxt], self.keep_total[1])
+        self.rows[nxt] += B * G
+        self.steps[nxt] += 1
+        self.rows_moved += idx.numel()
+        row = (target.k.width + target.v.width) * target.k.data.element_size()
+        self.kv_bytes += B * G * (n * fetch.scored + (m + 1) * row)
+
+    def count_dense(self, layer, window: int | None) -> None:
+        """A dense decode step: every past entry it may attend counts as fetched (a local layer's window)."""
+        i, rows, past = layer.layer_idx, layer.k.batch * layer.k.heads, layer.seen - 1
+        read = min(past, window - 1) if window is not None else past
+        self.fetched[i] += rows * read
+        self.possible[i] += rows * read
+        self.rows[i] += rows
+        self.steps[i] += 1
+        self.kv_bytes += rows * (read + 1) * (layer.k.width + layer.v.width) * layer.k.data.element_size()
+
+    def record_recall(self, layer, q: torch.Tensor, attention_mask, scaling: float) -> None:
+        """True attention of q (B, G, r, d) over layer's whole pool; add the mass on the rows it fetched."""
+        if layer.slots is not None and layer.slots.evicted:
+            return  # positions no longer match the slots: the diagnostic measures unevicted pools only
+        layer.transfer.flush(layer)
+        K = layer.k.valid().to(q.device)  # (B, G, n + 1, d)
+        s = torch.matmul(q.float(), K.float().transpose(-1, -2)) * scaling  # (B, G, r, n + 1)
+        if attention_mask is not None:
+            m = attention_mask[:, :, -1:, :]  # (B, 1, 1, n + 1)
+            s = s.masked_fill(~m if m.dtype == torch.bool else m != 0, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        sel = layer.work_mask.squeeze(2)[..., 1:] if layer.work_mask is not None else 1.0  # (B, G, m) real slots
+        if layer.fused is not None and layer.fused[1] is not None:
+            sel = counted(layer.fused[1], layer.selection.shape[-1]).to(p.dtype)
+        got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
+        mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
+        self.recall[layer.layer_idx] += mass.mean().to(self.recall.device)
+        self.recall_steps[layer.layer_idx] += 1
+
+    def fold(self) -> None:
+        """Per-row accumulators into the host counters (a sync: between steps, when the batch changes)."""
+        for counts, tensors in ((self.fetched, self.fetched_t), (self.possible, self.possible_t)):
+            for i, t in enumerate(tensors):
+                if t is not None:
+                    counts[i] += float(t.sum())
+                    tensors[i] = None
+        self.keep_total = (None, None)
+
+    def report(self, layers, transfers, track_recall: bool) -> dict:
+        """fetched fraction per layer and overall (share of the past entries fetched over the decode steps; the
+        overall figure is the mean over layers), fetched tokens per (sequence, KV head) and step, bytes moved."""
+        fetched = [n + (float(t.sum()) if t is not None else 0) for n, t in zip(self.fetched, self.fetched_t)]
+        possible = [n + (float(t) if t is not None else 0) for n, t in zip(self.possible, self.possible_t)]
+        frac = [f / p if p else 0.0 for f, p in zip(fetched, possible)]
+        tokens = [f / r if r else 0.0 for f, r in zip(fetched, self.rows)]
+        active = [i for i, s in enumerate(self.steps) if s > 0]
+        first = layers[0]
+        row_bytes = (first.k.width + first.v.width) * first.k.data.element_size() if first.is_initialized else 0
+        # bytes moved: what the CUDA transfers copied to the device (they trim each fetch to its real rows), else
+        # the rows gathered
+        moved = [t.bytes_moved for t in transfers if hasattr(t, "bytes_moved")]
+        return {
+            "fetched_fraction": sum(frac[i] for i in active) / len(active) if active else 0.0,
+            "fetched_fraction_per_layer": frac,
+            "tokens_per_step": tokens,
+            "bytes_moved": sum(moved) if moved else self.rows_moved * row_bytes,
+            "decode_steps": max(self.steps) if self.steps else 0,
+            "kv_bytes_per_step": self.kv_bytes // max(max(self.steps), 1),
+            "pool_bytes": sum(l.nbytes for l in layers),
+            **({"recall_per_layer": [r / max(n, 1) for r, n in zip(self.recall.cpu().tolist(), self.recall_steps)]}
+               if track_recall else {}),
+        }

@@ -1,0 +1,67 @@
+"""`offload`: full offload, FlexGen-style. Every layer's whole K/V lives in the host pool (pinned when a GPU
+computes) and is brought to the compute device at every decode step, the next layer's while this one
+computes: InfiniGen's cache and transfer machinery with the `FetchAll` selection (every valid row, no
+calibration or partial keys). On CPU it degenerates to one copy of the whole cache per step (what
+offloading costs where there is no device to offload from)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .infinigen.cache import InfiniGenCache
+from .infinigen.fetch import Fetch
+from .keep import keep_source, layer_keep
+
+
+class OffloadCache(InfiniGenCache):
+    method = "offload"
+
+    def __init__(self, model, **_):
+        super().__init__(model, selection=FetchAll())
+
+
+class FetchAll:
+    """Full offload: every layer's whole K/V lives in the host pool and every valid row is brought to the
+    compute device at every decode step, the next layer's while this one computes. Layer 0 has no
+    previous layer: it fetches itself in its own pre-hook."""
+
+    calibrated = False
+    in_place = False  # the point of the baseline is the copy (on CPU: one copy of the whole cache per step)
+    whole = True  # every fetch is a whole past, rows as they lie (no indices to send, nothing to gather)
+
+    def __init__(self):
+        self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device
+
+    def dense(self, cache, layer_idx: int) -> bool:
+        return False
+
+    @staticmethod
+    def max_fetch(cache, layer_idx: int, tokens: int) -> int:
+        return tokens
+
+    def choose(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> Iterator[tuple[int, Fetch]]:
+        """At layer l's decode input: the whole past of layer l+1 (and of layer 0, at layer 0), as (layer, Fetch)."""
+        if layer_idx == 0:
+            self._all = {}
+        targets = ([0] if layer_idx == 0 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
+        for nxt in targets:
+            if cache.layers[nxt].is_initialized:
+                yield nxt, self.fetch_all(cache, nxt, attention_mask)
+
+    def fetch_all(self, cache, nxt: int, attention_mask) -> Fetch:
+        target = cache.layers[nxt]
+        B, G, n = target.k.batch, target.k.heads, target.k.length
+        device = target.device
+        window = cache.arch.windows[nxt]
+        if (device, window) not in self._all:  # layers with the same past, mask and window: order once
+            keep = layer_keep(cache.arch, nxt, keep_source(cache.arch, attention_mask), n, B, device)
+            idx = torch.arange(n, device=device).expand(B, G, n).contiguous()
+            real = None if keep is None else keep.expand(B, G, n).contiguous()  # padding fetched, masked
+            self._all[(device, window)] = (keep, idx, real)
+        keep, idx, real = self._all[(device, window)]
+        return Fetch(idx, real, whole=True, keep=keep)
+
+    def reset(self) -> None:
+        self._all = {}
