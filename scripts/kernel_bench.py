@@ -1,0 +1,70 @@
+"""A decode kernel alone at the default model's shapes, each layer its own buffers (nothing stays in cache):
+
+  attend  over a whole cache: 30 layers of (B, 3, prompt-len, 64) float32 K/V, GB/s of K/V read
+  linear  the 211 decode matrices of a step (30 layers x q, k, v, o, gate, up, down, and the LM head) in
+          bfloat16, one row each, GB/s of weights read
+
+    python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096]
+    python scripts/kernel_bench.py --kernel linear
+"""
+
+import argparse
+import time
+
+import torch
+
+from infinigen_kv.model import kernels
+
+LAYERS, D, FF, VOCAB = 30, 576, 1536, 49152  # SmolLM2-135M
+
+
+def attend_step(kern, batch: int, n: int):
+    G, r, d = 3, 3, 64
+    Ks = [torch.randn(batch, G, n + 64, d) for _ in range(LAYERS)]
+    Vs = [torch.randn(batch, G, n + 64, d) for _ in range(LAYERS)]
+    q = torch.randn(batch, G, r, d)
+
+    def step():
+        for K, V in zip(Ks, Vs):
+            kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32)
+
+    return step, LAYERS * batch * G * n * d * 8
+
+
+def linear_step(kern):
+    shapes = [(D, D), (192, D), (192, D), (D, D), (FF, D), (FF, D), (D, FF)]
+    Ws = [torch.randn(o, i).bfloat16() for _ in range(LAYERS) for o, i in shapes] + [torch.randn(VOCAB, D).bfloat16()]
+    xs = {D: torch.randn(1, D), FF: torch.randn(1, FF)}
+
+    def step():
+        for w in Ws:
+            kern.linear(xs[w.shape[1]], w, None)
+
+    return step, sum(w.numel() * 2 for w in Ws)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=["attend", "linear"], default="attend")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args()
+    kern = kernels.cpu()
+    if kern is None:
+        raise SystemExit("kernel_bench: the CPU kernels are not built here")
+    step, nbytes = attend_step(kern, args.batch, args.prompt_len) if args.kernel == "attend" else linear_step(kern)
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    med = sorted(times)[len(times) // 2]
+    shape = f"B{args.batch} x {args.prompt_len}" if args.kernel == "attend" else "one row"
+    print(f"{args.kernel}, {shape}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
