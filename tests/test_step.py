@@ -1,0 +1,52 @@
+"""The decode step of our own (model/step.py) computes what the model's forward computes, to the last bit, for
+every method, alone and in a left-padded batch; it serves only the models and caches it was written for."""
+
+import copy
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.model import step
+from infinigen_kv.model.load import fast_cpu_linears
+from conftest import KINDS, left_padded_batch
+
+SERVED = ["llama-mha", "llama-gqa", "llama31", "qwen2"]
+METHODS = {"full": {}, "infinigen": {"budget": 0.3, "min_budget": 0}, "offload": {}, "h2o": {"budget": 0.5},
+           "streaming": {"budget": 0.5}, "quant": {}}
+
+
+def run(model, ids, mask, method, own: bool, monkeypatch):
+    monkeypatch.setattr(step, "ENABLED", own)
+    cache = ig.make_cache(method, model, **METHODS[method])
+    lps = []
+    out = ig.generate(model, ids, mask, cache=cache, max_new_tokens=8, stop_at_eos=False, logprobs=3,
+                      on_step=lambda i, new, lp: lps.append(lp[1].clone()))
+    return out.tokens, torch.stack(lps), step.supports(model, cache)
+
+
+@pytest.mark.parametrize("kind", SERVED)
+def test_own_step_equals_the_models_forward(tiny_models, kind, monkeypatch):
+    model = copy.deepcopy(tiny_models[kind])
+    fast_cpu_linears(model, weights="bfloat16")  # as load_model does on CPU
+    for ids, mask in (left_padded_batch(lengths=(40, 33, 21)), left_padded_batch(lengths=(37,))):
+        for method in METHODS:
+            tokens, lps, used = run(model, ids, mask, method, True, monkeypatch)
+            ref_tokens, ref_lps, _ = run(model, ids, mask, method, False, monkeypatch)
+            assert used, (kind, method)
+            assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps), (kind, method, ids.shape)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in SERVED])
+def test_other_models_keep_their_forward(tiny_models, kind):
+    model = copy.deepcopy(tiny_models[kind])
+    fast_cpu_linears(model)
+    assert not step.supports(model, ig.make_cache("full", model))
+
+
+def test_not_without_the_fast_linears_or_with_a_foreign_cache(tiny_models):
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    assert not step.supports(model, ig.make_cache("full", model))  # the model's own linears: its forward
+    fast_cpu_linears(model)
+    assert step.supports(model, ig.make_cache("full", model))
+    assert not step.supports(model, ig.make_cache("hf-dynamic", model))
