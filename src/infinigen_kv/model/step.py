@@ -14,7 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .arch import get_arch
+from .arch import apply_rope, get_arch
 from .attention import _attention
 from .install import _prefilling, _small_batch_linear
 
@@ -53,7 +53,7 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
         q = _small_batch_linear(a.q_proj, h).view(shape).transpose(1, 2)  # (B, H, 1, d)
         k = _small_batch_linear(a.k_proj, h).view(shape).transpose(1, 2)  # (B, G, 1, d)
         v = _small_batch_linear(a.v_proj, h).view(shape).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
         k, v = cache.update(k, v, i)
         out, _ = _attention(a, q, k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
         x = x + _small_batch_linear(a.o_proj, out.reshape(B, 1, -1).contiguous())
@@ -67,10 +67,3 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
     """A Llama / Qwen2 RMSNorm of float32 x as one fused op (the module computes the same in five: the same bits)."""
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' apply_rotary_pos_emb for one of q, k (B, heads, 1, d) and cos, sin (B, 1, d)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -152,10 +152,7 @@ def generate(
     threads.watch(device)  # the first look at the machine's load spans the prefill (threads.py)
     _sync(device)
     t0 = time.perf_counter()
-    if prefilled is None:
-        logits = prefill(model, input_ids, attention_mask, cache, max_new_tokens)
-    else:
-        logits = prefilled
+    logits = prefill(model, input_ids, attention_mask, cache, max_new_tokens) if prefilled is None else prefilled
     next_pos = positions[:, -1:] + 1  # (B, 1)
     own_step = step.supports(model, cache)
     _sync(device)

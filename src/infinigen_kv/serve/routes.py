@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from .engine import SHUTDOWN_MESSAGE, Engine, Job, QueueFull, ShuttingDown, TooLarge
+from .engine import Engine
+from .jobs import SHUTDOWN_MESSAGE, Job, QueueFull, ShuttingDown, TooLarge
 from .errors import RETRY, APIError
 from .schemas import ChatRequest, CompletionRequest
 
