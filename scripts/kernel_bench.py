@@ -1,10 +1,14 @@
 """A decode kernel alone at the default model's shapes, each layer its own buffers (nothing stays in cache):
 
   attend  over a whole cache: 30 layers of (B, 3, prompt-len, 64) float32 K/V, GB/s of K/V read
+  speculate  InfiniGen's selection over 29 layers of partial keys (B, 3, prompt-len, 32): --partial-dtype
+          bfloat16 (the default's) or int8 (rows of 32 values and their scale), a quarter of the past chosen
+          (the default floor at 4k), GB/s of partial keys read
   linear  the 211 decode matrices of a step (30 layers x q, k, v, o, gate, up, down, and the LM head) in
           bfloat16, one row each, GB/s of weights read
 
     python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096]
+    python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8]
     python scripts/kernel_bench.py --kernel linear
 """
 
@@ -31,6 +35,19 @@ def attend_step(kern, batch: int, n: int):
     return step, LAYERS * batch * G * n * d * 8
 
 
+def speculate_step(kern, batch: int, n: int, dtype: str):
+    G, r, p = 3, 3, 32
+    keys = [torch.randn(batch, G, n + 64, p) for _ in range(LAYERS - 1)]  # layer 0 is never speculated
+    rows = [kern.quantize_rows(k) if dtype == "int8" else k.bfloat16() for k in keys]
+    q = torch.randn(batch, G, r, p)
+
+    def step():
+        for kp in rows:
+            kern.speculate(q, kp, n, None, None, 0.125, 12.0, n // 4, False)
+
+    return step, sum(kp[:, :, :n].numel() * kp.element_size() for kp in rows)
+
+
 def linear_step(kern):
     shapes = [(D, D), (192, D), (192, D), (D, D), (FF, D), (FF, D), (D, FF)]
     Ws = [torch.randn(o, i).bfloat16() for _ in range(LAYERS) for o, i in shapes] + [torch.randn(VOCAB, D).bfloat16()]
@@ -45,7 +62,8 @@ def linear_step(kern):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=["attend", "linear"], default="attend")
+    ap.add_argument("--kernel", choices=["attend", "speculate", "linear"], default="attend")
+    ap.add_argument("--partial-dtype", choices=["bfloat16", "int8"], default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=15)
@@ -53,7 +71,12 @@ def main():
     kern = kernels.cpu()
     if kern is None:
         raise SystemExit("kernel_bench: the CPU kernels are not built here")
-    step, nbytes = attend_step(kern, args.batch, args.prompt_len) if args.kernel == "attend" else linear_step(kern)
+    if args.kernel == "attend":
+        step, nbytes = attend_step(kern, args.batch, args.prompt_len)
+    elif args.kernel == "speculate":
+        step, nbytes = speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype)
+    else:
+        step, nbytes = linear_step(kern)
     for _ in range(3):
         step()
     times = []
@@ -62,7 +85,9 @@ def main():
         step()
         times.append(time.perf_counter() - t)
     med = sorted(times)[len(times) // 2]
-    shape = f"B{args.batch} x {args.prompt_len}" if args.kernel == "attend" else "one row"
+    shape = "one row" if args.kernel == "linear" else f"B{args.batch} x {args.prompt_len}"
+    if args.kernel == "speculate":
+        shape += f", {args.partial_dtype}"
     print(f"{args.kernel}, {shape}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
 
 

@@ -84,6 +84,55 @@ def test_speculate_matches_threshold_and_cap(combine, alpha, k):
             assert math.isclose(rel[b, g, chosen].min().item(), rel[b, g].topk(c).values.min().item(), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("p", [32, 64, 24])  # the vector path (multiples of 32) and the plain one
+def test_int8_partial_keys_kernel_matches_pytorch(p):
+    """int8 partial key rows (int8.py): the kernel's quantizer gives the PyTorch one's bytes, and its selection
+    (integer dot products) the PyTorch scores' to the slot, every row length mod 8 included."""
+    from infinigen_kv.methods.infinigen import int8
+    from infinigen_kv.methods.infinigen.speculator import select
+
+    torch.manual_seed(5)
+    B, G, r, cap, n, k = 2, 3, 3, 420, 413, 50
+    x = torch.randn(B, G, cap, p) * torch.rand(B, G, cap, 1) * 4
+    x[0, 0, 7] = 0  # an all-zero row: scale 0, values 0
+    rows = K.quantize_rows(x)
+    values, scale = int8.quantize(x)
+    assert rows.shape == (B, G, cap, p + 4) and rows.dtype == torch.int8
+    assert torch.equal(rows, torch.cat([values.to(torch.int8), scale.view(torch.int8)], -1))
+    kv, sk = int8.unpack(rows)
+    torch.testing.assert_close(kv * sk.unsqueeze(-1), x, atol=float(x.abs().max()) / 127, rtol=0)  # within a step
+    q = torch.randn(B, G, r, p)
+    keep = torch.rand(B, 1, n) > 0.1
+    caps = torch.tensor([[40], [1000]]).expand(B, G).contiguous()
+    idx, count = K.speculate(q, rows, n, keep, caps, 0.125, 4.0, k, False)
+    scores = int8.scores(q, rows[:, :, :n], 0.125)  # (B, G, r, n)
+    e_idx, e_count = select(scores, keep, 4.0, 1.0, k)
+    assert torch.equal(count, torch.minimum(e_count, caps))
+    for b in range(B):
+        for g in range(G):
+            c = int(count[b, g])
+            assert sorted(idx[b, g, :c].tolist()) == sorted(e_idx[b, g, :c].tolist())
+
+
+def test_int8_partial_keys_decode(tiny_models, monkeypatch):
+    """partial_dtype="int8": rows of p + 4 bytes in the cache, budget 1.0 exact, and at a binding budget the same
+    fetches through the kernels as through the PyTorch path (padded batch)."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    ref = step_logits(model, ig.make_cache("full", model), ids, mask)
+    cache = ig.make_cache("infinigen", model, partial_dtype="int8", budget=1.0, alpha=1e9)
+    torch.testing.assert_close(step_logits(model, cache, ids, mask), ref, atol=1e-4, rtol=1e-4)
+    layer = cache.layers[1]
+    assert layer.partial.data.dtype == torch.int8 and layer.partial.width == layer.skew_p.shape[-1] + 4
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "_enabled", on)  # what INFINIGEN_KERNELS=0 does at start-up
+        cache = ig.make_cache("infinigen", model, partial_dtype="int8", alpha=4.0, budget=0.3, min_budget=0)
+        runs.append((step_logits(model, cache, ids, mask), cache.stats["fetched_fraction_per_layer"]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-4, rtol=1e-4)
+    assert runs[0][1] == pytest.approx(runs[1][1]) and min(runs[0][1][1:]) < 0.5
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     """Through the kernels and through the PyTorch path: the same selections and logits at a budget that

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, LAYER_BUDGETS, LOCAL_LAYERS, InfiniGenConfig
+from .config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, LAYER_BUDGETS, LOCAL_LAYERS, PARTIAL_DTYPES, InfiniGenConfig
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
 from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_speed,
                        cmd_calibrate, cmd_generate, cmd_serve)
@@ -206,6 +206,9 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     p.add_argument("--local-layers", choices=list(LOCAL_LAYERS), default=None,
                    help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
                    "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
+    p.add_argument("--partial-dtype", choices=list(PARTIAL_DTYPES), default=None,
+                   help="InfiniGen's partial key cache: auto (bfloat16 on CPU, float32 on a GPU), the model's dtype, or "
+                   "int8 rows with a per-row scale scored by integer dot products (default: %s)" % InfiniGenConfig.partial_dtype)
     p.add_argument("--layer-budget", choices=list(LAYER_BUDGETS), default=None,
                    help="InfiniGen: the same budget for every layer, or more for the layers whose speculation recalls "
                    "least on the calibration text (measured once per model), the mean unchanged (default: %s)"

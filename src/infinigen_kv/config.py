@@ -17,6 +17,7 @@ DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streamin
 DEFAULT_MIN_BUDGET = 1024
 
 
+PARTIAL_DTYPES = ("auto", "model", "int8")
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
 
@@ -74,6 +75,8 @@ class InfiniGenConfig:
     # float32 otherwise (a GPU: a bf16 model's partial keys are stored, not rounded, in float32); "model" =
     # the model's dtype. Scores are computed in float32 on every device: alpha and every figure were tuned
     # on float32 scores, and bf16 logits (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
+    # "int8": rows quantized by their absmax with the scale stored in the row, scored by integer dot products
+    # (a quarter of float32's bytes; methods/infinigen/int8.py).
     partial_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;
@@ -109,8 +112,8 @@ class InfiniGenConfig:
             raise ConfigError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
         if self.eviction not in ("fifo", "lru", "counter"):
             raise ConfigError(f"eviction must be 'fifo', 'lru' or 'counter', got {self.eviction!r}")
-        if self.partial_dtype not in ("auto", "model"):
-            raise ConfigError(f"partial_dtype must be 'auto' or 'model', got {self.partial_dtype!r}")
+        if self.partial_dtype not in PARTIAL_DTYPES:
+            raise ConfigError(f"partial_dtype must be one of {', '.join(PARTIAL_DTYPES)}, got {self.partial_dtype!r}")
         if self.channel_rule not in ("q", "qk"):
             raise ConfigError(f"channel_rule must be 'q' or 'qk', got {self.channel_rule!r}")
 

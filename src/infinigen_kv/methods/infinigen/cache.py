@@ -132,6 +132,8 @@ class InfiniGenCache(Rebatch, Cache):
         float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
         if self.config.partial_dtype == "model":
             return dtype
+        if self.config.partial_dtype == "int8":
+            return torch.int8
         if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
             return torch.bfloat16
         return torch.float32

@@ -11,6 +11,7 @@ import torch
 from ...model import kernels
 from ..base import LogicalLayer
 from ..rows import RowBuffer
+from . import int8
 from .pool import Slots
 from .speculator import approx_scores, relative
 
@@ -60,7 +61,9 @@ class InfiniGenLayer(LogicalLayer):
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
             if self.cache.calibration.unskewed:  # A_P selects raw channels: a gather, not a product
                 self.key_channels = self.cache.calibration.channels[self.layer_idx].to(dev)  # (G, p)
-            self.partial = RowBuffer(B, G, self.skew_p.shape[-1], self.cache.partial_dtype(dtype, dev), dev,
+            pdt = self.cache.partial_dtype(dtype, dev)
+            width = self.skew_p.shape[-1] + (4 if pdt == torch.int8 else 0)  # int8 rows end with their scale
+            self.partial = RowBuffer(B, G, width, pdt, dev,
                                      max_rows=self.max_rows)
             pq = self.cache.pq
             if pq.rows is not None and (dev.type != "cpu" or kernels.cpu() is None):
@@ -148,7 +151,7 @@ class InfiniGenLayer(LogicalLayer):
         if limit is not None and T == 1 and self.k.length + 1 > limit:
             slot = self.slots.victim()  # (B, G)
             transfer.write(self, k, v, slot)
-            self.partial.put(slot, self.partial_keys(k))
+            self.partial.put(slot, self.partial_rows(k))
             self.slots.replace(slot, past)
             self.new_slot = slot
             return
@@ -166,7 +169,7 @@ class InfiniGenLayer(LogicalLayer):
         self.prefill_query = None
         transfer.write(self, k, v)
         if self.partial is not None:
-            self.partial.append(self.partial_keys(k))  # (B, G, T, p)
+            self.partial.append(self.partial_rows(k))  # (B, G, T, p), or int8 (B, G, T, p + 4)
         if self.slots is not None:
             self.slots.append(past, T, pos)
         self.new_slot = self.k.length - 1
@@ -178,6 +181,11 @@ class InfiniGenLayer(LogicalLayer):
             return k.gather(-1, self.key_channels.view(1, G, 1, -1).expand(B, G, T, -1))
         return torch.matmul(k, self.skew_p)
 
+    def partial_rows(self, k: torch.Tensor) -> torch.Tensor:
+        """The partial keys of k (B, G, T, d) as the partial key cache stores them: in its dtype, or int8 rows."""
+        kp = self.partial_keys(k)
+        return int8.pack(kp) if self.partial.dtype == torch.int8 else kp.to(self.partial.dtype)
+
     def prefill_keep(self, k: torch.Tensor, n: int) -> torch.Tensor:
         """The n prompt tokens a pool too small for its prompt keeps under lru/counter, which have no
         fetch statistics yet: those the prompt's last query attends most by the speculation's own partial
@@ -185,7 +193,7 @@ class InfiniGenLayer(LogicalLayer):
         -> positions (B, G, n), ascending."""
         x, rope, keep = self.prefill_query
         q = self.cache.partial_query(self.layer_idx, x, rope)  # (B, G, r, p)
-        kp = self.partial_keys(k).to(self.partial.dtype)  # as the partial key cache would store them
+        kp = self.partial_rows(k)  # as the partial key cache would store them
         scores = approx_scores(q, kp, self.cache.arch.score_scale)  # (B, G, r, T)
         rel = relative(scores, keep, self.cache.config.gqa_combine)  # (B, G, T), padding at -inf
         rel[..., -1] = float("inf")  # the last token is always kept (it is the next step's neighbour)

@@ -16,6 +16,7 @@ import torch
 from ...model import kernels
 from ..budget import budget_caps
 from ..keep import keep_source, layer_keep
+from . import int8
 from .fetch import Fetch
 
 
@@ -24,8 +25,11 @@ def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float
     and the budgets were tuned on float32 scores; bf16 ones tie).
 
     q_partial (B, G, r, p): the skewed partial queries of the r query heads sharing a KV head.
-    k_partial (B, G, n, p): the partial key cache (float32, or bfloat16 / the model's dtype). Returns (B, G, r, n).
+    k_partial (B, G, n, p): the partial key cache (float32, or bfloat16 / the model's dtype), or its int8 rows
+    (B, G, n, p + 4) (int8.py). Returns (B, G, r, n).
     """
+    if k_partial.dtype == torch.int8:
+        return int8.scores(q_partial, k_partial, scale)
     s = torch.matmul(q_partial.float(), k_partial.float().transpose(-1, -2))  # (B, G, r, n)
     return s * scale if scale != 1.0 else s
 

@@ -1,8 +1,9 @@
 // CPU kernels of the decode step, one pass over the bytes each needs.
 //
-// speculate: approximate scores of every pooled token from the partial query and partial keys, each
-//   head's logits relative to its maximum, the heads of a KV group combined, the tokens within alpha
-//   counted and capped, and the chosen slots written out. One read of the partial keys.
+// speculate: approximate scores of every pooled token from the partial query and partial keys (float32,
+//   bfloat16, or int8 rows with a per-row scale scored by integer dot products), each head's logits relative
+//   to its maximum, the heads of a KV group combined, the tokens within alpha counted and capped, and the
+//   chosen slots written out. One read of the partial keys.
 // attend: attention of a decode query over the chosen rows of the pool (or all of them), gathering
 //   each K/V row where it lies: online softmax in float32, no copy of the working set.
 //
@@ -75,6 +76,12 @@ inline __m256 hsum8(const __m256* a) {
   // s0123: lanes 0-3 the sums of a0..a3's low halves, lanes 4-7 of their high halves; likewise s4567
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
+// the same for 8 vectors of int32 lanes: [sum a0, ..., sum a7] (exact)
+inline __m256i hsum8_epi32(const __m256i* a) {
+  const __m256i s0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  const __m256i s4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20), _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
 // rows of N (compile-time) elements of T that the vector paths handle: float32 or bfloat16, N a multiple of 8
 template <typename T, int N>
 constexpr bool SIMD_ROWS = N > 0 && N % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>);
@@ -131,103 +138,212 @@ inline uint32_t order_key(float x) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// scores s (r, n) of one (sequence, KV head) -> its chosen slots: each head's logits relative to its
+// max (masked by kb), the group's heads combined, the tokens within alpha counted and capped at min(k, cap_row),
+// the chosen slots written to out[0, c) (slots [c, k) repeat out[0]); returns c.
+int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, int64_t k, int64_t cap_row,
+                   bool mean, float* rel, uint32_t* keys, float* mx, int64_t* out) {
+  for (int64_t h = 0; h < r; ++h) {
+    float* sh = s + h * n;
+    if (kb)
+      for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
+    mx[h] = max_of(sh, n);
+  }
+  // each head's logits relative to its max, the group's heads combined, and counted within alpha
+  const float* s0 = s;
+  const float m0 = mx[0];
+  int32_t within32 = 0;
+  if (mean) {
+    for (int64_t t = 0; t < n; ++t) rel[t] = (s0[t] - m0) / float(r);
+    for (int64_t h = 1; h < r; ++h)
+      for (int64_t t = 0; t < n; ++t) rel[t] += (s[h * n + t] - mx[h]) / float(r);
+    for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
+  } else {
+    for (int64_t t = 0; t < n; ++t) rel[t] = s0[t] - m0;
+    for (int64_t h = 1; h < r; ++h) {
+      const float* sh = s + h * n;
+      const float m = mx[h];
+      for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
+    }
+    for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
+  }
+  const int64_t within = within32;
+  int64_t c = std::min(within, k);
+  if (cap_row >= 0) c = std::min(c, cap_row);
+  if (c <= 0) {  // keep at least the row's best token
+    c = 1;
+    out[0] = std::max_element(rel, rel + n) - rel;
+  } else if (c == within) {  // the cap does not bind: every token within alpha, in position order
+    int64_t j = 0;
+    for (int64_t t = 0; t < n; ++t) {  // branchless: every position written, kept when within (j <= t)
+      keys[j] = uint32_t(t);
+      j += rel[t] > -alpha;
+    }
+    std::copy(keys, keys + c, out);
+  } else {  // the cap binds: the c highest, above the c-th largest value found by bisection
+    for (int64_t t = 0; t < n; ++t) keys[t] = order_key(rel[t]);
+    uint64_t lo = order_key(-alpha), hi = uint64_t(order_key(0.f)) + 1;  // count(keys >= lo) >= c
+    while (hi - lo > 1) {  // vectorized counting passes: cheaper than a selection sort's branches
+      const uint32_t mid = uint32_t((lo + hi) / 2);
+      int32_t above = 0;
+      for (int64_t t = 0; t < n; ++t) above += keys[t] >= mid;
+      (above >= c ? lo : hi) = mid;
+      if (above == c) break;  // exactly c at or above lo: no need to narrow down to the c-th value
+    }
+    const uint32_t thr = uint32_t(lo);  // keys > thr number fewer than c; with those == thr, at least c
+    int64_t j = 0;
+    for (int64_t t = 0; t < n && j < c; ++t)
+      if (keys[t] > thr) out[j++] = t;
+    for (int64_t t = 0; t < n && j < c; ++t)  // ties at the threshold, oldest first
+      if (keys[t] == thr) out[j++] = t;
+  }
+  for (int64_t j = c; j < k; ++j) out[j] = out[0];  // unused slots: a real row, masked by count
+  return c;
+}
+
+// Scores s (r, n) of one row's partial keys kr (n rows of p) against its r scaled query heads qs (r, p):
+// float32 / bfloat16 / float16 storage, float32 arithmetic.
 template <typename T, int P>
-void speculate_impl(const float* q, const T* kp, const bool* keep, int64_t keep_heads, const int64_t* caps,
+void score_rows(const float* qs, const T* kr, int64_t r, int64_t p, int64_t n, float* s) {
+  int64_t t0 = 0;
+#ifdef IG_AVX2
+  if constexpr (SIMD_ROWS<T, P>) {
+    // 8 tokens at a time: per head, 8 dot products reduced into one vector of scores (no per-token
+    // horizontal sum); the 8 rows stay in L1 for the group's other heads
+    auto block8 = [&](const T* kt, int64_t at, int64_t cnt) {
+      for (int64_t h = 0; h < r; ++h) {
+        const float* qh = qs + h * p;
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kt + j * p));
+        for (int c = 8; c < P; c += 8)
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(kt + j * p + c), acc[j]);
+        alignas(32) float v[8];
+        _mm256_store_ps(v, hsum8(acc));
+        std::copy(v, v + cnt, s + h * n + at);
+      }
+    };
+    for (; t0 + 8 <= n; t0 += 8) {
+      prefetch_row(kr + (t0 + 32) * p, 8 * p);  // four blocks ahead
+      block8(kr + t0 * p, t0, 8);
+    }
+    if (t0 < n) {  // the last n % 8 tokens through the same arithmetic (zero rows after them), so that a
+      // token's score does not depend on where it falls in the blocks (left padding shifts it)
+      T tail[8 * P];
+      std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+      std::memcpy(static_cast<void*>(tail), kr + t0 * p, (n - t0) * p * sizeof(T));
+      block8(tail, t0, n - t0);
+      t0 = n;
+    }
+  }
+#endif
+  for (int64_t t = t0; t < n; ++t) {
+    const T* kt = kr + t * p;
+    for (int64_t h = 0; h < r; ++h) s[h * n + t] = dot<P>(qs + h * p, kt, p);
+  }
+}
+
+// int8 partial keys: a row is p int8 values, then its float32 scale (absmax / 127) in 4 bytes (w = p + 4), so
+// that every row operation (append, join, fork, gather) moves a row with its scale. The query is quantized the
+// same way per head; a score is (q8 . k8) x k scale x q scale. The integer dot products are exact on every path
+// (in float32 too, under 2^24 for p <= 1024), so the vector and plain paths give the same bits.
+inline float quantize_row(const float* x, int64_t p, int8_t* q) {
+  float m = 0.f;
+  for (int64_t i = 0; i < p; ++i) m = std::max(m, std::fabs(x[i]));
+  const float sc = m / 127.f;
+  for (int64_t i = 0; i < p; ++i) q[i] = sc > 0.f ? int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] / sc)))) : 0;
+  return sc;
+}
+
+inline float row_scale(const int8_t* row, int64_t p) {
+  float sc;
+  std::memcpy(&sc, row + p, 4);
+  return sc;
+}
+
+template <int P>
+void score_rows_i8(const float* qs, const int8_t* kr, int64_t r, int64_t p, int64_t n, float* s) {
+  const int64_t w = p + 4;
+  std::vector<int8_t> q8(r * p);
+  std::vector<float> sq(r);
+  for (int64_t h = 0; h < r; ++h) sq[h] = quantize_row(qs + h * p, p, q8.data() + h * p);
+  int64_t t0 = 0;
+#ifdef IG_AVX2
+  if constexpr (P > 0 && P % 32 == 0) {
+    constexpr int C = P / 32;  // 32-byte chunks of a row
+    std::vector<__m256i> qa(r * C), qv(r * C);  // per head: |q8| and q8, in chunks
+    for (int64_t i = 0; i < r * C; ++i) {
+      qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8.data() + i * 32));
+      qa[i] = _mm256_abs_epi8(qv[i]);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    // 8 tokens at a time: |q| x (k with q's sign) in unsigned x signed byte products summed in pairs (maddubs; at
+    // most 2 x 127 x 127, no saturation), then in fours (madd), converted to float (exact) and reduced as the
+    // float path does
+    auto block8 = [&](const int8_t* kt, int64_t at, int64_t cnt) {
+      alignas(32) float sc[8];
+      for (int j = 0; j < 8; ++j) sc[j] = row_scale(kt + j * w, P);
+      const __m256 skv = _mm256_load_ps(sc);
+      for (int64_t h = 0; h < r; ++h) {
+        __m256i acc[8];
+        for (int j = 0; j < 8; ++j) {
+          __m256i sum = _mm256_setzero_si256();
+          for (int c = 0; c < C; ++c) {
+            const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + j * w + c * 32));
+            const __m256i prod = _mm256_maddubs_epi16(qa[h * C + c], _mm256_sign_epi8(k, qv[h * C + c]));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(prod, ones));
+          }
+          acc[j] = sum;
+        }
+        const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(acc)), skv), _mm256_set1_ps(sq[h]));
+        if (cnt == 8) {
+          _mm256_storeu_ps(s + h * n + at, v);
+        } else {
+          alignas(32) float o[8];
+          _mm256_store_ps(o, v);
+          std::copy(o, o + cnt, s + h * n + at);
+        }
+      }
+    };
+    for (; t0 + 8 <= n; t0 += 8) {
+      prefetch_row(kr + (t0 + 32) * w, 8 * w);  // four blocks ahead
+      block8(kr + t0 * w, t0, 8);
+    }
+    if (t0 < n) {  // the last n % 8 tokens (zero rows after them; exact, so only for the loads' sake)
+      int8_t tail[8 * (P + 4)];
+      std::memset(tail, 0, sizeof(tail));
+      std::memcpy(tail, kr + t0 * w, (n - t0) * w);
+      block8(tail, t0, n - t0);
+      t0 = n;
+    }
+  }
+#endif
+  for (int64_t t = t0; t < n; ++t) {
+    const int8_t* kt = kr + t * w;
+    const float sk = row_scale(kt, p);
+    for (int64_t h = 0; h < r; ++h) {
+      const int8_t* qh = q8.data() + h * p;
+      int32_t dot = 0;
+      for (int64_t i = 0; i < p; ++i) dot += int32_t(qh[i]) * int32_t(kt[i]);
+      s[h * n + t] = float(dot) * sk * sq[h];
+    }
+  }
+}
+
+// One pass per (sequence, KV head): its scores (score(qs, row's keys, s)), then select_row. w: elements per stored row.
+template <typename T, typename Score>
+void speculate_rows(const float* q, const T* kp, int64_t w, const bool* keep, int64_t keep_heads, const int64_t* caps,
                     int64_t B, int64_t G, int64_t r, int64_t p, int64_t cap, int64_t n, float scale,
-                    float alpha, int64_t k, bool mean, int64_t* idx_out, int64_t* count_out) {
+                    float alpha, int64_t k, bool mean, int64_t* idx_out, int64_t* count_out, Score score) {
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(r * n), rel(n), qs(r * p);
+    std::vector<float> s(r * n), rel(n), qs(r * p), mx(r);
     std::vector<uint32_t> keys(n);
-    std::vector<float> mx(r);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / G, g = row % G;
       for (int64_t i = 0; i < r * p; ++i) qs[i] = q[row * r * p + i] * scale;
-      const T* kr = kp + row * cap * p;
+      score(qs.data(), kp + row * cap * w, s.data());  // one read of each token's row for all r heads of the group
       const bool* kb = keep ? keep + (b * keep_heads + (keep_heads > 1 ? g : 0)) * n : nullptr;
-      // scores: one read of each token's partial key row for all r heads of the group
-      int64_t t0 = 0;
-#ifdef IG_AVX2
-      if constexpr (SIMD_ROWS<T, P>) {
-        // 8 tokens at a time: per head, 8 dot products reduced into one vector of scores (no per-token
-        // horizontal sum); the 8 rows stay in L1 for the group's other heads
-        auto block8 = [&](const T* kt, int64_t at, int64_t cnt) {
-          for (int64_t h = 0; h < r; ++h) {
-            const float* qh = qs.data() + h * p;
-            __m256 acc[8];
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kt + j * p));
-            for (int c = 8; c < P; c += 8)
-              for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(kt + j * p + c), acc[j]);
-            alignas(32) float v[8];
-            _mm256_store_ps(v, hsum8(acc));
-            std::copy(v, v + cnt, s.data() + h * n + at);
-          }
-        };
-        for (; t0 + 8 <= n; t0 += 8) {
-          prefetch_row(kr + (t0 + 32) * p, 8 * p);  // four blocks ahead
-          block8(kr + t0 * p, t0, 8);
-        }
-        if (t0 < n) {  // the last n % 8 tokens through the same arithmetic (zero rows after them), so that a
-          // token's score does not depend on where it falls in the blocks (left padding shifts it)
-          T tail[8 * P];
-          std::memset(static_cast<void*>(tail), 0, sizeof(tail));
-          std::memcpy(static_cast<void*>(tail), kr + t0 * p, (n - t0) * p * sizeof(T));
-          block8(tail, t0, n - t0);
-          t0 = n;
-        }
-      }
-#endif
-      for (int64_t t = t0; t < n; ++t) {
-        const T* kt = kr + t * p;
-        for (int64_t h = 0; h < r; ++h) s[h * n + t] = dot<P>(qs.data() + h * p, kt, p);
-      }
-      for (int64_t h = 0; h < r; ++h) {
-        float* sh = s.data() + h * n;
-        if (kb)
-          for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
-        mx[h] = max_of(sh, n);
-      }
-      // each head's logits relative to its max, the group's heads combined
-      for (int64_t t = 0; t < n; ++t) rel[t] = mean ? 0.f : NEG_INF;
-      for (int64_t h = 0; h < r; ++h) {
-        const float* sh = s.data() + h * n;
-        const float m = mx[h];
-        if (mean) {
-          for (int64_t t = 0; t < n; ++t) rel[t] += (sh[t] - m) / float(r);
-        } else {
-          for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
-        }
-      }
-      int64_t within = 0;
-      for (int64_t t = 0; t < n; ++t) within += rel[t] > -alpha;
-      int64_t c = std::min(within, k);
-      if (caps) c = std::min(c, caps[row]);
-      int64_t* out = idx_out + row * k;
-      if (c <= 0) {  // keep at least the row's best token
-        c = 1;
-        out[0] = std::max_element(rel.begin(), rel.end()) - rel.begin();
-      } else if (c == within) {  // the cap does not bind: every token within alpha, in position order
-        int64_t j = 0;
-        for (int64_t t = 0; t < n; ++t)
-          if (rel[t] > -alpha) out[j++] = t;
-      } else {  // the cap binds: the c highest, above the c-th largest value found by bisection
-        for (int64_t t = 0; t < n; ++t) keys[t] = order_key(rel[t]);
-        uint64_t lo = order_key(-alpha), hi = uint64_t(order_key(0.f)) + 1;  // count(keys >= lo) >= c
-        while (hi - lo > 1) {  // vectorized counting passes: cheaper than a selection sort's branches
-          const uint32_t mid = uint32_t((lo + hi) / 2);
-          int32_t above = 0;
-          for (int64_t t = 0; t < n; ++t) above += keys[t] >= mid;
-          (above >= c ? lo : hi) = mid;
-          if (above == c) break;  // exactly c at or above lo: no need to narrow down to the c-th value
-        }
-        const uint32_t thr = uint32_t(lo);  // keys > thr number fewer than c; with those == thr, at least c
-        int64_t j = 0;
-        for (int64_t t = 0; t < n && j < c; ++t)
-          if (keys[t] > thr) out[j++] = t;
-        for (int64_t t = 0; t < n && j < c; ++t)  // ties at the threshold, oldest first
-          if (keys[t] == thr) out[j++] = t;
-      }
-      for (int64_t j = c; j < k; ++j) out[j] = out[0];  // unused slots: a real row, masked by count
-      count_out[row] = c;
+      count_out[row] = select_row(s.data(), r, n, kb, alpha, k, caps ? caps[row] : -1, mean, rel.data(), keys.data(),
+                                  mx.data(), idx_out + row * k);
     }
   });
 }
@@ -515,7 +631,7 @@ void dispatch_storage(at::ScalarType st, F&& f) {
 
 }  // namespace
 
-// q (B, G, r, p) float32; kp (B, G, cap, p) partial keys; keep (B, 1 or G, n) bool or None; caps (B, G) int64 or None.
+// q (B, G, r, p) float32; kp (B, G, cap, p) partial keys, or (B, G, cap, p + 4) int8 rows (score_rows_i8); keep (B, 1 or G, n) bool or None; caps (B, G) int64 or None.
 // Returns idx (B, G, k) int64 (slots [count, k) repeat slot 0) and count (B, G) int64.
 std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::optional<at::Tensor> keep,
                                   c10::optional<at::Tensor> caps, double scale, double alpha, int64_t k,
@@ -524,7 +640,8 @@ std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::o
   check_cpu_contig(kp, "kp");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   const int64_t B = q.size(0), G = q.size(1), r = q.size(2), p = q.size(3), cap = kp.size(2);
-  TORCH_CHECK(kp.size(0) == B && kp.size(1) == G && kp.size(3) == p && n <= cap && k >= 1, "bad shapes");
+  TORCH_CHECK(kp.size(0) == B && kp.size(1) == G && kp.size(3) == p + (kp.scalar_type() == at::kChar ? 4 : 0) &&
+              n <= cap && k >= 1, "bad shapes");
   const bool* keep_p = nullptr;
   int64_t keep_heads = 1;
   if (keep.has_value()) {
@@ -540,12 +657,25 @@ std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::o
   }
   auto idx = at::empty({B, G, k}, q.options().dtype(at::kLong));
   auto count = at::empty({B, G}, q.options().dtype(at::kLong));
+  const float* qp = q.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  int64_t* cp = count.data_ptr<int64_t>();
+  if (kp.scalar_type() == at::kChar) {  // int8 rows: p values and their scale
+    const auto* kr = reinterpret_cast<const int8_t*>(kp.data_ptr());
+    dispatch_size(p, [&](auto size) {
+      constexpr int P = decltype(size)::value;
+      speculate_rows(qp, kr, p + 4, keep_p, keep_heads, caps_p, B, G, r, p, cap, n, float(scale), float(alpha), k,
+                     mean, ip, cp, [&](const float* qs, const int8_t* rows, float* s) { score_rows_i8<P>(qs, rows, r, p, n, s); });
+    });
+    return {idx, count};
+  }
   dispatch_storage(kp.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    const auto* kr = reinterpret_cast<const T*>(kp.data_ptr());
     dispatch_size(p, [&](auto size) {
-    speculate_impl<T, decltype(size)::value>(q.data_ptr<float>(), reinterpret_cast<const T*>(kp.data_ptr()), keep_p, keep_heads, caps_p,
-                      B, G, r, p, cap, n, float(scale), float(alpha), k, mean, idx.data_ptr<int64_t>(),
-                      count.data_ptr<int64_t>());
+      constexpr int P = decltype(size)::value;
+      speculate_rows(qp, kr, p, keep_p, keep_heads, caps_p, B, G, r, p, cap, n, float(scale), float(alpha), k, mean,
+                     ip, cp, [&](const float* qs, const T* rows, float* s) { score_rows<T, P>(qs, rows, r, p, n, s); });
     });
   });
   return {idx, count};
@@ -602,6 +732,25 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
                         keep_heads, n, B, G, r, d, cap, float(scale), reinterpret_cast<O*>(out.data_ptr()));
       });
     });
+  });
+  return out;
+}
+
+// x (..., p) float32 -> (..., p + 4) int8 rows: p values quantized by the row's absmax / 127, then that scale's bytes
+at::Tensor quantize_rows(at::Tensor x) {
+  check_cpu_contig(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "x must be float32");
+  const int64_t p = x.size(-1), R = x.numel() / std::max<int64_t>(p, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = p + 4;
+  auto out = at::empty(sizes, x.options().dtype(at::kChar));
+  const float* xp = x.data_ptr<float>();
+  auto* op = reinterpret_cast<int8_t*>(out.data_ptr());
+  at::parallel_for(0, R, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float sc = quantize_row(xp + i * p, p, op + i * (p + 4));
+      std::memcpy(op + i * (p + 4) + p, &sc, 4);
+    }
   });
   return out;
 }
@@ -676,6 +825,7 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "few-row linear layer, float32 or bfloat16 weights");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied");
+  mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
 }
