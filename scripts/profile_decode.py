@@ -1,7 +1,8 @@
 """Where a decode step's time goes: wall time per step for `full` and `infinigen`, and InfiniGen's parts
-(speculation with its partial query and kernel, update, attention) summed over the layers of a step.
+(speculation with its partial query and kernel, update, attention) summed over the layers of a step. The step
+generate runs: our own (model/step.py) where it serves the model, else the model's forward (--model-step).
 
-    python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8]
+    python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--model-step]
 """
 
 import argparse
@@ -14,6 +15,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.model import install as attention_mod
 from infinigen_kv.model import kernels
+from infinigen_kv.model import step as step_mod
 from infinigen_kv.methods.infinigen import cache as cache_mod
 from infinigen_kv.methods.infinigen import layer as layer_mod
 from infinigen_kv.methods.infinigen import speculator as selection_mod
@@ -41,6 +43,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--model-step", action="store_true", help="the model's forward, not our own step")
     args = ap.parse_args()
     model, tok = ig.load_model(args.model)
     B, n = args.batch, args.prompt_len
@@ -64,17 +67,24 @@ def main():
         timed(kernels._module, "partial_query", "  partial query kernel")
     timed(layer_mod.InfiniGenLayer, "update", "update (pool append, fetch)")
     timed(attention_mod, "infinigen_attention", "attention")
+    timed(step_mod, "_attention", "attention")
     attention_mod.register()  # re-register the wrapped attention function
     x = torch.full((B, 1), 100)
     for method, cache in caches.items():
         TIMES.clear()
         walls = []
+        own = not args.model_step and step_mod.supports(model, cache)
         for i in range(args.steps):
+            pos = torch.full((B, 1), n + 2 + i)
             t = time.perf_counter()
-            model(input_ids=x, past_key_values=cache, position_ids=torch.full((B, 1), n + 2 + i))
+            if own:
+                step_mod.decode_step(model, cache, x[:, 0], pos, None)
+            else:
+                model(input_ids=x, past_key_values=cache, position_ids=pos)
             walls.append(time.perf_counter() - t)
         walls.sort()
-        print(f"{method}: median step {walls[len(walls) // 2] * 1e3:.1f} ms (B={B}, n={n})")
+        step = "own step" if own else "model's forward"
+        print(f"{method}: median step {walls[len(walls) // 2] * 1e3:.1f} ms (B={B}, n={n}, {step})")
         for label, s in TIMES.items():
             print(f"  {label}: {s / args.steps * 1e3:.1f} ms/step")
 

@@ -14,9 +14,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .arch import apply_rope, get_arch
 from .attention import _attention
-from .install import _prefilling, _small_batch_linear
+from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear
 
 MODEL_TYPES = ("llama", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no windows, no QK-norm
 ENABLED = os.environ.get("INFINIGEN_OWN_STEP", "1") != "0"
@@ -45,23 +46,65 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
     cos, sin = base.rotary_emb(x, positions)  # (B, 1, d)
     mask4 = None if mask is None else mask[:, None, None, :].bool()  # (B, 1, 1, n + 1), True: attend
     B = ids.shape[0]
-    for i, layer in enumerate(base.layers):
+    kern = kernels.cpu() if B <= KERNEL_ROWS_BF16 else None  # the rows the linears' kernel path takes
+    for i, (layer, merged) in enumerate(zip(base.layers, _merged(model))):
         a = layer.self_attn
         h = _norm(layer.input_layernorm, x)
         cache.before_attention(i, h, (cos, sin), mask4)  # what the self_attn pre-hook does
         shape = (B, 1, -1, a.head_dim)
-        q = _small_batch_linear(a.q_proj, h).view(shape).transpose(1, 2)  # (B, H, 1, d)
-        k = _small_batch_linear(a.k_proj, h).view(shape).transpose(1, 2)  # (B, G, 1, d)
-        v = _small_batch_linear(a.v_proj, h).view(shape).transpose(1, 2)
+        if kern is not None and merged is not None:  # q, k, v and gate, up: one kernel call each
+            (wqkv, bqkv, split), (wgu, half) = merged
+            q, k, v = kern.linear(h.view(B, -1), wqkv, bqkv).view(B, 1, -1).split(split, -1)
+        else:
+            q, k, v = (_small_batch_linear(proj, h) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))  # (B, H or G, 1, d)
         q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
         k, v = cache.update(k, v, i)
         out, _ = _attention(a, q, k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
         x = x + _small_batch_linear(a.o_proj, out.reshape(B, 1, -1).contiguous())
         h = _norm(layer.post_attention_layernorm, x)
         m = layer.mlp
-        x = x + _small_batch_linear(m.down_proj, m.act_fn(_small_batch_linear(m.gate_proj, h))
-                                    * _small_batch_linear(m.up_proj, h))
+        if kern is not None and merged is not None:
+            gate, up = kern.linear(h.view(B, -1), wgu, None).view(B, 1, -1).split(half, -1)
+        else:
+            gate, up = _small_batch_linear(m.gate_proj, h), _small_batch_linear(m.up_proj, h)
+        x = x + _small_batch_linear(m.down_proj, m.act_fn(gate) * up)
     return _small_batch_linear(model.lm_head, _norm(base.norm, x))[:, -1]
+
+
+def _merged(model) -> list:
+    """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 decode weights as one matrix each (or
+    None where a layer has no such copies): ((W (Hd + 2Gd, D), bias or None, split sizes), (W (2F, D), F)).
+    Made once per model; each projection's `weight_bf16` then becomes its rows of the merged matrix (a view: no
+    memory more), so the model's forward reads the same bytes. The kernel computes each output row on its own,
+    so one call over the merged rows gives every projection's outputs to the same bits as separate calls."""
+    plan = getattr(model, "_infinigen_merged", None)
+    if plan is None:
+        plan = [_merge_layer(layer) for layer in model.model.layers]
+        model._infinigen_merged = plan
+    return plan
+
+
+def _merge_layer(layer):
+    a, m = layer.self_attn, layer.mlp
+    qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+    if any(getattr(p, "weight_bf16", None) is None for p in qkv + gu) or m.gate_proj.bias is not None:
+        return None
+    biases = [p.bias for p in qkv]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return (_merge(qkv), bias, [p.out_features for p in qkv]), (_merge(gu), m.gate_proj.out_features)
+
+
+def _merge(projs) -> torch.Tensor:
+    """One matrix of the projections' bfloat16 weights, each projection's weight_bf16 made a view of its rows."""
+    W = torch.cat([p.weight_bf16 for p in projs])
+    start = 0
+    for p in projs:
+        p.weight_bf16 = W[start : start + p.out_features]
+        start += p.out_features
+    return W
 
 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
