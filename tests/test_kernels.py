@@ -392,3 +392,24 @@ def test_the_machine_load_is_read_from_proc_stat():
     second = load.sample()
     wall, busy, own = (b - a for a, b in zip(first, second))
     assert wall >= 0.3 and own >= 0.2 and busy >= 0.2 and load.cores >= 1
+
+
+def test_rms_norm_kernel_installed(tiny_models):
+    """fast_cpu_linears gives Llama-style RMSNorms the `rms_norm` kernel (one call for ~6 ops), close to the module's
+    own forward, each row the same bits alone or among others; Gemma's (1 + w) norms keep theirs."""
+    import copy
+
+    from infinigen_kv.model.load import fast_cpu_linears
+
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    fast_cpu_linears(model)
+    norm = model.model.layers[0].input_layernorm
+    assert "forward" in vars(norm)
+    x = torch.randn(5, 1, norm.weight.numel())
+    expect = type(norm).forward(norm, x)
+    torch.testing.assert_close(norm(x), expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(norm(x)[2:3], norm(x[2:3]))
+    if "gemma3" in tiny_models:
+        gemma = copy.deepcopy(tiny_models["gemma3"])
+        fast_cpu_linears(gemma)
+        assert all("forward" not in vars(m) for m in gemma.modules() if "RMSNorm" in type(m).__name__)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels
 from .arch import apply_rope, get_arch
@@ -54,11 +53,13 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
         shape = (B, 1, -1, a.head_dim)
         if kern is not None and merged is not None:  # q, k, v and gate, up: one kernel call each
             (wqkv, bqkv, split), (wgu, half) = merged
-            q, k, v = kern.linear(h.view(B, -1), wqkv, bqkv).view(B, 1, -1).split(split, -1)
+            qkv = kern.linear(h.view(B, -1), wqkv, bqkv).view(B, 1, -1, a.head_dim).transpose(1, 2)  # (B, H+2G, 1, d)
+            qk = apply_rope(qkv[:, : (split[0] + split[1]) // a.head_dim], (cos, sin))  # q and k rotated at once
+            q, k = qk.split(split[0] // a.head_dim, 1)
+            v = qkv[:, qk.shape[1] :]
         else:
-            q, k, v = (_small_batch_linear(proj, h) for proj in (a.q_proj, a.k_proj, a.v_proj))
-        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))  # (B, H or G, 1, d)
-        q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
+            q, k, v = (_small_batch_linear(proj, h).view(shape).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
+            q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
         k, v = cache.update(k, v, i)
         out, _ = _attention(a, q, k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
         x = x + _small_batch_linear(a.o_proj, out.reshape(B, 1, -1).contiguous())
@@ -108,5 +109,6 @@ def _merge(projs) -> torch.Tensor:
 
 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """A Llama / Qwen2 RMSNorm of float32 x as one fused op (the module computes the same in five: the same bits)."""
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    """A Llama / Qwen2 RMSNorm of float32 x: the module's forward (the `rms_norm` kernel, fast_cpu_linears), called
+    without the module machinery."""
+    return norm.forward(x)

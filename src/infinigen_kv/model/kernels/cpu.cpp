@@ -755,6 +755,35 @@ at::Tensor quantize_rows(at::Tensor x) {
   return out;
 }
 
+// x (R, D) float32, w (D) float32 -> x / sqrt(mean(x^2) + eps) * w, per row (Llama's RMSNorm in one call; the
+// sum in eight lanes then in order, the same bits for a row whatever the rows beside it)
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  check_cpu_contig(x, "x");
+  check_cpu_contig(w, "w");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "x and w must be float32");
+  const int64_t D = x.size(-1), R = x.numel() / std::max<int64_t>(D, 1);
+  TORCH_CHECK(w.numel() == D, "w must have x's last size");
+  auto y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* xr = xp + i * D;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t t = 0;
+      for (; t + 8 <= D; t += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += xr[t + j] * xr[t + j];
+      float ss = 0.f;
+      for (int j = 0; j < 8; ++j) ss += acc[j];
+      for (; t < D; ++t) ss += xr[t] * xr[t];
+      const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
+      float* yr = yp + i * D;
+      for (int64_t c = 0; c < D; ++c) yr[c] = xr[c] * inv * wp[c];
+    }
+  });
+  return y;
+}
+
 // x (R, in) float32, W (out, in) float32 or bfloat16, bias (out) float32 or None -> (R, out) float32
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias) {
   check_cpu_contig(x, "x");
@@ -825,6 +854,7 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "few-row linear layer, float32 or bfloat16 weights");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied");
+  mod.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
