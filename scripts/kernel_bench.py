@@ -8,7 +8,7 @@
           bfloat16, one row each, GB/s of weights read
 
     python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096]
-    python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8]
+    python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8] [--alpha 0.01] [--threads 1]
     python scripts/kernel_bench.py --kernel linear
 """
 
@@ -35,7 +35,7 @@ def attend_step(kern, batch: int, n: int):
     return step, LAYERS * batch * G * n * d * 8
 
 
-def speculate_step(kern, batch: int, n: int, dtype: str):
+def speculate_step(kern, batch: int, n: int, dtype: str, alpha: float = 12.0):
     G, r, p = 3, 3, 32
     keys = [torch.randn(batch, G, n + 64, p) for _ in range(LAYERS - 1)]  # layer 0 is never speculated
     rows = [kern.quantize_rows(k) if dtype == "int8" else k.bfloat16() for k in keys]
@@ -43,7 +43,7 @@ def speculate_step(kern, batch: int, n: int, dtype: str):
 
     def step():
         for kp in rows:
-            kern.speculate(q, kp, n, None, None, 0.125, 12.0, n // 4, False)
+            kern.speculate(q, kp, n, None, None, 0.125, alpha, n // 4, False)
 
     return step, sum(kp[:, :, :n].numel() * kp.element_size() for kp in rows)
 
@@ -67,14 +67,19 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--alpha", type=float, default=12.0, help="speculate: 0.01 leaves few tokens within alpha (no "
+                    "bisection: the scores and passes alone); 12 (the default's) lets the quarter cap bind")
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kern = kernels.cpu()
     if kern is None:
         raise SystemExit("kernel_bench: the CPU kernels are not built here")
     if args.kernel == "attend":
         step, nbytes = attend_step(kern, args.batch, args.prompt_len)
     elif args.kernel == "speculate":
-        step, nbytes = speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype)
+        step, nbytes = speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype, args.alpha)
     else:
         step, nbytes = linear_step(kern)
     for _ in range(3):
@@ -87,7 +92,7 @@ def main():
     med = sorted(times)[len(times) // 2]
     shape = "one row" if args.kernel == "linear" else f"B{args.batch} x {args.prompt_len}"
     if args.kernel == "speculate":
-        shape += f", {args.partial_dtype}"
+        shape += f", {args.partial_dtype}, alpha {args.alpha:g}, {torch.get_num_threads()} threads"
     print(f"{args.kernel}, {shape}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
 
 
