@@ -41,6 +41,15 @@ def test_own_step_equals_the_models_forward(tiny_models, kind, monkeypatch):
     assert (merged[0][1] is not None) == (kind == "qwen2")
 
 
+def test_an_mlp_with_biases_keeps_separate_calls(tiny_models):
+    """The merged gate/up call has no bias: a layer whose gate or up projection has one is not merged."""
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    fast_cpu_linears(model, weights="bfloat16")
+    up = model.model.layers[0].mlp.up_proj
+    up.bias = torch.nn.Parameter(torch.randn(up.out_features))
+    assert step._merge_layer(model.model.layers[0]) is None and step._merge_layer(model.model.layers[1]) is not None
+
+
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in SERVED])
 def test_other_models_keep_their_forward(tiny_models, kind):
     model = copy.deepcopy(tiny_models[kind])

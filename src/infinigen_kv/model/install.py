@@ -132,7 +132,8 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
     weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): every linear weight is rounded to
     bfloat16 values (kept in float32 for prefill and larger batches, so every path sees the same weights)
     and a bfloat16 copy serves decode steps through the kernel, which reads half the bytes. Activations,
-    norms and the KV cache stay float32. Idempotent."""
+    norms and the KV cache stay float32. Llama-style RMSNorms (RMS_NORMS) of float32 weights get the `rms_norm`
+    kernel for every path (prefill and decode, the model's forward and model/step.py alike). Idempotent."""
     if not getattr(model, "_infinigen_phase_hook", False):
         model.register_forward_pre_hook(_note_phase, with_kwargs=True)
         model._infinigen_phase_hook = True

@@ -89,8 +89,8 @@ def _merged(model) -> list:
 def _merge_layer(layer):
     a, m = layer.self_attn, layer.mlp
     qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-    if any(getattr(p, "weight_bf16", None) is None for p in qkv + gu) or m.gate_proj.bias is not None:
-        return None
+    if any(getattr(p, "weight_bf16", None) is None for p in qkv + gu) or any(p.bias is not None for p in gu):
+        return None  # (an MLP with biases keeps its separate calls)
     biases = [p.bias for p in qkv]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None

@@ -149,15 +149,13 @@ int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, 
       for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
     mx[h] = max_of(sh, n);
   }
-  // each head's logits relative to its max, the group's heads combined, and counted within alpha
+  // each head's logits relative to its max, the group's heads combined
   const float* s0 = s;
   const float m0 = mx[0];
-  int32_t within32 = 0;
   if (mean) {
     for (int64_t t = 0; t < n; ++t) rel[t] = (s0[t] - m0) / float(r);
     for (int64_t h = 1; h < r; ++h)
       for (int64_t t = 0; t < n; ++t) rel[t] += (s[h * n + t] - mx[h]) / float(r);
-    for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
   } else {
     for (int64_t t = 0; t < n; ++t) rel[t] = s0[t] - m0;
     for (int64_t h = 1; h < r; ++h) {
@@ -165,8 +163,9 @@ int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, 
       const float m = mx[h];
       for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
     }
-    for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
   }
+  int32_t within32 = 0;  // int32 lanes: the counting pass vectorizes 8 wide
+  for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
   const int64_t within = within32;
   int64_t c = std::min(within, k);
   if (cap_row >= 0) c = std::min(c, cap_row);
