@@ -59,12 +59,12 @@ def main():
     timed(selection_mod, "select", "  selection (PyTorch path)")
     kern = kernels.cpu()
     if kern is not None:  # the compiled module's functions, wrapped on a stand-in object
-        kernels._module = types.SimpleNamespace(speculate=kern.speculate, attend=kern.attend, linear=kern.linear,
-                                                partial_query=kern.partial_query)
+        kernels._module = types.SimpleNamespace(**{k: getattr(kern, k) for k in dir(kern) if not k.startswith("_")})
         timed(kernels._module, "speculate", "  speculate kernel (scores, count, selection)")
         timed(kernels._module, "attend", "attention kernel (all layers, full's too)")
         timed(kernels._module, "linear", "linear kernel (all decode linears)")
         timed(kernels._module, "partial_query", "  partial query kernel")
+        timed(kernels._module, "rms_norm", "rms_norm kernel")
     timed(layer_mod.InfiniGenLayer, "update", "update (pool append, fetch)")
     timed(attention_mod, "infinigen_attention", "attention")
     timed(step_mod, "_attention", "attention")

@@ -162,6 +162,31 @@ def test_linear(rows, dtype, width):
     expect = torch.nn.functional.linear(x, W.float(), bias)
     torch.testing.assert_close(K.linear(x, W, bias), expect, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(K.linear(x, W, None), expect - bias, rtol=1e-5, atol=1e-5)
+    res = torch.randn(rows, 50)  # the residual add of a decode layer, fused: the bits of res + linear
+    assert torch.equal(K.linear(x, W, bias, res), res + K.linear(x, W, bias))
+
+
+@pytest.mark.parametrize("rows, F", [(1, 1536), (3, 1013), (8, 24), (2, 7)])  # vectors and every kind of tail
+def test_silu_mul_has_pytorchs_bits(rows, F):
+    torch.manual_seed(4)
+    gu = torch.randn(rows, 2 * F) * torch.logspace(-4, 2, 2 * F)  # tiny to saturated
+    expect = torch.nn.functional.silu(gu[:, :F].contiguous()) * gu[:, F:]  # the model's gate_proj output
+    assert torch.equal(K.silu_mul(gu, kernels.silu_lanes()), expect) and kernels.silu_mul_exact()
+
+
+@pytest.mark.parametrize("d", [64, 128, 40])
+def test_rope_in_place_has_transformers_bits(d):
+    from infinigen_kv.model.arch import apply_rope
+
+    torch.manual_seed(5)
+    B, heads, rotated = 3, 15, 12  # q and k rotated, v left alone
+    x = torch.randn(B, heads * d) * 10
+    cos, sin = torch.randn(B, 1, d), torch.randn(B, 1, d)
+    before = x.clone().view(B, 1, heads, d).transpose(1, 2)
+    K.rope_(x, cos, sin, rotated)
+    after = x.view(B, 1, heads, d).transpose(1, 2)
+    assert torch.equal(after[:, :rotated], apply_rope(before[:, :rotated], (cos, sin)))
+    assert torch.equal(after[:, rotated:], before[:, rotated:])
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])

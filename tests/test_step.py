@@ -41,6 +41,19 @@ def test_own_step_equals_the_models_forward(tiny_models, kind, monkeypatch):
     assert (merged[0][1] is not None) == (kind == "qwen2")
 
 
+def test_own_step_without_the_silu_kernel(tiny_models, monkeypatch):
+    """Where the silu_mul kernel would not give F.silu's bits (another vector width), PyTorch's ops serve: the same."""
+    from infinigen_kv.model import kernels
+
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    fast_cpu_linears(model, weights="bfloat16")
+    ids, mask = left_padded_batch(lengths=(40, 33, 21))
+    ref = run(model, ids, mask, "infinigen", False, monkeypatch)
+    monkeypatch.setattr(kernels, "_silu_exact", False)
+    tokens, lps, used = run(model, ids, mask, "infinigen", True, monkeypatch)
+    assert used and torch.equal(tokens, ref[0]) and torch.equal(lps, ref[1])
+
+
 def test_an_mlp_with_biases_keeps_separate_calls(tiny_models):
     """The merged gate/up call has no bias: a layer whose gate or up projection has one is not merged."""
     model = copy.deepcopy(tiny_models["llama-gqa"])

@@ -46,36 +46,60 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
     mask4 = None if mask is None else mask[:, None, None, :].bool()  # (B, 1, 1, n + 1), True: attend
     B = ids.shape[0]
     kern = kernels.cpu() if B <= KERNEL_ROWS_BF16 else None  # the rows the linears' kernel path takes
-    for i, (layer, merged) in enumerate(zip(base.layers, _merged(model))):
+    plans = _merged(model) if kern is not None else [None] * len(base.layers)
+    if kern is not None and all(plan is not None for plan in plans):
+        return _kernel_layers(model, cache, kern, x, (cos.contiguous(), sin.contiguous()), mask4, plans)
+    for i, layer in enumerate(base.layers):
         a = layer.self_attn
         h = _norm(layer.input_layernorm, x)
         cache.before_attention(i, h, (cos, sin), mask4)  # what the self_attn pre-hook does
         shape = (B, 1, -1, a.head_dim)
-        if kern is not None and merged is not None:  # q, k, v and gate, up: one kernel call each
-            (wqkv, bqkv, split), (wgu, half) = merged
-            qkv = kern.linear(h.view(B, -1), wqkv, bqkv).view(B, 1, -1, a.head_dim).transpose(1, 2)  # (B, H+2G, 1, d)
-            qk = apply_rope(qkv[:, : (split[0] + split[1]) // a.head_dim], (cos, sin))  # q and k rotated at once
-            q, k = qk.split(split[0] // a.head_dim, 1)
-            v = qkv[:, qk.shape[1] :]
-        else:
-            q, k, v = (_small_batch_linear(proj, h).view(shape).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
-            q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
+        q, k, v = (_small_batch_linear(proj, h).view(shape).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
         k, v = cache.update(k, v, i)
         out, _ = _attention(a, q, k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
         x = x + _small_batch_linear(a.o_proj, out.reshape(B, 1, -1).contiguous())
         h = _norm(layer.post_attention_layernorm, x)
         m = layer.mlp
-        if kern is not None and merged is not None:
-            gate, up = kern.linear(h.view(B, -1), wgu, None).view(B, 1, -1).split(half, -1)
-        else:
-            gate, up = _small_batch_linear(m.gate_proj, h), _small_batch_linear(m.up_proj, h)
-        x = x + _small_batch_linear(m.down_proj, m.act_fn(gate) * up)
+        x = x + _small_batch_linear(m.down_proj, m.act_fn(_small_batch_linear(m.gate_proj, h)) * _small_batch_linear(m.up_proj, h))
     return _small_batch_linear(model.lm_head, _norm(base.norm, x))[:, -1]
 
 
+def _kernel_layers(model, cache, kern, x, rope, mask4, plans) -> torch.Tensor:
+    """The decoder layers of a few rows through the kernels, ~10 calls a layer: RMSNorm, q k v in one linear, RoPE
+    of q and k in place, the cache and attention, o with the residual added, RMSNorm, gate and up in one linear,
+    silu(gate) * up, down with the residual added. x (B, 1, D) -> logits (B, V); the same bits as the loop above
+    (each kernel computes what the PyTorch ops it replaces compute, tests/test_step.py)."""
+    base, B = model.model, x.shape[0]
+    cos, sin = rope
+    lanes = kernels.silu_lanes() if kernels.silu_mul_exact() else None
+    x = x.view(B, -1)  # (B, D)
+    for i, (layer, ((wqkv, bqkv, split), (wgu, half), (wo, bo), (wd, bd))) in enumerate(zip(base.layers, plans)):
+        a = layer.self_attn
+        d = a.head_dim
+        nq, nk = split[0] // d, split[1] // d
+        h = _norm(layer.input_layernorm, x)
+        cache.before_attention(i, h.view(B, 1, -1), rope, mask4)  # what the self_attn pre-hook does
+        qkv = kern.linear(h, wqkv, bqkv)  # (B, (H + 2G) d)
+        kern.rope_(qkv, cos, sin, nq + nk)  # q and k rotated in place, as apply_rope
+        qkv = qkv.view(B, 1, -1, d).transpose(1, 2)  # (B, H + 2G, 1, d)
+        k, v = cache.update(qkv[:, nq : nq + nk], qkv[:, nq + nk :], i)
+        out, _ = _attention(a, qkv[:, :nq], k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
+        x = kern.linear(out.reshape(B, -1).contiguous(), wo, bo, x)  # x + o_proj(out)
+        h = _norm(layer.post_attention_layernorm, x)
+        gu = kern.linear(h, wgu, None)  # (B, 2F): gate, up
+        if lanes is not None:
+            act = kern.silu_mul(gu, lanes)
+        else:
+            act = layer.mlp.act_fn(gu[:, :half].contiguous()) * gu[:, half:]
+        x = kern.linear(act, wd, bd, x)  # x + down_proj(act)
+    return _small_batch_linear(model.lm_head, _norm(base.norm, x))
+
+
 def _merged(model) -> list:
-    """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 decode weights as one matrix each (or
-    None where a layer has no such copies): ((W (Hd + 2Gd, D), bias or None, split sizes), (W (2F, D), F)).
+    """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 decode weights as one matrix each, and
+    o's and down's (or None where a layer has no such copies): ((W (Hd + 2Gd, D), bias or None, split sizes),
+    (W (2F, D), F), (W_o, bias or None), (W_down, bias or None)).
     Made once per model; each projection's `weight_bf16` then becomes its rows of the merged matrix (a view: no
     memory more), so the model's forward reads the same bytes. The kernel computes each output row on its own,
     so one call over the merged rows gives every projection's outputs to the same bits as separate calls."""
@@ -89,13 +113,16 @@ def _merged(model) -> list:
 def _merge_layer(layer):
     a, m = layer.self_attn, layer.mlp
     qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-    if any(getattr(p, "weight_bf16", None) is None for p in qkv + gu) or any(p.bias is not None for p in gu):
+    if any(getattr(p, "weight_bf16", None) is None for p in qkv + gu + (a.o_proj, m.down_proj)):
+        return None
+    if any(p.bias is not None for p in gu):
         return None  # (an MLP with biases keeps its separate calls)
     biases = [p.bias for p in qkv]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return (_merge(qkv), bias, [p.out_features for p in qkv]), (_merge(gu), m.gate_proj.out_features)
+    out = [(p.weight_bf16, None if p.bias is None else p.bias.detach()) for p in (a.o_proj, m.down_proj)]
+    return (_merge(qkv), bias, [p.out_features for p in qkv]), (_merge(gu), m.gate_proj.out_features), *out
 
 
 def _merge(projs) -> torch.Tensor:

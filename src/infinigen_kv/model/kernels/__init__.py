@@ -21,6 +21,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
 _module = None
 _tried = False
 _enabled = None  # INFINIGEN_KERNELS != "0", read at the first call
+_silu_exact = None  # silu_mul_exact(), checked once
 
 
 def _cpu_key() -> str:
@@ -49,6 +50,29 @@ def cpu():
         _tried = True
         _module = _build()
     return _module
+
+
+def silu_lanes() -> int:
+    """The float32 vector width of PyTorch's CPU kernels (its CPU capability), which `silu_mul` follows to give
+    F.silu's bits: 8 (AVX2), 16 (AVX-512), 0 (other: expf throughout)."""
+    import torch
+
+    return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
+def silu_mul_exact() -> bool:
+    """Whether the `silu_mul` kernel gives F.silu(gate) * up's bits on this machine (checked once, on values that
+    take every path: vectors, the scalar tail, large and tiny magnitudes); callers use PyTorch's ops otherwise."""
+    global _silu_exact
+    if _silu_exact is None:
+        import torch
+
+        kern, g = cpu(), torch.Generator().manual_seed(0)
+        gu = torch.randn(3, 2 * 1000 + 2 * 13, generator=g) * torch.logspace(-3, 2, 2026)  # (3, 2F), F = 1013
+        F = gu.shape[1] // 2
+        _silu_exact = kern is not None and torch.equal(
+            kern.silu_mul(gu, silu_lanes()), torch.nn.functional.silu(gu[:, :F].contiguous()) * gu[:, F:])
+    return _silu_exact
 
 
 def _build():

@@ -543,7 +543,8 @@ inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t i
 }
 
 template <typename W>
-void linear_impl(const float* x, const W* wp, const float* bias, int64_t R, int64_t in, int64_t out, float* y) {
+void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
+                 float* y) {
   at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) {
       const W* w = wp + o * in;
@@ -558,6 +559,8 @@ void linear_impl(const float* x, const W* wp, const float* bias, int64_t R, int6
       if (b < R) rows_dot<1>(w, x + b * in, in, y + b * out + o, out);
       if (bias)
         for (int64_t j = 0; j < R; ++j) y[j * out + o] += bias[o];
+      if (res)
+        for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
     }
   });
 }
@@ -784,7 +787,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
 }
 
 // x (R, in) float32, W (out, in) float32 or bfloat16, bias (out) float32 or None -> (R, out) float32
-at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias) {
+// residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
+at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
@@ -797,11 +801,17 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, "bias must be float32 (out)");
     bp = bias->data_ptr<float>();
   }
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    check_cpu_contig(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == R * out, "residual must be (R, out) float32");
+    rp = residual->data_ptr<float>();
+  }
   auto y = at::empty({R, out}, x.options());
   if (W.scalar_type() == at::kFloat)
-    linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, R, in, out, y.data_ptr<float>());
+    linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
   else
-    linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, R, in, out,
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, rp, R, in, out,
                 y.data_ptr<float>());
   return y;
 }
@@ -850,8 +860,94 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// rope_ and silu_mul: the small elementwise steps of a decode layer, each one call instead of ~6 PyTorch ops,
+// with PyTorch's bits (the own step equals the model's forward to the bit).
+
+// x (R, N d) float32: heads [0, heads) of each row rotated in place with cos, sin (R, d):
+//   x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]
+// rounded as transformers' apply_rotary_pos_emb rounds it: each product, then their sum (no fused multiply-add:
+// the products go through volatile memory, which the compiler cannot contract).
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads) {
+  check_cpu_contig(x, "x");
+  check_cpu_contig(cos, "cos");
+  check_cpu_contig(sin, "sin");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "x, cos and sin must be float32");
+  const int64_t d = cos.size(-1), R = cos.numel() / std::max<int64_t>(d, 1), half = d / 2;
+  TORCH_CHECK(sin.numel() == cos.numel() && d % 2 == 0 && R > 0 && x.numel() % R == 0, "bad shapes");
+  const int64_t row = x.numel() / R;
+  TORCH_CHECK(heads >= 0 && heads * d <= row, "heads out of range");
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  std::vector<float> old(d);
+  for (int64_t b = 0; b < R; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* xh = xp + b * row + h * d;
+      const float *c = cp + b * d, *s = sp + b * d;
+      std::memcpy(old.data(), xh, d * sizeof(float));
+      for (int64_t i = 0; i < d; ++i) {
+        volatile float a = old[i] * c[i];
+        volatile float t = (i < half ? -old[i + half] : old[i - half]) * s[i];
+        xh[i] = a + t;
+      }
+    }
+}
+
+#ifdef IG_AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);  // libtorch_cpu's: the exp of PyTorch's vectorized CPU kernels
+#endif
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+
+// gu (R, 2F) float32 -> silu(gu[:, :F]) * gu[:, F:] (R, F), as F.silu(gate) * up computes it for a contiguous gate
+// (R, F) (the model's gate_proj output): x / (1 + exp(-x)) over the R F values in order, 2 vectors of `lanes`
+// at a time through the exp PyTorch's kernels of that width call (lanes: 8 AVX2, 16 AVX-512, as PyTorch's CPU
+// capability; else expf throughout), the tail through expf; then the product.
+at::Tensor silu_mul(at::Tensor gu, int64_t lanes) {
+  check_cpu_contig(gu, "gu");
+  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be (R, 2F) float32");
+  const int64_t R = gu.size(0), F = gu.size(1) / 2, n = R * F;
+  auto y = at::empty({R, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < R; ++b) std::memcpy(yp + b * F, gp + b * 2 * F, F * sizeof(float));  // the gate, (R, F)
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (lanes == 16) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (const int64_t nv = n - n % 32; i < nv; i += 16) {
+      const __m512 x = _mm512_loadu_ps(yp + i);
+      const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(x, _mm512_set1_ps(-0.f)));
+      _mm512_storeu_ps(yp + i, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+    }
+  }
+#endif
+#ifdef IG_AVX2
+  if (lanes == 8) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (const int64_t nv = n - n % 16; i < nv; i += 8) {
+      const __m256 x = _mm256_loadu_ps(yp + i);
+      _mm256_storeu_ps(yp + i, _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(x, sign)))));
+    }
+  }
+#endif
+  for (; i < n; ++i) yp[i] = yp[i] / (1.f + std::exp(-yp[i]));
+  for (int64_t b = 0; b < R; ++b) {
+    float* o = yp + b * F;
+    const float* u = gp + b * 2 * F + F;
+    for (int64_t c = 0; c < F; ++c) o[c] = o[c] * u[c];
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear", &linear, "few-row linear layer, float32 or bfloat16 weights");
+  mod.def("linear", &linear, "few-row linear layer, float32 or bfloat16 weights, plus a residual", py::arg("x"),
+          py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
+  mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied");
   mod.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
