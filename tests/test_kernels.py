@@ -63,9 +63,10 @@ def test_attend_dense_with_mask(dtype):
 
 @pytest.mark.parametrize("combine", ["max", "mean"])
 @pytest.mark.parametrize("alpha,k", [(3.0, 60), (3.0, 5000), (50.0, 25)])  # cap binds or not
-def test_speculate_matches_threshold_and_cap(combine, alpha, k):
+@pytest.mark.parametrize("r", [3, 1, 2, 4])  # query heads per KV head: scored in groups of up to 3 heads
+def test_speculate_matches_threshold_and_cap(combine, alpha, k, r):
     torch.manual_seed(2)
-    B, G, r, p, cap, n = 2, 3, 3, 32, 600, 500
+    B, G, p, cap, n = 2, 3, 32, 600, 502
     q = torch.randn(B, G, r, p)
     kp = torch.randn(B, G, cap, p)
     keep = torch.rand(B, 1, n) > 0.2

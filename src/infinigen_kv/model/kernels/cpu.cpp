@@ -76,6 +76,11 @@ inline __m256 hsum8(const __m256* a) {
   // s0123: lanes 0-3 the sums of a0..a3's low halves, lanes 4-7 of their high halves; likewise s4567
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
+// the 4 sums of a[0..3]'s lanes [sum a0, ..., sum a3], each in hsum8's order: ((01 + 23) + (45 + 67))
+inline __m128 hsum4(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
 // the same for 8 vectors of int32 lanes: [sum a0, ..., sum a7] (exact)
 inline __m256i hsum8_epi32(const __m256i* a) {
   const __m256i s0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
@@ -207,30 +212,42 @@ void score_rows(const float* qs, const T* kr, int64_t r, int64_t p, int64_t n, f
   int64_t t0 = 0;
 #ifdef IG_AVX2
   if constexpr (SIMD_ROWS<T, P>) {
-    // 8 tokens at a time: per head, 8 dot products reduced into one vector of scores (no per-token
-    // horizontal sum); the 8 rows stay in L1 for the group's other heads
-    auto block8 = [&](const T* kt, int64_t at, int64_t cnt) {
-      for (int64_t h = 0; h < r; ++h) {
-        const float* qh = qs + h * p;
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kt + j * p));
-        for (int c = 8; c < P; c += 8)
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(kt + j * p + c), acc[j]);
-        alignas(32) float v[8];
-        _mm256_store_ps(v, hsum8(acc));
-        std::copy(v, v + cnt, s + h * n + at);
+    // 4 tokens at a time: each chunk of 8 channels of their rows loaded (and converted from bfloat16) once for up
+    // to 3 heads of the group (12 accumulators), per head and token one vector of partial sums, reduced 4 at a
+    // time (no per-token horizontal sum)
+    auto heads = [&](auto nh_tag, const T* kt, int64_t h0, int64_t at, int64_t cnt) {
+      constexpr int NH = decltype(nh_tag)::value;
+      __m256 acc[NH][4];
+      for (int c = 0; c < P; c += 8) {
+        __m256 k[4];
+        for (int j = 0; j < 4; ++j) k[j] = load8(kt + j * p + c);
+        for (int h = 0; h < NH; ++h) {
+          const __m256 qv = _mm256_loadu_ps(qs + (h0 + h) * p + c);
+          for (int j = 0; j < 4; ++j) acc[h][j] = c == 0 ? _mm256_mul_ps(qv, k[j]) : _mm256_fmadd_ps(qv, k[j], acc[h][j]);
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+        alignas(16) float v[4];
+        _mm_store_ps(v, hsum4(acc[h]));
+        std::copy(v, v + cnt, s + (h0 + h) * n + at);
       }
     };
-    for (; t0 + 8 <= n; t0 += 8) {
-      prefetch_row(kr + (t0 + 32) * p, 8 * p);  // four blocks ahead
-      block8(kr + t0 * p, t0, 8);
+    auto block4 = [&](const T* kt, int64_t at, int64_t cnt) {
+      int64_t h0 = 0;
+      for (; h0 + 3 <= r; h0 += 3) heads(std::integral_constant<int, 3>{}, kt, h0, at, cnt);
+      if (r - h0 == 2) heads(std::integral_constant<int, 2>{}, kt, h0, at, cnt);
+      if (r - h0 == 1) heads(std::integral_constant<int, 1>{}, kt, h0, at, cnt);
+    };
+    for (; t0 + 4 <= n; t0 += 4) {
+      prefetch_row(kr + (t0 + 32) * p, 4 * p);  // eight blocks ahead
+      block4(kr + t0 * p, t0, 4);
     }
-    if (t0 < n) {  // the last n % 8 tokens through the same arithmetic (zero rows after them), so that a
+    if (t0 < n) {  // the last n % 4 tokens through the same arithmetic (zero rows after them), so that a
       // token's score does not depend on where it falls in the blocks (left padding shifts it)
-      T tail[8 * P];
+      T tail[4 * P];
       std::memset(static_cast<void*>(tail), 0, sizeof(tail));
       std::memcpy(static_cast<void*>(tail), kr + t0 * p, (n - t0) * p * sizeof(T));
-      block8(tail, t0, n - t0);
+      block4(tail, t0, n - t0);
       t0 = n;
     }
   }
