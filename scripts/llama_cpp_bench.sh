@@ -5,14 +5,19 @@
 # at 4k (llama-batched-bench), with the default model's GGUF (Q4_1) and an F16 copy of it, F16 KV cache.
 #
 #   bash scripts/llama_cpp_bench.sh [OUT_DIR=results/llamacpp] [THREADS=2]
+#   WEIGHTS="F16" BATCHED=0 bash scripts/llama_cpp_bench.sh ...   # the F16 GGUF only, batch 1 only
 #
-# Needs cmake and a C++ compiler. Takes ~10 minutes to build on 2 cores, then ~15 minutes to measure.
+# Each cell with flash attention off and on (KV F16) and on with KV q8_0: report llama.cpp's best per cell.
+# Needs cmake and a C++ compiler. Takes ~10 minutes to build on 2 cores, ~6 minutes per weight type at batch 1,
+# and far longer for the batches (distinct prompts: 16k and 32k prompt tokens per setting).
 set -euo pipefail
 OUT=${1:-results/llamacpp}
 THREADS=${2:-2}
 PY=${PYTHON:-.venv/bin/python}
 WORK=${LLAMA_WORK:-$HOME/.cache/infinigen_kv/llama.cpp}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+WEIGHTS=${WEIGHTS:-"Q4_1 F16"}
+BATCHED=${BATCHED:-1}
 mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 
@@ -29,7 +34,7 @@ if [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
 fi
 BIN="$BUILD/bin"
 
-Q41=$("$PY" -c "from infinigen_kv.models import default_gguf; print(default_gguf())")
+Q41=$("$PY" -c "from infinigen_kv.model.load import default_gguf; print(default_gguf())")
 F16="$WORK/$(basename "${Q41%.gguf}").F16.gguf"
 [ -f "$F16" ] || "$BIN/llama-quantize" --allow-requantize "$Q41" "$F16" F16 >"$OUT/quantize.log" 2>&1
 
@@ -42,11 +47,18 @@ cat "$OUT/machine.txt"
 
 for W in Q4_1:"$Q41" F16:"$F16"; do
   name=${W%%:*}; model=${W#*:}
-  echo "== $name: batch 1, 32 new tokens at depth 1k/4k/8k (llama-bench)"
-  "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -o md | tee "$OUT/bench-$name.md"
-  # -pps: the 4,096-token prompt is processed once and shared by the sequences (2 cores take ~4 minutes
-  # per 16k prompt tokens otherwise); each sequence still attends over its 4,096 + t cells every step.
-  echo "== $name: batch 4 and 8 x 4,096-token prompts, 32 new tokens each (llama-batched-bench)"
-  "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c 36000 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4,8 -pps \
-    2>"$OUT/batched-$name.log" | tee "$OUT/batched-$name.md"
+  case " $WEIGHTS " in *" $name "*) ;; *) continue ;; esac
+  echo "== $name: batch 1, 32 new tokens at depth 1k/4k/8k (llama-bench), flash attention off/on, KV F16; on with KV q8_0"
+  "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa off,on -o md | tee "$OUT/bench-$name.md"
+  "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa on -ctk q8_0 -ctv q8_0 -o md \
+    | tee "$OUT/bench-$name-q8kv.md"
+  [ "$BATCHED" = 1 ] || continue
+  # Distinct prompts (no -pps): every sequence has its own 4,096 cells, as a batch of different requests has;
+  # a shared prompt (-pps) would let llama.cpp read one copy of the KV for all of them. Its prefill of 16k / 32k
+  # prompt tokens takes minutes on 2 cores.
+  for fa in off on; do
+    echo "== $name: batch 4 and 8 x 4,096-token distinct prompts, 32 new tokens each (llama-batched-bench), -fa $fa"
+    "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c 36000 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4,8 \
+      -fa "$fa" 2>"$OUT/batched-$name-fa$fa.log" | tee "$OUT/batched-$name-fa$fa.md"
+  done
 done
