@@ -2,12 +2,13 @@
 # llama.cpp on the same machine, same GGUF, same thread count: the reference a CPU user would pick.
 # A reference, not a dependency: builds llama.cpp from the source inside the llama-cpp-python sdist (PyPI),
 # then measures decode tok/s at batch 1 for context depths 1k/4k/8k (llama-bench -d) and batches 4 and 8
-# at 4k (llama-batched-bench), with the default model's GGUF (Q4_1) and an F16 copy of it, F16 KV cache.
+# at 4k over distinct prompts (llama-batched-bench), with the default model's GGUF (Q4_1) and an F16 copy of it.
 #
 #   bash scripts/llama_cpp_bench.sh [OUT_DIR=results/llamacpp] [THREADS=2]
 #   WEIGHTS="F16" BATCHED=0 bash scripts/llama_cpp_bench.sh ...   # the F16 GGUF only, batch 1 only
+#   WEIGHTS="F16" BATCH1=0 bash scripts/llama_cpp_bench.sh ...    # the F16 GGUF only, batches only
 #
-# Each cell with flash attention off and on (KV F16) and on with KV q8_0: report llama.cpp's best per cell.
+# Each cell with flash attention off and on (KV F16) and on with KV q8_0, batches too: report llama.cpp's best per cell.
 # Needs cmake and a C++ compiler. Takes ~10 minutes to build on 2 cores, ~6 minutes per weight type at batch 1,
 # and far longer for the batches (distinct prompts: 16k and 32k prompt tokens per setting).
 set -euo pipefail
@@ -18,6 +19,7 @@ WORK=${LLAMA_WORK:-$HOME/.cache/infinigen_kv/llama.cpp}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 WEIGHTS=${WEIGHTS:-"Q4_1 F16"}
 BATCHED=${BATCHED:-1}
+BATCH1=${BATCH1:-1}
 mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 
@@ -48,17 +50,20 @@ cat "$OUT/machine.txt"
 for W in Q4_1:"$Q41" F16:"$F16"; do
   name=${W%%:*}; model=${W#*:}
   case " $WEIGHTS " in *" $name "*) ;; *) continue ;; esac
-  echo "== $name: batch 1, 32 new tokens at depth 1k/4k/8k (llama-bench), flash attention off/on, KV F16; on with KV q8_0"
-  "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa off,on -o md | tee "$OUT/bench-$name.md"
-  "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa on -ctk q8_0 -ctv q8_0 -o md \
-    | tee "$OUT/bench-$name-q8kv.md"
+  if [ "$BATCH1" = 1 ]; then
+    echo "== $name: batch 1, 32 new tokens at depth 1k/4k/8k (llama-bench), flash attention off/on, KV F16; on with KV q8_0"
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa off,on -o md | tee "$OUT/bench-$name.md"
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa on -ctk q8_0 -ctv q8_0 -o md \
+      | tee "$OUT/bench-$name-q8kv.md"
+  fi
   [ "$BATCHED" = 1 ] || continue
   # Distinct prompts (no -pps): every sequence has its own 4,096 cells, as a batch of different requests has;
   # a shared prompt (-pps) would let llama.cpp read one copy of the KV for all of them. Its prefill of 16k / 32k
   # prompt tokens takes minutes on 2 cores.
-  for fa in off on; do
-    echo "== $name: batch 4 and 8 x 4,096-token distinct prompts, 32 new tokens each (llama-batched-bench), -fa $fa"
+  for kv in "off f16" "on f16" "on q8_0"; do
+    set -- $kv; fa=$1; ct=$2
+    echo "== $name: batch 4 and 8 x 4,096-token distinct prompts, 32 new tokens each (llama-batched-bench), -fa $fa, KV $ct"
     "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c 36000 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4,8 \
-      -fa "$fa" 2>"$OUT/batched-$name-fa$fa.log" | tee "$OUT/batched-$name-fa$fa.md"
+      -fa "$fa" -ctk "$ct" -ctv "$ct" 2>"$OUT/batched-$name-fa$fa-$ct.log" | tee "$OUT/batched-$name-fa$fa-$ct.md"
   done
 done
