@@ -143,7 +143,7 @@ def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     runs = {}
     for flag in ("1", "0"):
         monkeypatch.setattr(kernels, "_enabled", flag == "1")  # what INFINIGEN_KERNELS=0 does at start-up
-        # partial keys in the model's dtype on both paths ("auto" stores bfloat16 only for the kernel)
+        # partial keys in the model's dtype on both paths ("auto" stores int8 rows only for the kernel)
         cache = ig.make_cache("infinigen", model, alpha=4.0, budget=0.3, min_budget=0, partial_dtype="model")
         runs[flag] = (step_logits(model, cache, ids, mask), step_logits(model, ig.make_cache("full", model), ids, mask),
                       cache.stats["fetched_fraction_per_layer"])
@@ -241,13 +241,13 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
 
 
 def test_partial_key_storage(tiny_models, monkeypatch):
-    """Partial keys in bfloat16 where the CPU kernel scores them ("auto"), in the model's dtype for "model"
-    and on the PyTorch path; budget 1.0 stays exact either way."""
+    """Partial keys as int8 rows where the CPU kernel scores them ("auto"), in bfloat16 when asked, in the model's
+    dtype for "model" and on the PyTorch path; budget 1.0 stays exact either way."""
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch()
     ref = step_logits(model, ig.make_cache("full", model), ids, mask)
-    for option, kernel, expect in [("auto", True, torch.bfloat16), ("model", True, torch.float32),
-                                   ("auto", False, torch.float32)]:
+    for option, kernel, expect in [("auto", True, torch.int8), ("bfloat16", True, torch.bfloat16),
+                                   ("model", True, torch.float32), ("auto", False, torch.float32)]:
         if not kernel:
             monkeypatch.setattr(kernels, "cpu", lambda: None)
         cache = ig.make_cache("infinigen", model, partial_dtype=option, budget=1.0, alpha=1e9)

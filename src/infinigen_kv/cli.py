@@ -207,8 +207,8 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                    help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
                    "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
     p.add_argument("--partial-dtype", choices=list(PARTIAL_DTYPES), default=None,
-                   help="InfiniGen's partial key cache: auto (bfloat16 on CPU, float32 on a GPU), the model's dtype, or "
-                   "int8 rows with a per-row scale scored by integer dot products (default: %s)" % InfiniGenConfig.partial_dtype)
+                   help="InfiniGen's partial key cache: auto (int8 on CPU with the kernels, float32 on a GPU), int8 rows with a "
+                   "per-row scale scored by integer dot products, bfloat16, or the model's dtype (default: %s)" % InfiniGenConfig.partial_dtype)
     p.add_argument("--layer-budget", choices=list(LAYER_BUDGETS), default=None,
                    help="InfiniGen: the same budget for every layer, or more for the layers whose speculation recalls "
                    "least on the calibration text (measured once per model), the mean unchanged (default: %s)"

@@ -17,7 +17,7 @@ DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streamin
 DEFAULT_MIN_BUDGET = 1024
 
 
-PARTIAL_DTYPES = ("auto", "model", "int8")
+PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "model")
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
 
@@ -70,13 +70,13 @@ class InfiniGenConfig:
     # skew: "svd" (the paper's skewing matrices), "none" (raw channels), or "auto": "none" for RoPE
     # models, where it measured better, and "svd" for models without RoPE (OPT).
     skew: str = "auto"
-    # partial_dtype: storage of the partial key cache, which only ranks tokens: "auto" = bfloat16 for a
-    # float32 model on CPU with the compiled kernels (half the bytes the speculation reads each step) and
-    # float32 otherwise (a GPU: a bf16 model's partial keys are stored, not rounded, in float32); "model" =
-    # the model's dtype. Scores are computed in float32 on every device: alpha and every figure were tuned
-    # on float32 scores, and bf16 logits (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
-    # "int8": rows quantized by their absmax with the scale stored in the row, scored by integer dot products
-    # (a quarter of float32's bytes; methods/infinigen/int8.py).
+    # partial_dtype: storage of the partial key cache, which only ranks tokens. "int8": rows quantized by their
+    # absmax with the scale stored in the row, scored by integer dot products (a quarter of float32's bytes;
+    # methods/infinigen/int8.py; RULER at 4k and 8k equal to bfloat16's). "bfloat16": half the bytes, scores in
+    # float32. "model": the model's dtype. "auto" = int8 for a float32 model on CPU with the compiled kernels
+    # and float32 otherwise (a GPU: a bf16 model's partial keys are stored, not rounded, in float32). Scores are
+    # computed in float32 on every device: alpha and every figure were tuned on float32 scores, and bf16 logits
+    # (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
     partial_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;

@@ -128,14 +128,17 @@ class InfiniGenCache(Rebatch, Cache):
 
     def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
-        "auto" stores bfloat16 where the CPU kernel scores it (half the bytes, scores still in float32), and
+        "auto" stores int8 rows where the CPU kernel scores them (integer dot products, scores in float32), and
         float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
-        if self.config.partial_dtype == "model":
+        option = self.config.partial_dtype
+        if option == "model":
             return dtype
-        if self.config.partial_dtype == "int8":
+        if option == "int8":
             return torch.int8
-        if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
+        if option == "bfloat16":
             return torch.bfloat16
+        if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
+            return torch.int8
         return torch.float32
 
     def transfer_for(self, device: torch.device):
