@@ -4,8 +4,8 @@ them, so that a request whose prompt starts the same way skips that part of its 
 A block is `block` consecutive tokens of a sequence. Its key is a hash chain, as vLLM's prefix caching keys its
 blocks: h_0 = H(namespace), h_i = H(h_{i-1}, tokens of block i), so a key names a block *and everything before
 it*; the namespace holds what changes the stored bytes (the model's fingerprint, dtype, method and its options).
-A block's payload is whatever a cache needs to continue from that point (its `blocks` / `restore`): a dict of
-named CPU tensors. This module only stores payloads; it never looks inside them.
+A block's payload is whatever a cache needs to continue from that point (made and restored by the caches: issue 34's
+next part): a dict of named CPU tensors. This module only stores payloads; it never looks inside them.
 
 Two tiers, each with a byte limit:
 - memory: LRU by block (an OrderedDict), its bytes counted against `memory_bytes`;
