@@ -60,8 +60,8 @@ for W in Q4_1:"$Q41" F16:"$F16"; do
   # Distinct prompts (no -pps): every sequence has its own 4,096 cells, as a batch of different requests has;
   # a shared prompt (-pps) would let llama.cpp read one copy of the KV for all of them. Its prefill of 16k / 32k
   # prompt tokens takes minutes on 2 cores.
-  for kv in "off f16" "on f16" "on q8_0"; do
-    set -- $kv; fa=$1; ct=$2
+  for setting in "off f16" "on f16" "on q8_0"; do
+    read -r fa ct <<<"$setting"
     echo "== $name: batch 4 and 8 x 4,096-token distinct prompts, 32 new tokens each (llama-batched-bench), -fa $fa, KV $ct"
     "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c 36000 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4,8 \
       -fa "$fa" -ctk "$ct" -ctv "$ct" 2>"$OUT/batched-$name-fa$fa-$ct.log" | tee "$OUT/batched-$name-fa$fa-$ct.md"

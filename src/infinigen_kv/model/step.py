@@ -46,8 +46,8 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
     mask4 = None if mask is None else mask[:, None, None, :].bool()  # (B, 1, 1, n + 1), True: attend
     B = ids.shape[0]
     kern = kernels.cpu() if B <= KERNEL_ROWS_BF16 else None  # the rows the linears' kernel path takes
-    plans = _merged(model) if kern is not None else [None] * len(base.layers)
-    if kern is not None and all(plan is not None for plan in plans):
+    plans = _merged(model) if kern is not None else None
+    if plans is not None and None not in plans:
         return _kernel_layers(model, cache, kern, x, (cos.contiguous(), sin.contiguous()), mask4, plans)
     for i, layer in enumerate(base.layers):
         a = layer.self_attn

@@ -18,6 +18,7 @@ Two tiers, each with a byte limit:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -207,7 +208,7 @@ class DiskTier:
         except OSError as e:
             self.stats.disk_errors += 1
             self._remove(tmp)
-            if e.errno in (13, 30):  # EACCES, EROFS: no write will succeed
+            if e.errno in (errno.EACCES, errno.EROFS):  # no write will succeed
                 self.writable = False
             self._warn(f"write-{e.errno}", f"prefix cache: cannot write to {self.dir} ({e.strerror or e}): "
                        "entries stay in memory only" + ("" if self.writable else "; disk writes off"))
