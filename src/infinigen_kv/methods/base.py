@@ -11,6 +11,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..model.install import install
 from .rows import PIN_ROUNDING, release_pinned
 
 
@@ -74,21 +75,16 @@ class LogicalLayer(CacheLayerMixin):
         self.offset = max(0, self.offset - trim)
 
     def slide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make a window layer's room for new rows k, v (B, G, T, d) -> the rows to store: a first prefill
-        keeps its last W - 1 (all the next query may attend); past 2W rows, the buffers drop all but the
-        last W - 1 before the new ones (a chunk of prompt attends over those and itself: stored whole)."""
+        """Make a window layer's room for new rows k, v (B, G, T, d) -> the rows to store (slide_plan)."""
         if self.window is None:
             return k, v
-        keep, T, bufs = self.window - 1, k.shape[2], self.row_buffers()
-        length = bufs[0].length
-        if length == 0 and T > keep:
-            self.offset += T - keep
-            return k[:, :, T - keep :], v[:, :, T - keep :]
-        if length + T > 2 * self.window and length > keep:
+        bufs = self.row_buffers()
+        skip, drop = slide_plan(self.window, bufs[0].length, k.shape[2])
+        if drop:
             for buf in bufs:
-                buf.drop_front(length - keep)
-            self.offset += length - keep
-        return k, v
+                buf.drop_front(drop)
+        self.offset += skip + drop
+        return (k[:, :, skip:], v[:, :, skip:]) if skip else (k, v)
 
     def rows_for(self, tokens: int) -> int:
         """Rows this layer holds per (sequence, head) for a sequence of `tokens` tokens (a window: fewer)."""
@@ -105,6 +101,43 @@ class LogicalLayer(CacheLayerMixin):
     def buffer_bytes(self) -> int:
         """Bytes this layer's buffers hold now (allocated, valid or not)."""
         return sum(b.nbytes for b in self.row_buffers()) if self.is_initialized else 0
+
+    # --- the prefix store (runtime/prefix.py): a block of a sequence's rows out, a stored prefix back in ----
+
+    def capture(self, start: int, end: int) -> list[torch.Tensor]:
+        """Views of sequence 0's rows of positions [start, end) in each row buffer: (G, n, width) each; n < end -
+        start where a window has already dropped the oldest (its buffers end at `end`)."""
+        lo = max(start, self.offset)
+        return [b.data[0, :, lo - self.offset : end - self.offset] for b in self.row_buffers()]
+
+    def restore(self, rows: list[torch.Tensor], tokens: int) -> None:
+        """Continue an empty layer from a stored prefix of `tokens` tokens: rows (G, n, width) per row buffer, the
+        last n positions before `tokens`."""
+        for buf, r in zip(self.row_buffers(), rows):
+            buf.append(r[None])
+        self.offset = tokens - rows[0].shape[1]
+
+
+def slide_plan(window: int, length: int, T: int) -> tuple[int, int]:
+    """A window layer's room for T new rows beside `length` stored: (new rows to skip, stored rows to drop first).
+    A first prefill keeps its last W - 1 rows (all the next query may attend); past 2W rows, the buffers drop all
+    but the last W - 1 before the new ones (a chunk of prompt attends over those and itself: stored whole)."""
+    keep = window - 1
+    if length == 0 and T > keep:
+        return T - keep, 0
+    if length + T > 2 * window and length > keep:
+        return 0, length - keep
+    return 0, 0
+
+
+def window_state(window: int, block: int, blocks: int) -> tuple[int, int]:
+    """(offset, rows) of a window layer after a prefill in `blocks` chunks of `block` tokens: what a layer restored
+    from a stored prefix must hold to continue exactly as the prefill would have."""
+    offset = length = 0
+    for _ in range(blocks):
+        skip, drop = slide_plan(window, length, block)
+        offset, length = offset + skip + drop, length - drop + block - skip
+    return offset, length
 
 
 class Rebatch:
@@ -180,6 +213,50 @@ class Rebatch:
 
     def entries(self, tokens: int) -> int:
         """Tokens a sequence of `tokens` keeps (fixed-budget caches keep fewer)."""
+        return tokens
+
+    # --- the prefix store (runtime/prefix.py) -----------------------------------------------------------
+
+    def prefix_facts(self) -> dict | None:
+        """What changes the rows this cache stores, beyond the model and the method (the store's namespace); None:
+        it cannot continue from stored blocks (a method whose state after a prefill depends on the whole prompt,
+        or a pool with a capacity, which may evict rows of the prefix)."""
+        return None if self.limited else {}
+
+    @torch.inference_mode()
+    def prefix_block(self, start: int, end: int) -> dict:
+        """Sequence 0's rows of positions [start, end) (a batch of one, prefilled in blocks up to `end`) as a
+        payload of the store: "layer.buffer" -> (G, n, width) views of the buffers (the store copies them)."""
+        self.settle()
+        return {f"{i}.{j}": t for i, layer in enumerate(self.layers) for j, t in enumerate(layer.capture(start, end))}
+
+    @torch.inference_mode()
+    def restore_prefix(self, model, payloads: list[dict], block: int) -> int:
+        """Fill this fresh cache (a batch of one) with the stored blocks `payloads` (block 0 first): the state a
+        prefill of those tokens in chunks of `block` leaves. Returns the tokens restored. ValueError, before any
+        row is written, when a payload does not fit the cache's buffers (a store of another layout)."""
+        arch, dtype = install(model), next(model.parameters()).dtype
+        tokens, plan = len(payloads) * block, []
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:  # buffers of the layer's own kind, dtype and device, empty
+                device = next(arch.attns[i].parameters()).device
+                like = torch.empty(1, arch.num_kv_heads, 0, arch.head_dim, dtype=dtype, device=device)
+                layer.lazy_initialization(like, like)
+            # a window layer holds only its last rows (window_state); the others every position
+            start = 0 if layer.window is None else window_state(layer.window, block, len(payloads))[0]
+            rows = []
+            for j, buf in enumerate(layer.row_buffers()):
+                parts = []
+                for b in range(start // block, len(payloads)):
+                    t, need = payloads[b].get(f"{i}.{j}"), (b + 1) * block - max(b * block, start)
+                    if t is None or t.dim() != 3 or t.shape[1] < need or (t.shape[0], t.shape[2], t.dtype) != (
+                            buf.heads, buf.width, buf.dtype):
+                        raise ValueError(f"stored block {b} does not fit buffer {i}.{j} of this cache")
+                    parts.append(t[:, t.shape[1] - need :])
+                rows.append(torch.cat(parts, dim=1))  # (G, n, width)
+            plan.append((layer, rows))
+        for layer, rows in plan:
+            layer.restore(rows, tokens)
         return tokens
 
     def settle(self) -> None:

@@ -196,6 +196,10 @@ class EvictingCache(Rebatch, Cache):
         self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
 
+    def prefix_facts(self) -> None:
+        """No prefix reuse: which entries survive depends on the whole prompt (its attention scores, its end)."""
+        return None
+
     def entries(self, tokens):
         """Entries kept after `tokens` valid tokens (an int, or a tensor of counts per sequence)."""
         return budget_caps(tokens, self.budget, self.min_budget)

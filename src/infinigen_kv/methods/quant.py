@@ -106,6 +106,9 @@ class QuantCache(Rebatch, Cache):
         self.bits = bits
         super().__init__(layers=[QuantLayer(bits) for _ in range(model.config.num_hidden_layers)])
 
+    def prefix_facts(self) -> dict:
+        return {"bits": self.bits}
+
     @property
     def stats(self) -> dict:
         return read_stats(self.layers)

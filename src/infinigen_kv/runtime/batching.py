@@ -25,17 +25,33 @@ from .sampling import Sampler, SamplingParams
 
 class Prefill:
     """One prompt (a list of ids) run into a cache of its own, `chunk` tokens per step(). logprobs = k: also
-    each prompt token's logprob given the ones before it, and the k most likely alternatives (scoring, echo)."""
+    each prompt token's logprob given the ones before it, and the k most likely alternatives (scoring, echo).
 
-    def __init__(self, model, cache, ids: list[int], chunk: int = 512, logprobs: int | None = None):
+    prefix: a PrefixStore (prefix.py) whose namespace is this model's and this cache's (`prefix.cache_namespace`).
+    The longest stored prefix of the prompt is restored into the cache instead of computed (`cached` tokens; not
+    when the prompt's logprobs are asked: they need its logits), and each whole block the prefill computes is
+    offered to the store. The chunks are then the store's blocks, from position 0: a prompt computes the same
+    arithmetic with or without a stored prefix (a chunk boundary elsewhere changes the last bits)."""
+
+    def __init__(self, model, cache, ids: list[int], chunk: int = 512, logprobs: int | None = None, prefix=None):
         self.model, self.cache, self.chunk, self.k = model, cache, chunk, logprobs
         self.device = next(model.parameters()).device
         self.ids = torch.tensor([ids], dtype=torch.long)  # (1, n)
         self.done = 0  # prompt tokens in the cache
+        self.cached = 0  # of those, restored from the prefix store
         self.logits = None  # (1, V) after the last chunk
         self.prompt_logprobs = ([], [], []) if logprobs is not None else None  # tokens 1..n-1: chosen, top, ids
         if hasattr(cache, "reserve"):
             cache.reserve(len(ids))  # buffers sized for the prompt, not grown chunk by chunk
+        self.prefix, self.keys = prefix, []
+        if prefix is not None:
+            self.chunk, self.keys = prefix.block, prefix.keys(ids)
+            _, payloads = prefix.lookup(ids, 0 if logprobs is not None else len(ids) - 1, self.keys)
+            if payloads:
+                try:
+                    self.done = self.cached = cache.restore_prefix(model, payloads, prefix.block)
+                except ValueError as e:  # a block of another layout under this namespace: computed instead
+                    prefix.unusable(str(e))
 
     @property
     def length(self) -> int:
@@ -57,6 +73,9 @@ class Prefill:
             for acc, x in zip(self.prompt_logprobs, got):
                 acc.extend(x.tolist())
         self.done = end
+        if self.prefix is not None and end % self.chunk == 0:  # a whole block: offered to the store
+            b = end // self.chunk - 1
+            self.prefix.put(self.keys[b], lambda: self.cache.prefix_block(b * self.chunk, end))
         if end == self.length:
             self.logits = out.logits[:, -1]
         return end == self.length

@@ -46,6 +46,32 @@ def namespace(**facts) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
+def model_fingerprint(model) -> str:
+    """Every parameter's name, shape, dtype and a strided sample of its values (K/V of layer l depend on all weights
+    below it), cached on the model: a checkpoint changed in place, or loaded in another dtype, is another namespace."""
+    cached = getattr(model, "_prefix_fingerprint", None)
+    if cached is not None:
+        return cached
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.named_parameters():
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+        h.update(p.detach().reshape(-1)[::997].to("cpu", torch.float32).numpy().tobytes())
+    fp = h.hexdigest()
+    try:
+        model._prefix_fingerprint = fp
+    except Exception:
+        pass
+    return fp
+
+
+def cache_namespace(model, cache, block: int) -> str | None:
+    """The namespace of `cache`'s blocks for `model` (None: its method does not reuse prefixes)."""
+    facts = cache.prefix_facts() if hasattr(cache, "prefix_facts") else None
+    if facts is None:
+        return None
+    return namespace(format=FORMAT, model=model_fingerprint(model), method=cache.method, block=block, **facts)
+
+
 def chain(ns: str, tokens, block: int) -> list[str]:
     """The keys of the whole blocks of `tokens` (a sequence of ints), each hashing its block and every one before."""
     ids = torch.as_tensor(list(tokens) if not torch.is_tensor(tokens) else tokens, dtype=torch.int64).cpu()
@@ -85,6 +111,12 @@ class Stats:
     warned: set = field(default_factory=set)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of t made in one copy (t may be a strided view of a live cache's buffer)."""
+    c = t.detach().to("cpu").contiguous()
+    return c.clone() if c.data_ptr() == t.data_ptr() else c
+
+
 class MemoryTier:
     """Blocks in host memory, least recently used out first, under `limit` bytes."""
 
@@ -99,7 +131,7 @@ class MemoryTier:
         return payload
 
     def put(self, key: str, payload: Payload) -> int:
-        """Keeps payload (copied: it must not alias a live cache); returns how many blocks were evicted for it."""
+        """Keeps payload (the store's own tensors); returns how many blocks were evicted for it."""
         size = payload_bytes(payload)
         if key in self.blocks or size > self.limit:
             return 0
@@ -108,7 +140,7 @@ class MemoryTier:
             _, old = self.blocks.popitem(last=False)
             self.bytes -= payload_bytes(old)
             evicted += 1
-        self.blocks[key] = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in payload.items()}
+        self.blocks[key] = payload
         self.bytes += size
         return evicted
 
@@ -268,11 +300,13 @@ class PrefixStore:
     def keys(self, tokens) -> list[str]:
         return chain(self.ns, tokens, self.block)
 
-    def lookup(self, tokens, max_tokens: int | None = None) -> tuple[list[str], list[Payload]]:
+    def lookup(self, tokens, max_tokens: int | None = None, keys: list[str] | None = None
+               ) -> tuple[list[str], list[Payload]]:
         """The longest run of stored blocks at the start of `tokens` (at most max_tokens of them: a prefill must
         keep at least one token of its own to compute logits from): their keys and payloads, disk hits promoted
-        to memory. Counts hit and miss tokens. The payloads are the store's own tensors: read them, never write."""
-        keys = self.keys(tokens)
+        to memory. Counts hit and miss tokens. The payloads are the store's own tensors: read them, never write.
+        keys: self.keys(tokens), when the caller has them."""
+        keys = self.keys(tokens) if keys is None else keys
         if max_tokens is not None:
             keys = keys[: max(0, max_tokens) // self.block]
         found: list[Payload] = []
@@ -295,21 +329,43 @@ class PrefixStore:
     def offer(self, tokens, make_block) -> int:
         """Stores the whole blocks of `tokens` not stored yet; make_block(i) gives block i's payload (called only
         for those). Returns how many were stored."""
-        stored = 0
-        for i, key in enumerate(self.keys(tokens)):
-            with self._lock:
-                if key in self.memory:
-                    self.memory.get(key)  # offered again: recently used
-                    continue
-                if self.memory.limit == 0 and self.disk is not None and self.disk.path(key).exists():
-                    continue  # disk only, and there already
-            payload = make_block(i)
-            with self._lock:
-                self.stats.memory_evictions += self.memory.put(key, payload)
-                if self.disk is not None:
-                    self.disk.put(key, payload)
-            stored += 1
-        return stored
+        return sum(self.put(key, lambda i=i: make_block(i)) for i, key in enumerate(self.keys(tokens)))
+
+    def put(self, key: str, make_block) -> bool:
+        """Stores the block `key` unless it is stored already; make_block() gives its payload (called only then)."""
+        with self._lock:
+            if key in self.memory:
+                self.memory.get(key)  # offered again: recently used
+                return False
+            if self.memory.limit == 0 and self.disk is not None and self.disk.path(key).exists():
+                return False  # disk only, and there already
+        payload = {name: _own(t) for name, t in make_block().items()}  # never aliases a live cache
+        with self._lock:
+            self.stats.memory_evictions += self.memory.put(key, payload)
+            if self.disk is not None:
+                self.disk.put(key, payload)
+        return True
+
+    def unusable(self, why: str) -> None:
+        """A looked-up prefix its cache could not take: logged once, counted as a disk error."""
+        with self._lock:
+            self.stats.disk_errors += 1
+            if "restore" not in self.stats.warned:
+                self.stats.warned.add("restore")
+                log.warning("prefix cache: a stored prefix was unusable (%s): prefilled instead", why)
+
+    def trim(self, limit: int) -> int:
+        """Evicts least recently used blocks from memory until it holds at most `limit` bytes (the server's
+        admission makes room for a request's cache); returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            while self.memory.blocks and self.memory.bytes > max(0, limit):
+                _, old = self.memory.blocks.popitem(last=False)
+                size = payload_bytes(old)
+                self.memory.bytes -= size
+                freed += size
+                self.stats.memory_evictions += 1
+        return freed
 
     def report(self) -> dict:
         """Counters and bytes per tier (the server's /metrics)."""

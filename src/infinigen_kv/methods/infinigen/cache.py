@@ -24,6 +24,7 @@ from ...config import ConfigError, InfiniGenConfig
 from ...model import kernels
 from ...model.install import install
 from ..base import Rebatch
+from ...runtime.prefix import digest
 from ..keep import valid_keys
 from .calibration import Calibration
 from .cuda_transfer import CudaTransfer
@@ -79,6 +80,7 @@ class InfiniGenCache(Rebatch, Cache):
         self._budgets = layer_budgets(self.config.budget, self.budget_scale)
         self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        self._compute = (dtype, device)  # the first layer's: the partial key cache's storage follows (prefix_facts)
         self.pq = PartialQuery(self.arch, calibration, dtype) if calibration is not None else None
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
         self.limited = self.selection.calibrated and (self.config.capacity is not None
@@ -140,6 +142,15 @@ class InfiniGenCache(Rebatch, Cache):
         if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
             return torch.int8
         return torch.float32
+
+    def prefix_facts(self) -> dict | None:
+        """The partial key cache's storage and the calibration it was skewed with (a stored block holds its rows)."""
+        if self.limited:
+            return None
+        if self.calibration is None:
+            return {}
+        return {"partial_dtype": str(self.partial_dtype(*self._compute)),
+                "calibration": digest({"skew": self.skew_partial.contiguous()})}
 
     def transfer_for(self, device: torch.device):
         """The transfer engine of a compute device (one side stream per GPU)."""

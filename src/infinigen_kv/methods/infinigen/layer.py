@@ -202,6 +202,10 @@ class InfiniGenLayer(LogicalLayer):
     def get_seq_length(self) -> int:
         return self.seen if self.is_initialized else 0
 
+    def restore(self, rows: list[torch.Tensor], tokens: int) -> None:
+        super().restore(rows, tokens)
+        self.seen = tokens
+
     def row_buffers(self) -> list:
         if self.slots is not None:  # slots are not positions once a pool may evict
             raise NotImplementedError("continuous batching needs a pool without a capacity (capacity, capacity_bytes)")
