@@ -3,7 +3,7 @@
 The layout, in the order of the data path (load -> calibrate -> prefill -> speculate -> prefetch -> attend):
   config.py   options and defaults        model/     load, per-architecture facts, what is installed, kernels
   methods/    every KV-cache method (InfiniGen in methods/infinigen/), a registry by name
-  runtime/    generation (prefill, decode loop), continuous batching, sampling, threads
+  runtime/    generation (prefill, decode loop), continuous batching, the prefix store, sampling, threads
   serve/      the OpenAI-compatible server    bench/  the benchmarks    cli.py  the command line
 
 The names below are imported on first use (PEP 562), so `infinigen --help` and `--version` answer without
@@ -22,7 +22,7 @@ _WHERE = {
     "METHODS": ".methods.registry", "make_cache": ".methods.registry", "InfiniGenCache": ".methods.infinigen",
     "Calibration": ".methods.infinigen", "CalibrationError": ".methods.infinigen", "calibrate": ".methods.infinigen",
     "ConfigError": ".config", "InfiniGenConfig": ".config", "generate": ".runtime.generation",
-    "load_model": ".model.load",
+    "load_model": ".model.load", "PrefixStore": ".runtime.prefix",
 }
 __all__ = list(_WHERE)
 

@@ -244,6 +244,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--top-p", type=_fraction("top-p"), default=1.0, help="nucleus sampling: smallest set of tokens reaching this probability")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_prefix_args(g, serving=False)
     g.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
@@ -305,6 +306,24 @@ def _add_accuracy(bsub) -> None:
     a.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
+def _add_prefix_args(p, serving: bool) -> None:
+    """The prefix cache (runtime/prefix.py): prompts' KV blocks kept across requests and reused instead of prefilled.
+    Methods whose kept entries depend on the whole prompt (h2o, streaming) and pools with a capacity do not reuse."""
+    if serving:
+        p.add_argument("--prefix-cache-bytes", type=_size, default=None, metavar="SIZE",
+                       help="host memory for prompts' KV blocks kept across requests (exact reuse of a shared "
+                       "prefix: chats, system prompts, documents), e.g. 2GiB; 0 turns it off. It shares "
+                       "--max-pool-bytes with the running requests and gives memory back when they need it (default: "
+                       "all of that budget). Not for h2o or streaming (their kept entries depend on the whole prompt)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep the blocks on disk under DIR: they survive restarts and " + (
+                       "may be shared by several servers on one machine" if serving else
+                       "the next command with the same prompt start (a long file, several questions) prefills "
+                       "only the rest") + " (default: none)")
+    p.add_argument("--prefix-cache-disk-bytes", type=_size, default=None, metavar="SIZE",
+                   help="limit of DIR, least recently used blocks removed above it (default: no limit)")
+
+
 def _add_serve(sub) -> None:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)")
     _add_model_args(v)
@@ -319,12 +338,14 @@ def _add_serve(sub) -> None:
     v.add_argument("--batching", choices=["continuous", "static"], default="continuous",
                    help="continuous: requests join and leave the running batch at every step; static: a batch "
                    "forms when none runs and runs to its end (for comparison)")
-    v.add_argument("--prefill-chunk", type=_positive_int, default=512,
-                   help="prompt tokens prefilled between two decode steps of the running batch")
+    v.add_argument("--prefill-chunk", type=_positive_int, default=256,
+                   help="prompt tokens prefilled between two decode steps of the running batch; also the prefix "
+                   "cache's block (reuse is exact because every prompt is prefilled in these blocks)")
     v.add_argument("--max-pool-bytes", type=_size, default=None, metavar="SIZE",
                    help="KV cache the running requests may hold, e.g. 4GiB: a request starts only when the batch "
                    "with it fits, one that never can is a 400 (default: half the memory free at start: host RAM, "
                    "or GPU memory for methods that keep the cache there)")
+    _add_prefix_args(v, serving=True)
     v.add_argument("--queue-size", type=_positive_int, default=64, help="waiting requests before 503")
     v.add_argument("--max-tokens-limit", type=_positive_int, default=2048, help="largest max_tokens accepted")
     v.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (413 above)")

@@ -58,7 +58,7 @@ def cmd_generate(args) -> dict:
     cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
     res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, progress="generate")
+                   seed=args.seed, progress="generate", prefix=_prefix_store(args, model, cache))
     texts = [tok.decode(res.tokens[i, : res.lengths[i]], skip_special_tokens=True) for i in range(args.batch)]
     stats = cache_stats(cache)
     out = {
@@ -68,6 +68,7 @@ def cmd_generate(args) -> dict:
         "dtype": model_dtype(model),
         "batch": args.batch,
         "prompt_tokens": n,
+        "cached_tokens": res.cached_tokens,
         "new_tokens": int(res.tokens.shape[1]),
         "text": texts[0],
         "texts": texts,
@@ -80,6 +81,20 @@ def cmd_generate(args) -> dict:
     if "bytes_moved" in stats:
         out["bytes_moved"] = stats["bytes_moved"]
     return out
+
+
+def _prefix_store(args, model, cache):
+    """generate's prefix store on disk (--prefix-cache-dir), or None."""
+    if args.prefix_cache_dir is None:
+        return None
+    from .runtime.prefix import PrefixStore
+
+    if args.batch != 1:
+        raise CLIError("--prefix-cache-dir serves one prompt (--batch 1)")
+    try:  # memory: none beyond this command; the blocks live on disk
+        return PrefixStore.for_cache(model, cache, 0, args.prefix_cache_dir, args.prefix_cache_disk_bytes)
+    except ValueError as e:
+        raise CLIError(f"--prefix-cache-dir: {e}") from None
 
 
 def cmd_calibrate(args) -> dict:
@@ -168,7 +183,9 @@ def cmd_serve(args) -> None:
                            "running there? pick another --port)") from None
     model_id = args.served_model_name or args.model or DEFAULT_MODEL
     engine_args = dict(max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
-                       prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes)
+                       prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes,
+                       prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
+                       prefix_cache_disk_bytes=args.prefix_cache_disk_bytes)
     options = {k: v for k, v in _method_options(args).items() if v is not None}
     if args.replicas is not None:  # Ray Serve: its proxy listens on the port
         sock.close()
@@ -216,7 +233,8 @@ def _summary(result: dict) -> str:
 
         return markdown_table(result)
     if "text" in result:
-        return (f"{result['text']}\n\n[{result['method']}] {result['prompt_tokens']} prompt tokens, "
+        cached = f" ({result['cached_tokens']} from the prefix cache)" if result.get("cached_tokens") else ""
+        return (f"{result['text']}\n\n[{result['method']}] {result['prompt_tokens']} prompt tokens{cached}, "
                 f"{result['new_tokens']} new; prefill {result['prefill_s']:.2f}s, decode "
                 f"{result['decode_tokens_per_s']:.1f} tok/s, fetched fraction {result['fetched_fraction']:.3f}")
     return "\n".join(f"{k}: {v}" for k, v in result.items())

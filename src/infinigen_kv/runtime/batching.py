@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .generation import token_logprobs
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, token_logprobs
 
 
 class Prefill:
@@ -79,6 +78,22 @@ class Prefill:
         if end == self.length:
             self.logits = out.logits[:, -1]
         return end == self.length
+
+
+def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, prefix) -> tuple[torch.Tensor, int]:
+    """A batch of one prompt input_ids (1, n) into `cache` through the prefix store `prefix`: its longest stored
+    prefix restored, the rest prefilled in the store's blocks, each whole block offered to it (batching.Prefill).
+    Returns the last logits (1, V) and the tokens restored."""
+    if input_ids.shape[0] != 1:
+        raise ValueError("a prefix store serves one prompt at a time: generate each prompt in its own call, or serve")
+    prefix.check(model, cache)
+    if hasattr(cache, "reserve"):
+        cache.reserve(input_ids.shape[1] + max_new_tokens)
+    p = Prefill(model, cache, input_ids[0].tolist(), prefix=prefix)
+    while not p.step():
+        pass
+    return p.logits, p.cached
+
 
 
 class RunningBatch:

@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from ..model import step
 from . import threads
-from .sampling import Sampler, params_list
+from .batching import prefill_prefix
+from .sampling import Sampler, params_list, token_logprobs
 
 
 @dataclass
@@ -24,6 +25,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     decode_steps: int  # forward passes after prefill
+    cached_tokens: int = 0  # prompt tokens restored from a prefix store instead of prefilled
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -34,12 +36,6 @@ class GenerationResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # only at the prefill/decode boundaries, for the timings
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int):
-    """(logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)) of logits (B, V)."""
-    full = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-    return (full.gather(-1, ids[:, None]).squeeze(-1), *full.topk(k, dim=-1))
 
 
 @torch.inference_mode()
@@ -120,6 +116,7 @@ def generate(
     repetition_penalty: float | list[float] = 1.0,
     logit_bias: dict | list[dict] | None = None,
     ignore_eos: bool = False,
+    prefix=None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
 
@@ -131,7 +128,8 @@ def generate(
     own distribution (before the sampling knobs, as OpenAI-style servers report them). Stops early once every
     sequence has produced an EOS (when stop_at_eos); ignore_eos: an EOS ends nothing (lengths stay
     max_new_tokens). prefilled: the prefill's last logits (B, V) when `cache` already holds input_ids (a `fork`
-    of a cache prefilled by `prefill`): decoding starts from them.
+    of a cache prefilled by `prefill`): decoding starts from them. prefix: a PrefixStore (runtime/prefix.py) for a
+    batch of one: the prompt's longest stored prefix is restored, not prefilled (`cached_tokens`; prefill_prefix).
     """
     device = input_ids.device
     B, n = input_ids.shape
@@ -152,7 +150,9 @@ def generate(
     threads.watch(device)  # the first look at the machine's load spans the prefill (threads.py)
     _sync(device)
     t0 = time.perf_counter()
-    logits = prefill(model, input_ids, attention_mask, cache, max_new_tokens) if prefilled is None else prefilled
+    logits, cached = (prefilled, 0) if prefilled is not None else prefill_prefix(
+        model, input_ids, cache, max_new_tokens, prefix) if prefix is not None else (
+        prefill(model, input_ids, attention_mask, cache, max_new_tokens), 0)
     next_pos = positions[:, -1:] + 1  # (B, 1)
     own_step = step.supports(model, cache)
     _sync(device)
@@ -179,4 +179,4 @@ def generate(
     _sync(device)
     t2 = time.perf_counter()
     bar.close()
-    return GenerationResult(out, lengths.tolist(), t1 - t0, t2 - t1, steps)
+    return GenerationResult(out, lengths.tolist(), t1 - t0, t2 - t1, steps, cached)

@@ -4,8 +4,12 @@ them, so that a request whose prompt starts the same way skips that part of its 
 A block is `block` consecutive tokens of a sequence. Its key is a hash chain, as vLLM's prefix caching keys its
 blocks: h_0 = H(namespace), h_i = H(h_{i-1}, tokens of block i), so a key names a block *and everything before
 it*; the namespace holds what changes the stored bytes (the model's fingerprint, dtype, method and its options).
-A block's payload is whatever a cache needs to continue from that point (made and restored by the caches: issue 34's
-next part): a dict of named CPU tensors. This module only stores payloads; it never looks inside them.
+A block's payload is whatever a cache needs to continue from that point, made and restored by the caches
+(methods/base.py: `Rebatch.prefix_block`, `restore_prefix`): a dict of named CPU tensors. This module only stores
+payloads; it never looks inside them. `batching.Prefill` uses both sides: it restores the longest stored prefix of a
+prompt and offers each block it computes. Exactness rests on one rule: every prompt is prefilled in chunks of
+exactly `block` tokens from position 0, so a block's K/V are the same bits whether the prompt around it was
+restored or computed (a chunk boundary elsewhere changes the last bits of the following rows).
 
 Two tiers, each with a byte limit:
 - memory: LRU by block (an OrderedDict), its bytes counted against `memory_bytes`;
@@ -281,10 +285,11 @@ class PrefixStore:
     """Blocks of `block` tokens in memory (`memory_bytes`) and, with `disk_dir`, on disk (`disk_bytes`; None: no
     limit), for the namespace `ns` (`namespace(...)`). Thread-safe: a server's engine and its handlers may share it.
 
-        store = PrefixStore(ns, memory_bytes=2 << 30, disk_dir="~/.cache/infinigen_kv/prefix")
-        keys, payloads = store.lookup(prompt_ids)      # the longest cached prefix: len(keys) * block tokens
-        ...prefill the rest, generate...
-        store.offer(all_ids, lambda i: cache_block(i))   # blocks not yet stored, made only when needed
+        store = PrefixStore.for_cache(model, make_cache("infinigen", model), disk_dir="~/.cache/infinigen_kv/prefix")
+        ig.generate(model, ids, cache=make_cache("infinigen", model), prefix=store)   # a batch of one prompt
+        Prefill(model, cache, ids, prefix=store)   # your own loop (runtime/batching.py): restores, then offers
+
+    Underneath: `lookup(ids)` -> the longest stored prefix's keys and payloads, `put(key, make_block)` stores one.
     """
 
     def __init__(self, ns: str, memory_bytes: int, disk_dir=None, disk_bytes: int | None = None,
@@ -296,6 +301,22 @@ class PrefixStore:
         self.memory = MemoryTier(memory_bytes)
         self.disk = DiskTier(Path(disk_dir).expanduser(), ns, disk_bytes, self.stats) if disk_dir else None
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_cache(cls, model, cache, memory_bytes: int = 2 << 30, disk_dir=None, disk_bytes: int | None = None,
+                  block: int = DEFAULT_BLOCK) -> "PrefixStore":
+        """A store for the blocks of `cache`'s method on `model` (ValueError for a method that does not reuse)."""
+        ns = cache_namespace(model, cache, block)
+        if ns is None:
+            raise ValueError(f"{type(cache).__name__} does not reuse prefixes: the entries it keeps depend on the whole "
+                             "prompt (or its pool has a capacity)")
+        return cls(ns, memory_bytes, disk_dir, disk_bytes, block)
+
+    def check(self, model, cache) -> None:
+        """ValueError unless this store holds blocks of `cache`'s method and options on `model`."""
+        if cache_namespace(model, cache, self.block) != self.ns:
+            raise ValueError("this prefix store holds blocks of another model, method or option set than this cache's "
+                             "(PrefixStore.for_cache(model, cache) makes the right one)")
 
     def keys(self, tokens) -> list[str]:
         return chain(self.ns, tokens, self.block)
@@ -354,11 +375,12 @@ class PrefixStore:
                 self.stats.warned.add("restore")
                 log.warning("prefix cache: a stored prefix was unusable (%s): prefilled instead", why)
 
-    def trim(self, limit: int) -> int:
-        """Evicts least recently used blocks from memory until it holds at most `limit` bytes (the server's
-        admission makes room for a request's cache); returns the bytes freed."""
+    def resize(self, limit: int) -> int:
+        """A new memory limit; least recently used blocks go until the memory holds at most `limit` bytes (the
+        server's admission makes room for a request's cache). Returns the bytes freed."""
         freed = 0
         with self._lock:
+            self.memory.limit = max(0, int(limit))
             while self.memory.blocks and self.memory.bytes > max(0, limit):
                 _, old = self.memory.blocks.popitem(last=False)
                 size = payload_bytes(old)

@@ -198,3 +198,9 @@ def params_list(B: int, seed=None, **knobs) -> list[SamplingParams]:
         row = {k: (v[b] if isinstance(v, (list, tuple)) else v) for k, v in knobs.items() if v is not None}
         rows.append(SamplingParams(**row, seed=seed[b] if isinstance(seed, (list, tuple)) else None))
     return rows
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int):
+    """(logprob of each chosen id (B,), the k largest logprobs (B, k), their ids (B, k)) of logits (B, V)."""
+    full = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    return (full.gather(-1, ids[:, None]).squeeze(-1), *full.topk(k, dim=-1))

@@ -4,6 +4,10 @@ running batch; a row leaves at the step it ends or its client goes (job.cancelle
 text to its own asyncio queue. Admission is memory-aware: a job starts only if the batch with it fits
 `max_pool_bytes`.
 
+The prefix store (runtime/prefix.py) keeps the blocks of past prompts in the same memory budget: a job's prefill
+restores the longest stored prefix of its prompt and computes only the rest; the store gives back memory (least
+recently used blocks first) whenever the running requests need it, and may keep a disk tier besides.
+
 Shutdown is two steps: `drain()` stops admitting (new jobs: ShuttingDown, a 503) while the queue and the
 running batch go on; `abort()` ends whatever is left with an error event at the next step.
 """
@@ -24,6 +28,7 @@ from ..methods.registry import make_cache
 from ..methods.registry import method as method_traits
 from ..runtime import threads
 from ..runtime.batching import Prefill, RunningBatch
+from ..runtime.prefix import PrefixStore, cache_namespace
 from .jobs import SHUTDOWN_MESSAGE, Job, QueueFull, ShuttingDown, TooLarge  # noqa: F401 (the server's names)
 from .memory import available_memory, release_memory
 from .metrics import Metrics
@@ -61,8 +66,9 @@ class Engine:
     (TooLarge, a 400)."""
 
     def __init__(self, model, tokenizer, method: str = DEFAULT_METHOD, options: dict | None = None,
-                 max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 512,
-                 max_pool_bytes: int | None = None):
+                 max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 256,
+                 max_pool_bytes: int | None = None, prefix_cache_bytes: int | None = None,
+                 prefix_cache_dir: str | None = None, prefix_cache_disk_bytes: int | None = None):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         if (options or {}).get("capacity") is not None or (options or {}).get("capacity_bytes") is not None:
@@ -93,8 +99,22 @@ class Engine:
             free = torch.cuda.mem_get_info(self.device)[0] if on_device else available_memory()
             max_pool_bytes = int(POOL_SHARE * free)
         self.max_pool_bytes = max_pool_bytes
+        self.prefix, self.prefix_note = self._prefix_store(probe, prefix_cache_bytes, prefix_cache_dir,
+                                                           prefix_cache_disk_bytes)
+        self.prefix_limit = self.prefix.memory.limit if self.prefix is not None else 0
         self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
         self.thread.start()
+
+    def _prefix_store(self, probe, memory_bytes, disk_dir, disk_bytes) -> tuple[PrefixStore | None, str | None]:
+        """The prefix store (on by default in memory: its limit the pool's, which it gives back on demand) and, when
+        there is none, why (the responses' usage says it)."""
+        if memory_bytes == 0 and not disk_dir:
+            return None, "off (--prefix-cache-bytes 0)"
+        ns = cache_namespace(self.model, probe, self.prefill_chunk)
+        if ns is None:  # (the server refuses pools with a capacity: --max-pool-bytes bounds them)
+            return None, f"unsupported by {self.method}: the entries it keeps depend on the whole prompt"
+        limit = self.max_pool_bytes if memory_bytes is None else min(memory_bytes, self.max_pool_bytes)
+        return PrefixStore(ns, limit, disk_dir, disk_bytes, block=self.prefill_chunk), None
 
     # --- API of the event loop side ----------------------------------------------------------------
 
@@ -209,12 +229,17 @@ class Engine:
         job = self.pending[0]
         b = self.batch
         columns = max(b.mask.shape[1] if len(b) else 0, len(job.prompt_ids)) + max(b.room(), job.max_tokens)
-        if self.cost(len(b) + job.n, columns) > self.max_pool_bytes:
+        need = self.cost(len(b) + job.n, columns)
+        if need > self.max_pool_bytes:
             return None  # waits for rows to leave (it fits alone: submit checked)
         self.pending.popleft()
         try:
+            self._fit_prefix(need)
             cache = make_cache(self.method, self.model, **self.options)
-            return job, Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs)
+            p = Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs, self.prefix)
+            job.cached_tokens = p.cached
+            self.metrics.prefill_cached_tokens.inc(p.cached)
+            return job, p
         except Exception as e:
             self._fail([job], e)
             return None
@@ -273,6 +298,7 @@ class Engine:
             order = self.batch.retain(live)
             if len(live) < len(rows):
                 release_memory()
+                self._fit_prefix()
             self.rows = [rows[b] for b in order]
             if self.rows:
                 self.batch.forward(ids[order])
@@ -327,6 +353,20 @@ class Engine:
             row.job.emit("text", rest, self._taken(row), row.index)
         row.job.emit("done", reason, self._taken(row), row.index)
         return False
+
+    def _fit_prefix(self, committed: int | None = None) -> None:
+        """The prefix store's memory limit: what the running requests (`committed` bytes: the batch with the job
+        being admitted) leave of the pool's budget, up to its own; over it, least recently used blocks go."""
+        if self.prefix is None:
+            return
+        if committed is None:
+            b = self.batch
+            rows = len(b) + (self.prefill[0].n if self.prefill is not None else 0)
+            columns = (b.mask.shape[1] if len(b) else 0) + b.room()
+            if self.prefill is not None:
+                columns = max(columns, self.prefill[1].length + self.prefill[0].max_tokens)
+            committed = self.cost(rows, columns) if rows else 0
+        self.prefix.resize(min(self.prefix_limit, self.max_pool_bytes - committed))
 
     def _fail(self, jobs: list[Job], e: Exception) -> None:
         log.error("generation failed for %d request(s): %s: %s", len(jobs), type(e).__name__, e,

@@ -53,6 +53,7 @@ class Job:
     finished: bool = False  # every choice's "done", or an "error", went out
     ended: int = 0  # choices done
     submitted: float = 0.0  # perf_counter() at submit (time to first token)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix store instead of prefilled
 
     def sampling(self, choice: int = 0) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),

@@ -8,6 +8,7 @@ import os
 import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # seconds: a first token takes a prefill (and a wait in the queue); later tokens take one decode step
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -28,6 +29,8 @@ class Metrics:
         # where the worker's time goes: prompt chunks or decode steps (and how full the steps are)
         self.prefill_seconds = Counter("infinigen_prefill_seconds", "worker time in prefill chunks", registry=r)
         self.prefill_tokens = Counter("infinigen_prefill_tokens", "prompt tokens prefilled", registry=r)
+        self.prefill_cached_tokens = Counter("infinigen_prefill_cached_tokens", "prompt tokens restored from the "
+                                             "prefix cache instead of prefilled", registry=r)
         self.decode_seconds = Counter("infinigen_decode_seconds", "worker time in decode steps (with joins and "
                                       "retires)", registry=r)
         self.decode_rows = Counter("infinigen_decode_rows", "rows decoded, summed over steps (/ steps: the mean "
@@ -44,5 +47,32 @@ class Metrics:
              lambda: engine.last["decode_tokens_per_s"]),
         ]:
             Gauge(name, doc, registry=r).set_function(read)
+        r.register(PrefixCollector(engine))
         Gauge("infinigen_fetched_fraction", "share of past KV entries fetched per layer and step (running batch)",
               ["method"], registry=r).labels(engine.method).set_function(lambda: engine.last["fetched_fraction"])
+
+
+class PrefixCollector:
+    """The prefix cache's counters and sizes (runtime/prefix.py: PrefixStore.report), read when scraped; nothing when
+    the server runs without one."""
+
+    COUNTERS = (("hit_tokens", "prompt tokens found in the prefix cache"),
+                ("miss_tokens", "prompt tokens looked up and not found"),
+                ("memory_evictions", "blocks evicted from memory"), ("disk_evictions", "block files evicted from disk"),
+                ("disk_hits", "blocks read from disk"), ("disk_errors", "unusable entries and failed writes"))
+    GAUGES = (("memory_bytes", "bytes of blocks in memory"), ("memory_limit_bytes", "their limit now (the pool's "
+              "budget less the running requests', up to --prefix-cache-bytes)"), ("memory_blocks", "blocks in memory"),
+              ("disk_bytes", "bytes of block files on disk"))
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        store = getattr(self.engine, "prefix", None)
+        if store is None:
+            return
+        report = store.report()
+        for key, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"infinigen_prefix_cache_{key}", doc, value=report[key])
+        for key, doc in self.GAUGES:
+            yield GaugeMetricFamily(f"infinigen_prefix_cache_{key}", doc, value=report[key])

@@ -80,15 +80,17 @@ def application(replicas: int, load: dict, method: str, options: dict, engine: d
 
 def app_builder(args: dict):
     """For `serve run infinigen_kv.serve.ray_app:app_builder key=value ...`: model, device, method, budget,
-    min_budget, replicas, served_model_name, api_key, max_batch, queue_size, max_pool_bytes, prefill_chunk, batching
-    (strings, as Ray passes them)."""
+    min_budget, replicas, served_model_name, api_key, max_batch, queue_size, max_pool_bytes, prefill_chunk, batching,
+    prefix_cache_bytes, prefix_cache_dir, prefix_cache_disk_bytes (strings, as Ray passes them)."""
     model = args.get("model")
     options = {"budget": float(args["budget"])} if "budget" in args else {}
     if "min_budget" in args:
         options["min_budget"] = int(args["min_budget"])
-    engine = {k: int(args[k]) for k in ("max_batch", "queue_size", "max_pool_bytes", "prefill_chunk") if k in args}
-    if "batching" in args:
-        engine["batching"] = args["batching"]
+    engine = {k: int(args[k]) for k in ("max_batch", "queue_size", "max_pool_bytes", "prefill_chunk",
+                                        "prefix_cache_bytes", "prefix_cache_disk_bytes") if k in args}
+    for k in ("batching", "prefix_cache_dir"):
+        if k in args:
+            engine[k] = args[k]
     app = {"model_id": args.get("served_model_name") or model or DEFAULT_MODEL,
            "api_key": args.get("api_key")}
     return application(int(args.get("replicas", 1)), {"name": model, "device": args.get("device")},

@@ -84,10 +84,14 @@ class Service:
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
 
-    @staticmethod
-    def usage(job: Job) -> dict:
+    def usage(self, job: Job) -> dict:
+        """OpenAI's usage, with the prompt tokens served from the prefix cache; where this server has none, why."""
         p, c = len(job.prompt_ids), job.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+               "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
+        if self.engine.prefix_note is not None:
+            out["prefix_cache"] = self.engine.prefix_note
+        return out
 
     def account(self, job: Job) -> None:
         self.prompt_tokens.inc(len(job.prompt_ids))
