@@ -274,3 +274,23 @@ def test_missing_extras_say_so_in_one_line(monkeypatch, tmp_path, capsys):
     written, plt = write_tables({"rows": []}, tmp_path, "speed", "| table |")
     assert plt is None and all(p.is_file() for p in written)
     assert "pip install 'infinigen-kv[bench]'" in capsys.readouterr().err
+
+
+def test_generate_reuses_a_prefix_across_commands(tiny_dir, tmp_path, capsys):
+    """Issue 34: several questions about one long text, one command each, prefill it once (--prefix-cache-dir)."""
+    from infinigen_kv.cli import main
+
+    disk, outs = str(tmp_path / "prefix"), []
+    for question in (" Who?", " When?", " When?"):
+        assert main(["generate", "--model", tiny_dir, "--prompt", TEXT + question, "--max-new-tokens", "6",
+                     "--prefix-cache-dir", disk, "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["cached_tokens"] == 0 and outs[1]["cached_tokens"] == 512 and outs[2]["cached_tokens"] == 512
+    assert outs[1]["text"] == outs[2]["text"]
+    assert main(["generate", "--model", tiny_dir, "--prompt", TEXT + " When?", "--max-new-tokens", "6",
+                 "--prefix-cache-dir", str(tmp_path / "empty"), "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)  # nothing stored: computed whole, in the same blocks
+    assert alone["cached_tokens"] == 0 and alone["text"] == outs[1]["text"]
+    for extra, text in ((["--method", "h2o"], "does not reuse prefixes"), (["--batch", "2"], "serves one prompt")):
+        r = cli("generate", "--model", tiny_dir, "--prompt", TEXT, "--prefix-cache-dir", disk, *extra, ok=False)
+        one_line_error(r, text)

@@ -96,6 +96,11 @@ def _size(text):
     return n
 
 
+def _size_or_off(text):
+    """A size, or 0 (off)."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def _capacity(text):
     """A fraction of the tokens seen in (0, 1], or a byte limit with a unit (e.g. 512MiB, 2GB)."""
     t = text.strip().lower()
@@ -310,7 +315,7 @@ def _add_prefix_args(p, serving: bool) -> None:
     """The prefix cache (runtime/prefix.py): prompts' KV blocks kept across requests and reused instead of prefilled.
     Methods whose kept entries depend on the whole prompt (h2o, streaming) and pools with a capacity do not reuse."""
     if serving:
-        p.add_argument("--prefix-cache-bytes", type=_size, default=None, metavar="SIZE",
+        p.add_argument("--prefix-cache-bytes", type=_size_or_off, default=None, metavar="SIZE",
                        help="host memory for prompts' KV blocks kept across requests (exact reuse of a shared "
                        "prefix: chats, system prompts, documents), e.g. 2GiB; 0 turns it off. It shares "
                        "--max-pool-bytes with the running requests and gives memory back when they need it (default: "
