@@ -82,7 +82,7 @@ class Prefill:
 
 def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, prefix) -> tuple[torch.Tensor, int]:
     """A batch of one prompt input_ids (1, n) into `cache` through the prefix store `prefix`: its longest stored
-    prefix restored, the rest prefilled in the store's blocks, each whole block offered to it (batching.Prefill).
+    prefix restored, the rest prefilled in the store's blocks, each whole block offered to it (Prefill).
     Returns the last logits (1, V) and the tokens restored."""
     if input_ids.shape[0] != 1:
         raise ValueError("a prefix store serves one prompt at a time: generate each prompt in its own call, or serve")
@@ -93,7 +93,6 @@ def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, p
     while not p.step():
         pass
     return p.logits, p.cached
-
 
 
 class RunningBatch:
