@@ -85,6 +85,7 @@ def one_line_error(r, text):
     (["serve", "--grace-period", "-1"], "grace-period must be >= 0"),
     (["serve", "--max-pool-bytes", "lots"], "expected a size such as 4GiB"),
     (["serve", "--max-pool-bytes", "0"], "expected a size such as 4GiB"),
+    (["serve", "--prefix-cache-bytes", "lots"], "expected a size such as 4GiB"),
     (["serve", "--batching", "dynamic"], "invalid choice"),
     (["serve", "--method", "hf-dynamic"], "invalid choice"),
     (["serve", "--capacity", "0.5"], "unrecognized arguments: --capacity"),
@@ -294,3 +295,10 @@ def test_generate_reuses_a_prefix_across_commands(tiny_dir, tmp_path, capsys):
     for extra, text in ((["--method", "h2o"], "does not reuse prefixes"), (["--batch", "2"], "serves one prompt")):
         r = cli("generate", "--model", tiny_dir, "--prompt", TEXT, "--prefix-cache-dir", disk, *extra, ok=False)
         one_line_error(r, text)
+
+
+def test_prefix_cache_bytes_takes_zero_for_off():
+    from infinigen_kv.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--prefix-cache-bytes", "0"]).prefix_cache_bytes == 0
+    assert build_parser().parse_args(["serve", "--prefix-cache-bytes", "2GiB"]).prefix_cache_bytes == 2 << 30

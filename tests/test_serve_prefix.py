@@ -80,3 +80,34 @@ def test_a_method_that_cannot_reuse_says_so(model_dir, tmp_path):
         assert "infinigen_prefix_cache_hit_tokens" not in requests.get(s.url + "/metrics", timeout=5).text
     finally:
         s.stop()
+
+
+def test_the_store_shares_the_pool_budget_and_gives_memory_back(model_dir):
+    """The store's memory limit is what the running requests leave of --max-pool-bytes (up to its own cap): admitting
+    a request evicts least recently used blocks; --prefix-cache-bytes 0 turns it off and usage says so."""
+    import torch
+
+    import infinigen_kv as ig
+    from infinigen_kv.serve.engine import Engine
+
+    model, tok = ig.load_model(model_dir)
+    eng = Engine(model, tok, method="full", max_pool_bytes=1 << 20, prefix_cache_bytes=1 << 19)
+    try:
+        store = eng.prefix
+        assert eng.prefix_note is None and store.memory.limit == 1 << 19  # its own cap under the pool's
+        for i in range(8):  # 8 blocks of 64 KiB: the cap holds all of them
+            store.put(f"k{i}", lambda: {"x": torch.zeros(16 << 10)})
+        assert store.memory.bytes == 8 * (64 << 10)
+        eng._fit_prefix(committed=(1 << 20) - (3 * (64 << 10)))  # a batch leaves room for three blocks
+        assert len(store.memory) == 3 and store.memory.bytes <= store.memory.limit
+        assert list(store.memory.blocks) == ["k5", "k6", "k7"]  # the least recently used went
+        assert store.report()["memory_evictions"] == 5
+        eng._fit_prefix()  # nothing runs: back to its own cap
+        assert store.memory.limit == 1 << 19
+    finally:
+        eng.close()
+    off = Engine(model, tok, method="full", prefix_cache_bytes=0)
+    try:
+        assert off.prefix is None and "off" in off.prefix_note
+    finally:
+        off.close()

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .argtypes import (_budget, _budget_list, _capacity, _device, _fraction, _int_list, _non_negative_int, _port,
+                       _positive_int, _seconds, _size, _size_or_off, _temperature)
 from .config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, LAYER_BUDGETS, LOCAL_LAYERS, PARTIAL_DTYPES, InfiniGenConfig
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
 from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_speed,
@@ -48,107 +50,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"infinigen: error: {message} (see {self.prog} --help)\n")
 
 
-def _number(name, ok, expected):
-    """A parser of floats for which ok(v) holds; otherwise one line saying `expected`."""
-    def parse(text):
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"{name} must be {expected}, got {text}")
-        return v
-    return parse
-
-
-def _fraction(name):
-    return _number(name, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
-
-
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return v
-
-
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def _bytes(text) -> int | None:
-    """A size with a unit (512MiB, 2GB) or a plain number of bytes; None when it is not one."""
-    t = text.strip().lower()
-    unit = next((u for u in sorted(UNITS, key=len, reverse=True) if t.endswith(u)), None)
-    try:
-        n = int(float(t[: -len(unit)]) * UNITS[unit]) if unit is not None else int(t)
-    except (ValueError, OverflowError):
-        return None
-    return n if n >= 1 else None
-
-
-def _size(text):
-    n = _bytes(text)
-    if n is None:
-        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB, 512MB or a number of bytes, got {text!r}")
-    return n
-
-
-def _size_or_off(text):
-    """A size, or 0 (off)."""
-    return 0 if text.strip() == "0" else _size(text)
-
-
-def _capacity(text):
-    """A fraction of the tokens seen in (0, 1], or a byte limit with a unit (e.g. 512MiB, 2GB)."""
-    t = text.strip().lower()
-    if any(t.endswith(u) for u in UNITS):
-        if (n := _bytes(t)) is not None:
-            return ("bytes", n)
-    else:
-        try:
-            v = float(t)
-            if 0.0 < v <= 1.0:
-                return ("fraction", v)
-        except ValueError:
-            pass
-    raise argparse.ArgumentTypeError(f"capacity must be a fraction in (0, 1] or a size like 512MiB, got {text!r}")
-
-
-def _device(text):
-    """cpu, cuda or cuda:N (checked here: a bad name was a traceback from deep inside torch)."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()):
-        raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, got {text!r}")
-    return text.strip()
-
-
-_temperature = _number("temperature", lambda v: 0.0 <= v <= 2.0, "in [0, 2] (0 = greedy)")  # as the server takes it
-_seconds = _number("grace-period", lambda v: 0.0 <= v < float("inf"), ">= 0")
-
-
-def _port(text):
-    v = _positive_int(text)
-    if v > 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {text}")
-    return v
-
-
-def _non_negative_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text}")
-    return v
-
-
-def _int_list(text):
-    return [_positive_int(t) for t in text.split(",") if t]
-
-
 def _add_model_args(p):
     p.add_argument("--model", default=None, help=f"hub id, checkpoint directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
@@ -158,23 +59,6 @@ def _add_model_args(p):
                    help="CPU threads, fixed (default: all cores, fewer while measured faster on a busy machine; "
                    "see the README, 'CPU decode path')")
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs (default: none, one device)")
-
-
-def _budget(text):
-    """A fraction of the past in (0, 1] (0.1), or a token count, an integer > 1 (1024)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
-    if 0.0 < v <= 1.0:
-        return v
-    if v > 1 and v == int(v):
-        return int(v)
-    raise argparse.ArgumentTypeError(f"budget must be a fraction in (0, 1] or a token count (an integer > 1), got {text}")
-
-
-def _budget_list(text):
-    return [_budget(t) for t in text.split(",") if t]
 
 
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):

@@ -54,6 +54,16 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     ).logits[:, -1]
 
 
+def _first_logits(model, input_ids, attention_mask, cache, max_new_tokens: int, prefilled, prefix):
+    """(the logits (B, V) the first new token is sampled from, prompt tokens restored from a prefix store): given
+    (`prefilled`), or from a prefill through the store (batching.prefill_prefix), or from a plain prefill."""
+    if prefilled is not None:
+        return prefilled, 0
+    if prefix is not None:
+        return prefill_prefix(model, input_ids, cache, max_new_tokens, prefix)
+    return prefill(model, input_ids, attention_mask, cache, max_new_tokens), 0
+
+
 def _run_mask(attention_mask: torch.Tensor, max_new_tokens: int):
     """The run's mask (B, n + new), preallocated (each step uses a longer view, nothing is concatenated), the
     prompt's positions (B, n) (left padding aware), and whether nothing is padded: then decode steps pass no
@@ -150,9 +160,7 @@ def generate(
     threads.watch(device)  # the first look at the machine's load spans the prefill (threads.py)
     _sync(device)
     t0 = time.perf_counter()
-    logits, cached = (prefilled, 0) if prefilled is not None else prefill_prefix(
-        model, input_ids, cache, max_new_tokens, prefix) if prefix is not None else (
-        prefill(model, input_ids, attention_mask, cache, max_new_tokens), 0)
+    logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix)
     next_pos = positions[:, -1:] + 1  # (B, 1)
     own_step = step.supports(model, cache)
     _sync(device)

@@ -139,13 +139,18 @@ class MemoryTier:
         size = payload_bytes(payload)
         if key in self.blocks or size > self.limit:
             return 0
+        evicted = self.evict_to(self.limit - size)
+        self.blocks[key] = payload
+        self.bytes += size
+        return evicted
+
+    def evict_to(self, limit: int) -> int:
+        """Least recently used blocks out until at most `limit` bytes are held; returns how many went."""
         evicted = 0
-        while self.bytes + size > self.limit:
+        while self.blocks and self.bytes > limit:
             _, old = self.blocks.popitem(last=False)
             self.bytes -= payload_bytes(old)
             evicted += 1
-        self.blocks[key] = payload
-        self.bytes += size
         return evicted
 
     def __contains__(self, key: str) -> bool:
@@ -375,19 +380,12 @@ class PrefixStore:
                 self.stats.warned.add("restore")
                 log.warning("prefix cache: a stored prefix was unusable (%s): prefilled instead", why)
 
-    def resize(self, limit: int) -> int:
+    def resize(self, limit: int) -> None:
         """A new memory limit; least recently used blocks go until the memory holds at most `limit` bytes (the
-        server's admission makes room for a request's cache). Returns the bytes freed."""
-        freed = 0
+        server's admission makes room for a request's cache)."""
         with self._lock:
             self.memory.limit = max(0, int(limit))
-            while self.memory.blocks and self.memory.bytes > max(0, limit):
-                _, old = self.memory.blocks.popitem(last=False)
-                size = payload_bytes(old)
-                self.memory.bytes -= size
-                freed += size
-                self.stats.memory_evictions += 1
-        return freed
+            self.stats.memory_evictions += self.memory.evict_to(self.memory.limit)
 
     def report(self) -> dict:
         """Counters and bytes per tier (the server's /metrics)."""

@@ -101,7 +101,6 @@ class Engine:
         self.max_pool_bytes = max_pool_bytes
         self.prefix, self.prefix_note = self._prefix_store(probe, prefix_cache_bytes, prefix_cache_dir,
                                                            prefix_cache_disk_bytes)
-        self.prefix_limit = self.prefix.memory.limit if self.prefix is not None else 0
         self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
         self.thread.start()
 
@@ -113,8 +112,8 @@ class Engine:
         ns = cache_namespace(self.model, probe, self.prefill_chunk)
         if ns is None:  # (the server refuses pools with a capacity: --max-pool-bytes bounds them)
             return None, f"unsupported by {self.method}: the entries it keeps depend on the whole prompt"
-        limit = self.max_pool_bytes if memory_bytes is None else min(memory_bytes, self.max_pool_bytes)
-        return PrefixStore(ns, limit, disk_dir, disk_bytes, block=self.prefill_chunk), None
+        self.prefix_limit = self.max_pool_bytes if memory_bytes is None else min(memory_bytes, self.max_pool_bytes)
+        return PrefixStore(ns, self.prefix_limit, disk_dir, disk_bytes, block=self.prefill_chunk), None
 
     # --- API of the event loop side ----------------------------------------------------------------
 
@@ -227,9 +226,7 @@ class Engine:
                 return None  # a batch runs: the next one forms when it is over
             self.forming = True
         job = self.pending[0]
-        b = self.batch
-        columns = max(b.mask.shape[1] if len(b) else 0, len(job.prompt_ids)) + max(b.room(), job.max_tokens)
-        need = self.cost(len(b) + job.n, columns)
+        need = self._batch_cost(job)
         if need > self.max_pool_bytes:
             return None  # waits for rows to leave (it fits alone: submit checked)
         self.pending.popleft()
@@ -354,19 +351,21 @@ class Engine:
         row.job.emit("done", reason, self._taken(row), row.index)
         return False
 
+    def _batch_cost(self, job: Job | None = None) -> int:
+        """Cache bytes of the running batch with `job` joined: every row padded to the longest prompt plus the
+        longest remaining output."""
+        b = self.batch
+        prompt, new, n = (len(job.prompt_ids), job.max_tokens, job.n) if job is not None else (0, 0, 0)
+        columns = max(b.mask.shape[1] if len(b) else 0, prompt) + max(b.room(), new)
+        return self.cost(len(b) + n, columns)
+
     def _fit_prefix(self, committed: int | None = None) -> None:
-        """The prefix store's memory limit: what the running requests (`committed` bytes: the batch with the job
-        being admitted) leave of the pool's budget, up to its own; over it, least recently used blocks go."""
-        if self.prefix is None:
-            return
-        if committed is None:
-            b = self.batch
-            rows = len(b) + (self.prefill[0].n if self.prefill is not None else 0)
-            columns = (b.mask.shape[1] if len(b) else 0) + b.room()
-            if self.prefill is not None:
-                columns = max(columns, self.prefill[1].length + self.prefill[0].max_tokens)
-            committed = self.cost(rows, columns) if rows else 0
-        self.prefix.resize(min(self.prefix_limit, self.max_pool_bytes - committed))
+        """The prefix store's memory limit: what the running requests (`committed` bytes; default: the batch and
+        the job in prefill) leave of the pool's budget, up to its own; over it, least recently used blocks go."""
+        if self.prefix is not None:
+            if committed is None:
+                committed = self._batch_cost(self.prefill[0] if self.prefill is not None else None)
+            self.prefix.resize(min(self.prefix_limit, self.max_pool_bytes - committed))
 
     def _fail(self, jobs: list[Job], e: Exception) -> None:
         log.error("generation failed for %d request(s): %s: %s", len(jobs), type(e).__name__, e,
