@@ -101,6 +101,9 @@ class Engine:
         self.max_pool_bytes = max_pool_bytes
         self.prefix, self.prefix_note = self._prefix_store(probe, prefix_cache_bytes, prefix_cache_dir,
                                                            prefix_cache_disk_bytes)
+        self.batch, self.rows = RunningBatch(model), []  # the worker's state, whole before the worker runs
+        self.prefill: tuple[Job, Prefill] | None = None
+        self.forming = False  # static batching: a batch is being formed (no decode step until it is)
         self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
         self.thread.start()
 
@@ -189,9 +192,6 @@ class Engine:
     # --- worker thread -----------------------------------------------------------------------------
 
     def _work(self) -> None:
-        self.batch, self.rows = RunningBatch(self.model), []
-        self.prefill: tuple[Job, Prefill] | None = None
-        self.forming = False  # static batching: a batch is being formed (no decode step until it is)
         self._window = [time.perf_counter(), 0]  # decode tokens/s: start of the window, tokens in it
         while True:
             with self.cv:
