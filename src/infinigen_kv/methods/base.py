@@ -110,12 +110,16 @@ class LogicalLayer(CacheLayerMixin):
         lo = max(start, self.offset)
         return [b.data[0, :, lo - self.offset : end - self.offset] for b in self.row_buffers()]
 
-    def restore(self, rows: list[torch.Tensor], tokens: int) -> None:
-        """Continue an empty layer from a stored prefix of `tokens` tokens: rows (G, n, width) per row buffer, the
-        last n positions before `tokens`."""
-        for buf, r in zip(self.row_buffers(), rows):
-            buf.append(r[None])
-        self.offset = tokens - rows[0].shape[1]
+    def restore(self, parts: list[list[torch.Tensor]], tokens: int) -> None:
+        """Continue an empty layer from a stored prefix of `tokens` tokens: per row buffer, the stored pieces
+        (G, n_i, width) of the last sum(n_i) positions before `tokens`, in order (appended one by one: no copy
+        of them joined first)."""
+        for buf, ps in zip(self.row_buffers(), parts):
+            n = sum(t.shape[1] for t in ps)
+            buf.reserve(buf.length + n)
+            for t in ps:
+                buf.append(t[None])
+        self.offset = tokens - n
 
 
 def slide_plan(window: int, length: int, T: int) -> tuple[int, int]:
@@ -253,7 +257,7 @@ class Rebatch:
                             buf.heads, buf.width, buf.dtype):
                         raise ValueError(f"stored block {b} does not fit buffer {i}.{j} of this cache")
                     parts.append(t[:, t.shape[1] - need :])
-                rows.append(torch.cat(parts, dim=1))  # (G, n, width)
+                rows.append(parts)  # (G, n_i, width) each
             plan.append((layer, rows))
         for layer, rows in plan:
             layer.restore(rows, tokens)

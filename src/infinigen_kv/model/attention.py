@@ -48,8 +48,7 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
                 return out, None
         if T > 1 and (out := _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs)) is not None:
             return out, None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout)
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     fused = layer.fused
     if fused is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
@@ -67,6 +66,20 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     if cache.track_recall:
         cache.record_recall(module.layer_idx, q, attention_mask, scaling)
     return out.reshape(B, 1, H, d), None
+
+
+def _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout=0.0):
+    """transformers' sdpa attention; several queries with a mask on CPU: grouped-query heads by SDPA's enable_gqa instead of
+    transformers' copy of every K/V head r times (repeat_kv: at a chunk over a 3.8k past, ~200 ms of a 16-token
+    chunk's ~380 ms here). The same bits (the kernel reads each group's K/V for its r heads either way;
+    tests/test_attention.py). -> (B, T, H, d), None"""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (attention_mask is None or groups == 1 or query.shape[2] == 1 or not query.is_cpu or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _scale(scaling, d: int) -> float:
@@ -113,7 +126,7 @@ def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
         if window and T - s > window:
             out[b, s:] = _local_prefill(module, *row, window, scaling, kwargs)[0]
         else:
-            out[b, s:] = sdpa_attention_forward(module, *row, None, scaling=scaling, **kwargs)[0][0]
+            out[b, s:] = _sdpa(module, *row, None, scaling, kwargs)[0][0]
     return out
 
 
@@ -128,6 +141,5 @@ def _local_prefill(module, query, key, value, window: int, scaling, kwargs):
         qi = torch.arange(a, b, device=query.device).view(-1, 1)
         kj = torch.arange(lo, b, device=query.device).view(1, -1)
         mask = ((kj <= qi) & (kj > qi - window)).view(1, 1, b - a, b - lo)
-        out[:, a:b] = sdpa_attention_forward(module, query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b], mask,
-                                             scaling=scaling, **kwargs)[0]
+        out[:, a:b] = _sdpa(module, query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b], mask, scaling, kwargs)[0]
     return out

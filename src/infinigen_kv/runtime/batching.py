@@ -32,7 +32,8 @@ class Prefill:
     offered to the store. The chunks are then the store's blocks, from position 0: a prompt computes the same
     arithmetic with or without a stored prefix (a chunk boundary elsewhere changes the last bits)."""
 
-    def __init__(self, model, cache, ids: list[int], chunk: int = 512, logprobs: int | None = None, prefix=None):
+    def __init__(self, model, cache, ids: list[int], chunk: int = 512, logprobs: int | None = None, prefix=None,
+                 reserve: int = 0):
         self.model, self.cache, self.chunk, self.k = model, cache, chunk, logprobs
         self.device = next(model.parameters()).device
         self.ids = torch.tensor([ids], dtype=torch.long)  # (1, n)
@@ -40,8 +41,8 @@ class Prefill:
         self.cached = 0  # of those, restored from the prefix store
         self.logits = None  # (1, V) after the last chunk
         self.prompt_logprobs = ([], [], []) if logprobs is not None else None  # tokens 1..n-1: chosen, top, ids
-        if hasattr(cache, "reserve"):
-            cache.reserve(len(ids))  # buffers sized for the prompt, not grown chunk by chunk
+        if hasattr(cache, "reserve"):  # buffers sized for the prompt (and `reserve` tokens in all: its decode steps
+            cache.reserve(max(len(ids), reserve))  # after, so that joining a batch moves nothing), not grown chunk by chunk
         self.prefix, self.keys = prefix, []
         if prefix is not None:
             self.chunk, self.keys = prefix.block, prefix.keys(ids)
@@ -87,9 +88,7 @@ def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, p
     if input_ids.shape[0] != 1:
         raise ValueError("a prefix store serves one prompt at a time: generate each prompt in its own call, or serve")
     prefix.check(model, cache)
-    if hasattr(cache, "reserve"):
-        cache.reserve(input_ids.shape[1] + max_new_tokens)
-    p = Prefill(model, cache, input_ids[0].tolist(), prefix=prefix)
+    p = Prefill(model, cache, input_ids[0].tolist(), prefix=prefix, reserve=input_ids.shape[1] + max_new_tokens)
     while not p.step():
         pass
     return p.logits, p.cached

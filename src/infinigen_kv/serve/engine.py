@@ -233,7 +233,8 @@ class Engine:
         try:
             self._fit_prefix(need)
             cache = make_cache(self.method, self.model, **self.options)
-            p = Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs, self.prefix)
+            p = Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs, self.prefix,
+                        reserve=len(job.prompt_ids) + job.max_tokens)
             job.cached_tokens = p.cached
             self.metrics.prefill_cached_tokens.inc(p.cached)
             return job, p

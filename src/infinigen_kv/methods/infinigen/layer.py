@@ -202,8 +202,8 @@ class InfiniGenLayer(LogicalLayer):
     def get_seq_length(self) -> int:
         return self.seen if self.is_initialized else 0
 
-    def restore(self, rows: list[torch.Tensor], tokens: int) -> None:
-        super().restore(rows, tokens)
+    def restore(self, parts: list[list[torch.Tensor]], tokens: int) -> None:
+        super().restore(parts, tokens)
         self.seen = tokens
 
     def row_buffers(self) -> list:
