@@ -77,6 +77,8 @@ def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
     same bits at any row count and offset (measured), below it its small-matrix path does not, so a short
     prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie
     selections, issue 13)."""
+    if rows == 0:  # no position kept (logits_to_keep: a chunk before the last)
+        return x.new_empty(*x.shape[:-1], self.weight.shape[0])
     if rows >= PREFILL_MIN_ROWS or not x.is_cpu:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     padded = x.new_zeros(PREFILL_MIN_ROWS, x.shape[-1])
