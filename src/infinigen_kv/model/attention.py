@@ -69,12 +69,11 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout=0.0):
-    """transformers' sdpa attention; several queries with a mask on CPU: grouped-query heads by SDPA's enable_gqa instead of
-    transformers' copy of every K/V head r times (repeat_kv: at a chunk over a 3.8k past, ~200 ms of a 16-token
-    chunk's ~380 ms here). The same bits (the kernel reads each group's K/V for its r heads either way;
-    tests/test_attention.py). -> (B, T, H, d), None"""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (attention_mask is None or groups == 1 or query.shape[2] == 1 or not query.is_cpu or dropout or kwargs.get("softcap") is not None
+    """transformers' sdpa attention. Several queries with a mask on CPU (a chunk over a past): the grouped-query
+    heads by SDPA's `enable_gqa`, where transformers copies every K/V head r times (repeat_kv: ~200 ms of a 16-token
+    chunk's ~380 ms over a 3.8k past here). The same bits (tests/test_attention.py). -> (B, T, H, d), None"""
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] == 1
+            or not query.is_cpu or dropout or kwargs.get("softcap") is not None
             or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -30,7 +30,9 @@ class Prefill:
     The longest stored prefix of the prompt is restored into the cache instead of computed (`cached` tokens; not
     when the prompt's logprobs are asked: they need its logits), and each whole block the prefill computes is
     offered to the store. The chunks are then the store's blocks, from position 0: a prompt computes the same
-    arithmetic with or without a stored prefix (a chunk boundary elsewhere changes the last bits)."""
+    arithmetic with or without a stored prefix (a chunk boundary elsewhere changes the last bits).
+
+    reserve: the tokens the cache will hold in all (the prompt and the most it may generate), sized now."""
 
     def __init__(self, model, cache, ids: list[int], chunk: int = 512, logprobs: int | None = None, prefix=None,
                  reserve: int = 0):
@@ -41,8 +43,8 @@ class Prefill:
         self.cached = 0  # of those, restored from the prefix store
         self.logits = None  # (1, V) after the last chunk
         self.prompt_logprobs = ([], [], []) if logprobs is not None else None  # tokens 1..n-1: chosen, top, ids
-        if hasattr(cache, "reserve"):  # buffers sized for the prompt (and `reserve` tokens in all: its decode steps
-            cache.reserve(max(len(ids), reserve))  # after, so that joining a batch moves nothing), not grown chunk by chunk
+        if hasattr(cache, "reserve"):  # buffers sized once, not grown chunk by chunk: the prompt, or `reserve` tokens
+            cache.reserve(max(len(ids), reserve))  # in all (its decode steps too: joining a batch then moves nothing)
         self.prefix, self.keys = prefix, []
         if prefix is not None:
             self.chunk, self.keys = prefix.block, prefix.keys(ids)
