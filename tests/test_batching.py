@@ -136,6 +136,37 @@ def test_a_row_leaving_moves_only_the_last_row(tiny_models):
     assert batch.mask.shape == (2, 60) and batch.mask.sum(1).tolist() == [55, 50]  # 5 padding columns stay
 
 
+
+@pytest.mark.parametrize("method", ["full", "infinigen"])
+def test_a_prefill_that_reserves_its_decode_rows_joins_without_a_copy(tiny_models, method):
+    """Prefill(reserve=prompt + max tokens): the first row's join keeps the prefill's buffers (no copy of the
+    prompt's K/V into new ones); without it the join reallocates them."""
+    model, ids = tiny_models["llama-gqa"], prompt(40, 6)
+    for reserve, kept in ((40 + 2000, True), (0, False)):
+        p = Prefill(model, ig.make_cache(method, model), ids, reserve=reserve)
+        while not p.step():
+            pass
+        store = p.cache.layers[1].k.store
+        batch = RunningBatch(model)
+        batch.join(p, SamplingParams(), 2000)
+        assert (batch.cache.layers[1].k.store is store) == kept
+
+
+def test_only_the_last_chunk_projects_onto_the_vocabulary(tiny_models):
+    """A prefill's chunks before its last skip the LM head (no rows); prompt logprobs need every position."""
+    model, ids = tiny_models["llama-gqa"], prompt(40, 7)
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(out.shape[-2]))
+    try:
+        for logprobs, want in ((None, [0, 0, 1]), (2, [16, 16, 8])):
+            rows.clear()
+            p = Prefill(model, ig.make_cache("full", model), ids, chunk=16, logprobs=logprobs)
+            while not p.step():
+                pass
+            assert rows == want and p.logits.shape == (1, model.config.vocab_size)
+    finally:
+        hook.remove()
+
 def _decode(model, ids, cache, prefilled=None):
     """(tokens, per-step logprob of each chosen token, fetched fraction) of 10 greedy steps."""
     steps = []
