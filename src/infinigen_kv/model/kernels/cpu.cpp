@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -123,12 +124,22 @@ inline float exp_neg(float x) {
 // max of x[0, n): eight independent lanes (a single running max is a chain of dependent compares that the
 // compiler does not vectorize without -ffinite-math-only)
 inline float max_of(const float* x, int64_t n) {
-  float m8[8] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF};
   int64_t t = 0;
+  float m = NEG_INF;
+#ifdef IG_AVX2
+  if (n >= 8) {
+    __m256 m8 = _mm256_loadu_ps(x);
+    for (t = 8; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + t));
+    alignas(32) float l[8];
+    _mm256_store_ps(l, m8);
+    for (int j = 0; j < 8; ++j) m = std::max(m, l[j]);
+  }
+#else
+  float m8[8] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF};
   for (; t + 8 <= n; t += 8)
     for (int j = 0; j < 8; ++j) m8[j] = m8[j] > x[t + j] ? m8[j] : x[t + j];
-  float m = NEG_INF;
   for (int j = 0; j < 8; ++j) m = std::max(m, m8[j]);
+#endif
   for (; t < n; ++t) m = std::max(m, x[t]);
   return m;
 }
@@ -136,41 +147,124 @@ inline float max_of(const float* x, int64_t n) {
 // ---------------------------------------------------------------------------------------------------
 // speculate
 
-// floats -> unsigned integers of the same order
-inline uint32_t order_key(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+constexpr int SELECT_BINS = 1024;  // histogram bins over (-alpha, 0] where the cap binds
+
+#ifdef IG_AVX2
+// For each 8-bit mask, the indices of its set bits, first to last (then zeros): a vector permutation that packs
+// the lanes a comparison kept to the front (AVX2 has no compress instruction).
+struct PackLanes {
+  alignas(32) int32_t lanes[256][8];
+  PackLanes() {
+    for (int m = 0; m < 256; ++m) {
+      int j = 0;
+      for (int i = 0; i < 8; ++i)
+        if (m >> i & 1) lanes[m][j++] = i;
+      for (; j < 8; ++j) lanes[m][j] = 0;
+    }
+  }
+};
+const PackLanes PACK;
+#endif
+
+// The positions t in [0, n) with x[t] > thr (x[t] >= thr if ge), in order, into out (room for n + 8); their count.
+int64_t positions_above(const float* x, int64_t n, float thr, bool ge, uint32_t* out) {
+  int64_t j = 0, t = 0;
+#ifdef IG_AVX2
+  const __m256 tv = _mm256_set1_ps(thr);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 v = _mm256_loadu_ps(x + t);
+    const int m = _mm256_movemask_ps(ge ? _mm256_cmp_ps(v, tv, _CMP_GE_OQ) : _mm256_cmp_ps(v, tv, _CMP_GT_OQ));
+    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(PACK.lanes[m]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_add_epi32(lanes, _mm256_set1_epi32(int32_t(t))));
+    j += __builtin_popcount(m);
+  }
+#endif
+  for (; t < n; ++t) {  // branchless: every position written, kept when above (j <= t)
+    out[j] = uint32_t(t);
+    j += ge ? x[t] >= thr : x[t] > thr;
+  }
+  return j;
+}
+
+// The values x[t] with bins[t] == b, in order, into out (room for n + 8); their count.
+int64_t values_in_bin(const float* x, const uint32_t* bins, int64_t n, uint32_t b, float* out) {
+  int64_t j = 0, t = 0;
+#ifdef IG_AVX2
+  const __m256i bv = _mm256_set1_epi32(int32_t(b));
+  for (; t + 8 <= n; t += 8) {
+    const __m256i eq = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bins + t)), bv);
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(eq));
+    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(PACK.lanes[m]));
+    _mm256_storeu_ps(out + j, _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + t), lanes));
+    j += __builtin_popcount(m);
+  }
+#endif
+  for (; t < n; ++t) {
+    out[j] = x[t];
+    j += bins[t] == b;
+  }
+  return j;
 }
 
 // scores s (r, n) of one (sequence, KV head) -> its chosen slots: each head's logits relative to its
 // max (masked by kb), the group's heads combined, the tokens within alpha counted and capped at min(k, cap_row),
-// the chosen slots written to out[0, c) (slots [c, k) repeat out[0]); returns c.
+// the chosen slots written to out[0, c) in position order (slots [c, k) repeat out[0]); returns c.
+// rel (n), bins (n + 8), hist (SELECT_BINS) and cand (n + 8) are scratch.
 int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, int64_t k, int64_t cap_row,
-                   bool mean, float* rel, uint32_t* keys, float* mx, int64_t* out) {
-  for (int64_t h = 0; h < r; ++h) {
+                   bool mean, float* rel, uint32_t* bins, int32_t* hist, float* cand, float* mx, int64_t* out) {
+  for (int64_t h = 0; h < r; ++h) {  // masked in the same pass as each head's max
     float* sh = s + h * n;
-    if (kb)
-      for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
-    mx[h] = max_of(sh, n);
+    if (kb) {
+      float m8[8] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF};
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8)
+        for (int j = 0; j < 8; ++j) {
+          const float v = kb[t + j] ? sh[t + j] : NEG_INF;
+          sh[t + j] = v;
+          m8[j] = m8[j] > v ? m8[j] : v;
+        }
+      float m = NEG_INF;
+      for (int j = 0; j < 8; ++j) m = std::max(m, m8[j]);
+      for (; t < n; ++t) {
+        sh[t] = kb[t] ? sh[t] : NEG_INF;
+        m = std::max(m, sh[t]);
+      }
+      mx[h] = m;
+    } else {
+      mx[h] = max_of(sh, n);
+    }
   }
-  // each head's logits relative to its max, the group's heads combined
-  const float* s0 = s;
+  // each head's logits relative to its max, the group's heads combined; the last head's pass counts those within
+  int32_t within32 = 0;  // int32 lanes: the counting vectorizes 8 wide
   const float m0 = mx[0];
   if (mean) {
-    for (int64_t t = 0; t < n; ++t) rel[t] = (s0[t] - m0) / float(r);
-    for (int64_t h = 1; h < r; ++h)
-      for (int64_t t = 0; t < n; ++t) rel[t] += (s[h * n + t] - mx[h]) / float(r);
-  } else {
-    for (int64_t t = 0; t < n; ++t) rel[t] = s0[t] - m0;
+    const float inv = 1.f / float(r);
+    if (r == 1)
+      for (int64_t t = 0; t < n; ++t) within32 += (rel[t] = (s[t] - m0) * inv) > -alpha;
+    else
+      for (int64_t t = 0; t < n; ++t) rel[t] = (s[t] - m0) * inv;
     for (int64_t h = 1; h < r; ++h) {
       const float* sh = s + h * n;
       const float m = mx[h];
-      for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
+      if (h + 1 < r)
+        for (int64_t t = 0; t < n; ++t) rel[t] += (sh[t] - m) * inv;
+      else
+        for (int64_t t = 0; t < n; ++t) within32 += (rel[t] += (sh[t] - m) * inv) > -alpha;
+    }
+  } else {
+    if (r == 1)
+      for (int64_t t = 0; t < n; ++t) within32 += (rel[t] = s[t] - m0) > -alpha;
+    else
+      for (int64_t t = 0; t < n; ++t) rel[t] = s[t] - m0;
+    for (int64_t h = 1; h < r; ++h) {
+      const float* sh = s + h * n;
+      const float m = mx[h];
+      if (h + 1 < r)
+        for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
+      else
+        for (int64_t t = 0; t < n; ++t) within32 += (rel[t] = std::max(rel[t], sh[t] - m)) > -alpha;
     }
   }
-  int32_t within32 = 0;  // int32 lanes: the counting pass vectorizes 8 wide
-  for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
   const int64_t within = within32;
   int64_t c = std::min(within, k);
   if (cap_row >= 0) c = std::min(c, cap_row);
@@ -178,28 +272,42 @@ int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, 
     c = 1;
     out[0] = std::max_element(rel, rel + n) - rel;
   } else if (c == within) {  // the cap does not bind: every token within alpha, in position order
-    int64_t j = 0;
-    for (int64_t t = 0; t < n; ++t) {  // branchless: every position written, kept when within (j <= t)
-      keys[j] = uint32_t(t);
-      j += rel[t] > -alpha;
+    positions_above(rel, n, -alpha, false, bins);
+    std::copy(bins, bins + c, out);
+  } else {  // the cap binds: the c highest (ties: the oldest). A histogram of the values within alpha finds the
+    // bin holding the c-th highest, whose few values give it exactly; then one pass in position order.
+    // A bin is a monotone function of the value (equal values share one, a better bin holds higher values).
+    const float to_bin = float(SELECT_BINS) / alpha;
+    std::fill(hist, hist + SELECT_BINS, 0);
+    for (int64_t t = 0; t < n; ++t) {  // bins of the values within alpha; SELECT_BINS marks the others
+      const float x = rel[t];
+      const bool within = x > -alpha;  // then -x is in [0, alpha): a bin in range (NaN and -inf: bin 0, not counted)
+      const uint32_t bin = uint32_t(std::min((within ? -x : 0.f) * to_bin, float(SELECT_BINS - 1)));
+      bins[t] = within ? bin : uint32_t(SELECT_BINS);
+      hist[bin] += within;
     }
-    std::copy(keys, keys + c, out);
-  } else {  // the cap binds: the c highest, above the c-th largest value found by bisection
-    for (int64_t t = 0; t < n; ++t) keys[t] = order_key(rel[t]);
-    uint64_t lo = order_key(-alpha), hi = uint64_t(order_key(0.f)) + 1;  // count(keys >= lo) >= c
-    while (hi - lo > 1) {  // vectorized counting passes: cheaper than a selection sort's branches
-      const uint32_t mid = uint32_t((lo + hi) / 2);
-      int32_t above = 0;
-      for (int64_t t = 0; t < n; ++t) above += keys[t] >= mid;
-      (above >= c ? lo : hi) = mid;
-      if (above == c) break;  // exactly c at or above lo: no need to narrow down to the c-th value
+    int64_t above = 0;  // values in bins better than b
+    uint32_t b = 0;
+    while (above + hist[b] < c) above += hist[b++];
+    const int64_t m = values_in_bin(rel, bins, n, b, cand);
+    const int64_t need = c - above;  // the need-th highest of bin b is the c-th highest of the row
+    std::nth_element(cand, cand + (need - 1), cand + m, std::greater<float>());
+    const float v = cand[need - 1];
+    int64_t at_least = above;  // values >= v
+    for (int64_t i = 0; i < m; ++i) at_least += cand[i] >= v;
+    if (at_least == c) {  // no tie at v to break: the values >= v
+      positions_above(rel, n, v, true, bins);
+    } else {  // more values equal v than fit: those above, then the oldest of the ties
+      int64_t ties = c - (at_least - std::count(cand, cand + m, v)), j = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        const float x = rel[t];
+        const bool tie = x == v && ties > 0;
+        bins[j] = uint32_t(t);
+        j += x > v || tie;
+        ties -= tie;
+      }
     }
-    const uint32_t thr = uint32_t(lo);  // keys > thr number fewer than c; with those == thr, at least c
-    int64_t j = 0;
-    for (int64_t t = 0; t < n && j < c; ++t)
-      if (keys[t] > thr) out[j++] = t;
-    for (int64_t t = 0; t < n && j < c; ++t)  // ties at the threshold, oldest first
-      if (keys[t] == thr) out[j++] = t;
+    std::copy(bins, bins + c, out);
   }
   for (int64_t j = c; j < k; ++j) out[j] = out[0];  // unused slots: a real row, masked by count
   return c;
@@ -351,15 +459,16 @@ void speculate_rows(const float* q, const T* kp, int64_t w, const bool* keep, in
                     int64_t B, int64_t G, int64_t r, int64_t p, int64_t cap, int64_t n, float scale,
                     float alpha, int64_t k, bool mean, int64_t* idx_out, int64_t* count_out, Score score) {
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(r * n), rel(n), qs(r * p), mx(r);
-    std::vector<uint32_t> keys(n);
+    std::vector<float> s(r * n), rel(n), cand(n + 8), qs(r * p), mx(r);
+    std::vector<uint32_t> bins(n + 8);  // room for the vector stores past the last kept position
+    std::vector<int32_t> hist(SELECT_BINS);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / G, g = row % G;
       for (int64_t i = 0; i < r * p; ++i) qs[i] = q[row * r * p + i] * scale;
       score(qs.data(), kp + row * cap * w, s.data());  // one read of each token's row for all r heads of the group
       const bool* kb = keep ? keep + (b * keep_heads + (keep_heads > 1 ? g : 0)) * n : nullptr;
-      count_out[row] = select_row(s.data(), r, n, kb, alpha, k, caps ? caps[row] : -1, mean, rel.data(), keys.data(),
-                                  mx.data(), idx_out + row * k);
+      count_out[row] = select_row(s.data(), r, n, kb, alpha, k, caps ? caps[row] : -1, mean, rel.data(), bins.data(),
+                                  hist.data(), cand.data(), mx.data(), idx_out + row * k);
     }
   });
 }
