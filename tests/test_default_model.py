@@ -98,3 +98,23 @@ def test_a_rows_selection_does_not_depend_on_its_batch(smollm):
     for other in ("Trains and stations and timetables " * 8, "Hi"):
         enc = tok([main, other], return_tensors="pt", padding=True)
         assert row_zero_selections(model, enc.input_ids, enc.attention_mask, new_tokens=30, tokenizer=tok) == alone
+
+
+def test_a_conversion_parses_a_gguf_once(tmp_path):
+    """transformers builds a GGUFReader for the tokenizer, the config and the weights (~25 s each on Gemma 3's
+    vocabulary): during a conversion they share one per file, and outside it nothing is patched."""
+    gguf = pytest.importorskip("gguf")
+    from infinigen_kv.model.load import _one_gguf_reader
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("x", torch.arange(8, dtype=torch.float32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    real = gguf.GGUFReader
+    with _one_gguf_reader():
+        a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert a is b and a.tensors[0].name == "x"
+    assert gguf.GGUFReader is real and gguf.GGUFReader(path) is not a

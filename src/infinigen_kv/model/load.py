@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -109,8 +110,9 @@ def convert_gguf(path: Path) -> Path:
     print(f"converting {path.name} to a safetensors checkpoint in {out.parent} (once) ...", file=sys.stderr)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with _one_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     # The weights are dequantized already: drop the GGUF quantization marker so they can be saved.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -121,6 +123,31 @@ def convert_gguf(path: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+@contextmanager
+def _one_gguf_reader():
+    """transformers parses a GGUF's metadata anew for the tokenizer, the config and the weights: ~25 s each for
+    Gemma 3's 262k-token vocabulary (numpy slicing per token). During a conversion the three share one reader
+    per file (gguf.GGUFReader, which transformers imports at each call; the reader is only read from)."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    real, readers = gguf.GGUFReader, {}
+
+    def shared(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def resolve_source(name: str | None) -> str:
