@@ -76,10 +76,21 @@ def test_bench_accuracy_contract_and_files(tmp_path, capsys):
     assert "| 32 tok |" in (out / "accuracy.md").read_text()
 
 
-def test_bench_accuracy_needs_data():
-    one_line_error(cli("bench", "accuracy", "--tasks", "ppl", ok=False), "pass --data")
-    one_line_error(cli("bench", "accuracy", "--tasks", "ppl", "--data", "/no/such/dir", ok=False), "not found")
-    one_line_error(cli("bench", "accuracy", "--tasks", "nope", ok=False), "unknown task")
+def main_error(capsys, *args, text: str):
+    """`infinigen ARGS` in this process (a CLI process costs ~7 s of imports; test_cli runs the real ones) fails
+    with one line on stderr that says `text`."""
+    from infinigen_kv.cli import main
+
+    capsys.readouterr()
+    assert main(list(args)) != 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and text in lines[0], lines
+
+
+def test_bench_accuracy_needs_data(capsys):
+    one_line_error(cli("bench", "accuracy", "--tasks", "ppl", ok=False), "pass --data")  # the real process, once
+    main_error(capsys, "bench", "accuracy", "--tasks", "ppl", "--data", "/no/such/dir", text="not found")
+    main_error(capsys, "bench", "accuracy", "--tasks", "nope", text="unknown task")
 
 
 def test_bench_speed_contract_floor_and_plots(tmp_path, capsys):
@@ -178,7 +189,7 @@ def test_bench_accuracy_ruler_suite_and_mean(tmp_path, capsys):
     for key, mean in means.items():
         got = [r["value"] for r in rows if (r["method"], r["budget"]) == key and r["task"] != "ruler-mean-880"]
         assert mean == pytest.approx(sum(got) / len(got), abs=1e-4)
-    one_line_error(cli("bench", "accuracy", "--tasks", "niah_single_2", ok=False), "need text")
+    main_error(capsys, "bench", "accuracy", "--tasks", "niah_single_2", text="need text")
     from infinigen_kv.bench.accuracy import DataError, load_essay
 
     with pytest.raises(DataError, match="essay haystacks .* need text"):  # library callers: no --data check
@@ -228,9 +239,9 @@ def test_bench_accuracy_resumes_from_its_samples(tmp_path, capsys, monkeypatch):
     assert main([*args, "--samples", "2", "--out", out, "--resume"]) == 0
     assert len(prefills) == 2  # only the second sample's
     assert json.loads(capsys.readouterr().out)["rows"] == one
-    r = cli(*[a for a in args if a != "--json"], "--samples", "2", "--out", out, "--resume", "--alpha", "3", ok=False)
-    one_line_error(r, "holds results of other settings")
-    one_line_error(cli("bench", "accuracy", "--tasks", "passkey", "--resume", ok=False), "--resume needs --out")
+    main_error(capsys, *[a for a in args if a != "--json"], "--samples", "2", "--out", out, "--resume", "--alpha", "3",
+               text="holds results of other settings")
+    main_error(capsys, "bench", "accuracy", "--tasks", "passkey", "--resume", text="--resume needs --out")
 
 
 def test_bench_accuracy_batched_decode_gives_the_same_outputs(tmp_path, capsys):
