@@ -85,6 +85,28 @@ def test_speculate_matches_threshold_and_cap(combine, alpha, k, r):
             assert math.isclose(rel[b, g, chosen].min().item(), rel[b, g].topk(c).values.min().item(), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_speculate_breaks_ties_at_the_cap_by_age_in_position_order(dtype):
+    """The cap-th value shared by more tokens than fit: those above it, then the oldest of those equal to it; the
+    chosen slots always in position order (the binding cap's histogram path and the plain one)."""
+    B, G, r, p, n, k = 1, 2, 3, 32, 203, 40
+    kp = torch.zeros(B, G, n + 5, p)
+    kp[..., 0] = 1.0  # every key alike: equal scores
+    best = torch.tensor([150, 80, 199, 60])  # a few keys score higher
+    kp[:, :, best, 0] = 2.0
+    rows = K.quantize_rows(kp) if dtype == torch.int8 else kp
+    q = torch.ones(B, G, r, p)
+    keep = torch.ones(B, 1, n, dtype=torch.bool)
+    keep[0, 0, :3] = False  # padding is never chosen, even among ties
+    idx, count = K.speculate(q, rows, n, keep, None, 0.125, 8.0, k, False)
+    expect = sorted(best.tolist() + list(range(3, 3 + k - len(best))))
+    assert count.tolist() == [[k, k]]
+    for g in range(G):
+        assert idx[0, g].tolist() == expect
+    idx, count = K.speculate(q, rows, n, None, None, 0.125, 8.0, n, False)  # the cap does not bind: all of them
+    assert count.tolist() == [[n, n]] and idx[0, 0].tolist() == list(range(n))
+
+
 @pytest.mark.parametrize("p", [32, 64, 24])  # the vector path (multiples of 32) and the plain one
 def test_int8_partial_keys_kernel_matches_pytorch(p):
     """int8 partial key rows (int8.py): the kernel's quantizer gives the PyTorch one's bytes, and its selection

@@ -212,59 +212,28 @@ int64_t values_in_bin(const float* x, const uint32_t* bins, int64_t n, uint32_t 
 // rel (n), bins (n + 8), hist (SELECT_BINS) and cand (n + 8) are scratch.
 int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, int64_t k, int64_t cap_row,
                    bool mean, float* rel, uint32_t* bins, int32_t* hist, float* cand, float* mx, int64_t* out) {
-  for (int64_t h = 0; h < r; ++h) {  // masked in the same pass as each head's max
+  for (int64_t h = 0; h < r; ++h) {
     float* sh = s + h * n;
-    if (kb) {
-      float m8[8] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF};
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8)
-        for (int j = 0; j < 8; ++j) {
-          const float v = kb[t + j] ? sh[t + j] : NEG_INF;
-          sh[t + j] = v;
-          m8[j] = m8[j] > v ? m8[j] : v;
-        }
-      float m = NEG_INF;
-      for (int j = 0; j < 8; ++j) m = std::max(m, m8[j]);
-      for (; t < n; ++t) {
-        sh[t] = kb[t] ? sh[t] : NEG_INF;
-        m = std::max(m, sh[t]);
-      }
-      mx[h] = m;
-    } else {
-      mx[h] = max_of(sh, n);
-    }
+    if (kb)
+      for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
+    mx[h] = max_of(sh, n);
   }
-  // each head's logits relative to its max, the group's heads combined; the last head's pass counts those within
-  int32_t within32 = 0;  // int32 lanes: the counting vectorizes 8 wide
+  // each head's logits relative to its max, the group's heads combined
   const float m0 = mx[0];
   if (mean) {
-    const float inv = 1.f / float(r);
-    if (r == 1)
-      for (int64_t t = 0; t < n; ++t) within32 += (rel[t] = (s[t] - m0) * inv) > -alpha;
-    else
-      for (int64_t t = 0; t < n; ++t) rel[t] = (s[t] - m0) * inv;
-    for (int64_t h = 1; h < r; ++h) {
-      const float* sh = s + h * n;
-      const float m = mx[h];
-      if (h + 1 < r)
-        for (int64_t t = 0; t < n; ++t) rel[t] += (sh[t] - m) * inv;
-      else
-        for (int64_t t = 0; t < n; ++t) within32 += (rel[t] += (sh[t] - m) * inv) > -alpha;
-    }
+    for (int64_t t = 0; t < n; ++t) rel[t] = (s[t] - m0) / float(r);
+    for (int64_t h = 1; h < r; ++h)
+      for (int64_t t = 0; t < n; ++t) rel[t] += (s[h * n + t] - mx[h]) / float(r);
   } else {
-    if (r == 1)
-      for (int64_t t = 0; t < n; ++t) within32 += (rel[t] = s[t] - m0) > -alpha;
-    else
-      for (int64_t t = 0; t < n; ++t) rel[t] = s[t] - m0;
+    for (int64_t t = 0; t < n; ++t) rel[t] = s[t] - m0;
     for (int64_t h = 1; h < r; ++h) {
       const float* sh = s + h * n;
       const float m = mx[h];
-      if (h + 1 < r)
-        for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
-      else
-        for (int64_t t = 0; t < n; ++t) within32 += (rel[t] = std::max(rel[t], sh[t] - m)) > -alpha;
+      for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
     }
   }
+  int32_t within32 = 0;  // int32 lanes: the counting pass vectorizes 8 wide
+  for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
   const int64_t within = within32;
   int64_t c = std::min(within, k);
   if (cap_row >= 0) c = std::min(c, cap_row);
@@ -297,7 +266,7 @@ int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, 
     for (int64_t i = 0; i < m; ++i) at_least += cand[i] >= v;
     if (at_least == c) {  // no tie at v to break: the values >= v
       positions_above(rel, n, v, true, bins);
-    } else {  // more values equal v than fit: those above, then the oldest of the ties
+    } else {  // more values equal v than fit: those above v and the oldest of those equal, in position order
       int64_t ties = c - (at_least - std::count(cand, cand + m, v)), j = 0;
       for (int64_t t = 0; t < n; ++t) {
         const float x = rel[t];
