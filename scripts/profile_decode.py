@@ -2,11 +2,16 @@
 (speculation with its partial query and kernel, update, attention) summed over the layers of a step. The step
 generate runs: our own (model/step.py) where it serves the model, else the model's forward (--model-step).
 
-    python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--model-step]
+    python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--model-step] [--cprofile 25]
+
+--cprofile N: then the same steps again under cProfile, each method's N functions of most own time (the Python
+around the kernels; cProfile slows each call, so its times rank, they do not measure a step).
 """
 
 import argparse
 import collections
+import cProfile
+import pstats
 import time
 import types
 
@@ -44,6 +49,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--model-step", action="store_true", help="the model's forward, not our own step")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="then N functions of most own time")
     args = ap.parse_args()
     model, tok = ig.load_model(args.model)
     B, n = args.batch, args.prompt_len
@@ -51,7 +57,7 @@ def main():
     caches = {}
     for method in ("full", "infinigen"):
         caches[method] = ig.make_cache(method, model)
-        caches[method].reserve(n + 2 + args.steps)  # the timed steps too: no buffer grows while timed
+        caches[method].reserve(n + 2 + 2 * args.steps)  # the timed (and profiled) steps: no buffer grows then
         ig.generate(model, ids, mask, cache=caches[method], max_new_tokens=2, stop_at_eos=False)
     timed(cache_mod.InfiniGenCache, "before_attention", "speculation (pre-hooks)")
     timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
@@ -87,6 +93,14 @@ def main():
         print(f"{method}: median step {walls[len(walls) // 2] * 1e3:.1f} ms (B={B}, n={n}, {step})")
         for label, s in TIMES.items():
             print(f"  {label}: {s / args.steps * 1e3:.1f} ms/step")
+        if args.cprofile:
+            prof = cProfile.Profile()
+            for i in range(args.steps):
+                pos = torch.full((B, 1), n + 2 + args.steps + i)
+                prof.runcall(step_mod.decode_step if own else model, *((model, cache, x[:, 0], pos, None) if own else ()),
+                             **({} if own else dict(input_ids=x, past_key_values=cache, position_ids=pos)))
+            print(f"{method}: cProfile over {args.steps} steps, by own time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
 
 
 if __name__ == "__main__":

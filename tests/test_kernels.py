@@ -46,6 +46,44 @@ def test_attend_selected_rows(dtype, d):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_attend_selected_rows_alone_or_in_a_batch():
+    """Chosen rows are cut into even chunks of the row's own count (1,024 + the new token: 5 x 208, not 512 + 512 +
+    1): a row's result is the same bits alone or beside rows of other counts, and matches the softmax."""
+    torch.manual_seed(6)
+    G, r, d, cap, n, m = 3, 3, 64, 1300, 1250, 1024
+    q = torch.randn(3, G, r, d)
+    Kp, Vp = torch.randn(3, G, cap, d), torch.randn(3, G, cap, d)
+    idx = torch.stack([torch.randperm(n)[:m] for _ in range(3 * G)]).view(3, G, m)
+    count = torch.tensor([[m, 700, 257], [1, 513, m], [300, 40, 999]])
+    new = torch.full((3, G), n)
+    batch = K.attend(q, Kp, Vp, idx, count, new, -1, None, 0, 0.125, torch.float32)
+    for b in range(3):
+        one = [t[b : b + 1].contiguous() for t in (q, Kp, Vp, idx, count, new)]
+        assert torch.equal(K.attend(*one[:3], one[3], one[4], one[5], -1, None, 0, 0.125, torch.float32)[0], batch[b])
+        for g in range(G):
+            rows = torch.cat([new[b, g : g + 1], idx[b, g, : count[b, g]]])
+            torch.testing.assert_close(batch[b, g], reference_attention(q[b, g], Kp[b, g], Vp[b, g], rows, 0.125),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_store_token_writes_what_the_separate_appends_write():
+    """store_token: a decode token's K and V rows (strided views, as the own step hands them) and its int8 partial
+    row into a pool layer at one slot, the same bytes as copies and quantize_rows of the gathered channels."""
+    torch.manual_seed(7)
+    B, G, H, d, p, cap, at = 2, 3, 9, 64, 32, 50, 17
+    qkv = torch.randn(B, H + 2 * G, 1, d)  # the merged projection's output, viewed per head
+    k, v = qkv[:, H : H + G], qkv[:, H + G :]
+    channels = torch.stack([torch.randperm(d)[:p] for _ in range(G)])
+    Kb, Vb, Pb = torch.zeros(B, G, cap, d), torch.zeros(B, G, cap, d), torch.zeros(B, G, cap, p + 4, dtype=torch.int8)
+    K.store_token(Kb, Vb, Pb, k, v, channels, at)
+    assert torch.equal(Kb[:, :, at], k[:, :, 0]) and torch.equal(Vb[:, :, at], v[:, :, 0])
+    part = k.gather(-1, channels.view(1, G, 1, p).expand(B, G, 1, p)).contiguous()
+    assert torch.equal(Pb[:, :, at : at + 1], K.quantize_rows(part))
+    assert not Kb[:, :, :at].any() and not Pb[:, :, at + 1 :].any()  # nothing else written
+    with pytest.raises(RuntimeError, match="bad shapes"):
+        K.store_token(Kb, Vb, Pb, k, v, channels, cap)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_dense_with_mask(dtype):
     torch.manual_seed(1)

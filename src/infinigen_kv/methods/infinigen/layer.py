@@ -60,7 +60,7 @@ class InfiniGenLayer(LogicalLayer):
         if calibrated:
             self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
             if self.cache.calibration.unskewed:  # A_P selects raw channels: a gather, not a product
-                self.key_channels = self.cache.calibration.channels[self.layer_idx].to(dev)  # (G, p)
+                self.key_channels = self.cache.calibration.channels[self.layer_idx].to(dev).contiguous()  # (G, p)
             pdt = self.cache.partial_dtype(dtype, dev)
             width = self.skew_p.shape[-1] + (4 if pdt == torch.int8 else 0)  # int8 rows end with their scale
             self.partial = RowBuffer(B, G, width, pdt, dev,
@@ -167,12 +167,30 @@ class InfiniGenLayer(LogicalLayer):
                 pos, T = pos + past, T - drop
             self.slots.evicted += drop
         self.prefill_query = None
-        transfer.write(self, k, v)
-        if self.partial is not None:
-            self.partial.append(self.partial_rows(k))  # (B, G, T, p), or int8 (B, G, T, p + 4)
+        if not (T == 1 and self.append_token(k, v)):
+            transfer.write(self, k, v)
+            if self.partial is not None:
+                self.partial.append(self.partial_rows(k))  # (B, G, T, p), or int8 (B, G, T, p + 4)
         if self.slots is not None:
             self.slots.append(past, T, pos)
         self.new_slot = self.k.length - 1
+
+    def append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A decode token's k, v (B, G, 1, d) into the pool and its int8 partial key row into the partial key cache
+        in one kernel call (`store_token`: the same bytes as transfer.write and partial.append, without their ~8
+        ops). False where that does not serve: no kernel, a GPU's transfer, a skewed or non-int8 partial cache."""
+        kern = kernels.cpu()
+        if (kern is None or self.partial is None or self.key_channels is None or self.partial.dtype != torch.int8
+                or not self.transfer.host_compute or self.k.dtype != torch.float32 or k.dtype != torch.float32
+                or k.device.type != "cpu" or not self.v.length == self.partial.length == self.k.length):
+            return False
+        at = self.k.length
+        for buf in (self.k, self.v, self.partial):
+            buf.reserve(at + 1)
+        kern.store_token(self.k.data, self.v.data, self.partial.data, k, v, self.key_channels, at)
+        for buf in (self.k, self.v, self.partial):
+            buf.length = at + 1
+        return True
 
     def partial_keys(self, k: torch.Tensor) -> torch.Tensor:
         """Skewed partial channels k A_P of keys k (B, G, T, d): (B, G, T, p)."""

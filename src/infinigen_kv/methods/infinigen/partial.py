@@ -65,10 +65,9 @@ class PartialQuery:
             if kern is None:
                 return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin)
             proj = a.attns[layer].q_proj
-            w16 = getattr(proj, "weight_bf16", None)  # the weight decode steps use (--dtype bf16-weights)
             x = x.contiguous()
-            return kern.partial_query(x.reshape(B, -1), w16 if w16 is not None else proj.weight, proj.bias,
-                                      self.rows[layer], self.channels[layer], cos, sin, a.group)
+            return kern.partial_query(x.reshape(B, -1), self.gathered(layer), proj.bias, self.rows[layer],
+                                      self.channels[layer], cos, sin, a.group, a.head_dim)
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return torch.matmul(q, skew_p.unsqueeze(0))  # (B, G, r, p)
 
@@ -88,6 +87,27 @@ class PartialQuery:
         p = p2 // 2
         return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
 
+    def q_rows(self, layer: int) -> torch.Tensor:
+        """(H c,) the q_proj rows the partial query of `layer` needs: h d + S[g] for every query head h of group g."""
+        S, a = self.rows[layer], self.arch
+        G, c = S.shape
+        heads = torch.arange(G * a.group).view(G, a.group, 1)
+        return (heads * a.head_dim + S.view(G, 1, c)).reshape(-1)
+
+    def gathered(self, layer: int) -> torch.Tensor:
+        """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
+        decode weight (bfloat16 with --dtype bf16-weights): read at the bandwidth, where the same rows scattered
+        through q_proj ran at about half (docs/BENCHMARKS.md). Kept on the module, so every cache of the model
+        shares it (12.6 MB for the default model, 5% of its weights)."""
+        proj = self.arch.attns[layer].q_proj
+        w = getattr(proj, "weight_bf16", None)  # the weight decode steps use
+        w = w if w is not None else proj.weight.detach()
+        memo = proj.__dict__.setdefault("_infinigen_pq_rows", {})
+        key = (w.dtype, self.rows[layer].numpy().tobytes())
+        if key not in memo:
+            memo[key] = w[self.q_rows(layer)].contiguous()
+        return memo[key]
+
     def rows_on(self, layer: int, device) -> tuple:
         """(W (H c, D), bias or None, both (G, 2p)) of `layer` on `device`: the q_proj rows h d + S[g] of every query
         head h of group g, and where P[g, t] and then its rotate-half partner (t +- d/2) sit in S[g]."""
@@ -96,10 +116,9 @@ class PartialQuery:
             return memo
         a = self.arch
         S, P = self.rows[layer], self.channels[layer]  # (G, c), (G, p)
-        G, c = S.shape
+        G = S.shape[0]
         d, half = a.head_dim, a.head_dim // 2
-        heads = torch.arange(G * a.group).view(G, a.group, 1)
-        rows = (heads * d + S.view(G, 1, c)).reshape(-1)  # (H c,)
+        rows = self.q_rows(layer)  # (H c,)
         proj = a.attns[layer].q_proj
         W = proj.weight.detach()[rows.to(proj.weight.device)].to(device)
         b = proj.bias.detach()[rows.to(proj.bias.device)].to(device) if proj.bias is not None else None

@@ -31,7 +31,8 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int BLOCK = 64;  // tokens scored together in attend
-constexpr int64_t SPLIT = 512;  // tokens per work item of attend (a multiple of BLOCK)
+constexpr int64_t SPLIT = 512;  // tokens per work item of attend over a whole past (a multiple of BLOCK)
+constexpr int64_t SPLIT_ROWS = 256;  // most chosen rows per work item, a row's rows cut evenly (attend_impl)
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) {  // bfloat16 bits: the high half of a float32
@@ -445,6 +446,13 @@ void speculate_rows(const float* q, const T* kp, int64_t w, const bool* keep, in
 // ---------------------------------------------------------------------------------------------------
 // attend
 
+// Tokens per chunk when `ntok` are cut into the fewest chunks of at most `most` of near-equal size, a multiple of 8
+// (the vector width of the scores) up to the last.
+inline int64_t even_chunk(int64_t ntok, int64_t most) {
+  const int64_t chunks = std::max<int64_t>(1, (ntok + most - 1) / most);
+  return ((ntok + chunks - 1) / chunks + 7) / 8 * 8;
+}
+
 template <typename T, typename O, int D>
 void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int64_t m, const int64_t* count,
                  const int64_t* new_rows, int64_t new_row, const bool* keep, int64_t keep_heads, int64_t n,
@@ -453,10 +461,12 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
   const int64_t rows = B * G;
   const bool has_new = new_rows != nullptr || new_row >= 0;
   const int64_t max_tokens = (idx ? m : n) + (has_new ? 1 : 0);
-  // Each row's tokens are cut into chunks of SPLIT (flash-decoding: every thread has work), counted from the
-  // row's first attendable token, and merged in order: a row's result is the same bits whatever else shares
-  // its batch (how many rows, how much left padding).
-  const int64_t splits = std::max<int64_t>(1, (max_tokens + SPLIT - 1) / SPLIT);
+  // Each row's tokens are cut into chunks (flash-decoding: every thread has work) and merged in order: a whole
+  // past into chunks of SPLIT counted from the row's first attendable token; chosen rows evenly into chunks of at
+  // most SPLIT_ROWS (1,024 chosen + the new token: 5 x 208, not 512 + 512 + 1, so that 3 rows of a batch-1 step
+  // share 2 threads 8:7, not 2:1). Either depends on the row's own tokens only: its result is the same bits
+  // whatever else shares its batch (how many rows, how much left padding, how many chosen).
+  const int64_t splits = std::max<int64_t>(1, (max_tokens + (idx ? SPLIT_ROWS : SPLIT) - 1) / (idx ? SPLIT_ROWS : SPLIT));
   const int64_t items = rows * splits;
   std::vector<int64_t> first(rows, 0);  // dense rows: the first position keep allows (left padding skipped)
   if (!idx && keep)
@@ -475,7 +485,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       const int64_t b = row / G, g = row % G;
       const int64_t f0 = first[row];
       const int64_t ntok = (idx ? std::min(m, count ? count[row] : m) : n - f0) + (has_new ? 1 : 0);
-      const int64_t t0 = sp * SPLIT, t1 = std::min(ntok, t0 + SPLIT);
+      const int64_t chunk = idx ? even_chunk(ntok, SPLIT_ROWS) : SPLIT;
+      const int64_t t0 = sp * chunk, t1 = std::min(ntok, t0 + chunk);
       const float* qr = q + row * r * d;
       const T* Kr = K + row * cap * d;
       const T* Vr = V + row * cap * d;
@@ -669,13 +680,13 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
 template <typename W>
 void partial_query_impl(const float* x, const W* wp, const float* bias, const int64_t* S, int64_t c,
                         const int64_t* P, int64_t p, const float* cos, const float* sin, int64_t B, int64_t G,
-                        int64_t r, int64_t d, int64_t D, float* out) {
+                        int64_t r, int64_t d, int64_t D, bool gathered, float* out) {
   const int64_t H = G * r, half = d / 2;
   std::vector<float> y(B * H * d, 0.f);  // (B, H, d): the needed channels of each head's query
   at::parallel_for(0, H * c, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / c, ch = S[(h / r) * c + i % c];
-      const W* w = wp + (h * d + ch) * D;
+      const W* w = wp + (gathered ? i : h * d + ch) * D;  // gathered: row h c + t holds q_proj row h d + S[g, t]
       float* yo = y.data() + h * d + ch;  // row b at yo + b * H * d
       int64_t b = 0;
       for (; b + 4 <= B; b += 4) rows_dot<4>(w, x + b * D, D, yo + b * H * d, H * d);
@@ -852,6 +863,39 @@ at::Tensor quantize_rows(at::Tensor x) {
   return out;
 }
 
+// A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
+// strides above: views of the step's merged q k v output) into K, V (B, G, cap, d), and the int8 row of k's
+// partial channels (G, p) into P (B, G, cap, p + 4) (quantize_row: quantize_rows' bits). The three appends of a
+// layer's step in one call, where they were ~8 PyTorch ops (a channel gather, quantize_rows, three copies).
+void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Tensor v, at::Tensor channels, int64_t at) {
+  for (auto* t : {&K, &V, &P, &channels}) check_cpu_contig(*t, "store_token buffer");
+  TORCH_CHECK(K.scalar_type() == at::kFloat && V.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat && P.scalar_type() == at::kChar && channels.scalar_type() == at::kLong,
+              "store_token: float32 K, V, k, v; int8 P; int64 channels");
+  const int64_t B = K.size(0), G = K.size(1), cap = K.size(2), d = K.size(3), p = channels.size(1);
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && k.size(1) == G && k.size(2) == 1 && k.size(3) == d &&
+              v.sizes() == k.sizes() && V.sizes() == K.sizes() && k.stride(3) == 1 && v.stride(3) == 1 &&
+              P.size(0) == B && P.size(1) == G && P.size(2) == cap && P.size(3) == p + 4 && channels.size(0) == G &&
+              at >= 0 && at < cap, "store_token: bad shapes");
+  const int64_t* ch = channels.data_ptr<int64_t>();
+  for (int64_t i = 0; i < G * p; ++i) TORCH_CHECK(ch[i] >= 0 && ch[i] < d, "channel out of range");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *Kp = K.data_ptr<float>(), *Vp = V.data_ptr<float>();
+  auto* Pp = reinterpret_cast<int8_t*>(P.data_ptr());
+  std::vector<float> part(p);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* kr = kp + b * k.stride(0) + g * k.stride(1);
+      const int64_t row = (b * G + g) * cap + at;
+      std::memcpy(Kp + row * d, kr, d * sizeof(float));
+      std::memcpy(Vp + row * d, vp + b * v.stride(0) + g * v.stride(1), d * sizeof(float));
+      for (int64_t t = 0; t < p; ++t) part[t] = kr[ch[g * p + t]];
+      int8_t* pr = Pp + row * (p + 4);
+      const float sc = quantize_row(part.data(), p, pr);
+      std::memcpy(pr + p, &sc, 4);
+    }
+}
+
 // x (R, D) float32, w (D) float32 -> x / sqrt(mean(x^2) + eps) * w, per row (Llama's RMSNorm in one call; the
 // sum in eight lanes then in order, the same bits for a row whatever the rows beside it)
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
@@ -911,18 +955,22 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
   return y;
 }
 
-// x (B, D) float32; W (H d, D) q_proj weight, float32 or bfloat16; bias (H d) or None; S (G, c) channels to
-// compute per KV head (P and their RoPE partners; repeats allowed); P (G, p) partial channels; cos, sin (B, d)
-// float32 or None (no RoPE: S = P). Returns the partial query (B, G, r, p) float32.
+// x (B, D) float32; W (H d, D) q_proj weight, float32 or bfloat16, or with d_head > 0 only the rows needed (H c, D),
+// row h c + t = q_proj row h d_head + S[g, t] (contiguous: read at the bandwidth, where the rows scattered through
+// q_proj are not); bias (H d) or None; S (G, c) channels to compute per KV head (P and their RoPE partners;
+// repeats allowed); P (G, p) partial channels; cos, sin (B, d) float32 or None (no RoPE: S = P).
+// Returns the partial query (B, G, r, p) float32.
 at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, at::Tensor S, at::Tensor P,
-                         c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, int64_t r) {
+                         c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, int64_t r, int64_t d_head) {
   for (auto* t : {&x, &W, &S, &P}) check_cpu_contig(*t, "partial_query input");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16, "W must be float32 or bfloat16");
   TORCH_CHECK(S.scalar_type() == at::kLong && P.scalar_type() == at::kLong, "S and P must be int64");
   const int64_t B = x.size(0), D = x.size(1), G = S.size(0), c = S.size(1), p = P.size(1), H = G * r;
-  TORCH_CHECK(W.size(0) % H == 0 && W.size(1) == D && P.size(0) == G, "bad shapes");
-  const int64_t d = W.size(0) / H;
+  const bool gathered = d_head > 0;
+  TORCH_CHECK(W.size(0) == (gathered ? H * c : W.size(0)) && W.size(0) % H == 0 && W.size(1) == D && P.size(0) == G,
+              "bad shapes");
+  const int64_t d = gathered ? d_head : W.size(0) / H;
   for (auto* t : {&S, &P})
     for (int64_t i = 0; i < t->numel(); ++i) {
       const int64_t ch = t->data_ptr<int64_t>()[i];
@@ -947,10 +995,10 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
   auto out = at::empty({B, G, r, p}, x.options());
   if (W.scalar_type() == at::kFloat)
     partial_query_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(),
-                       p, cp, sp, B, G, r, d, D, out.data_ptr<float>());
+                       p, cp, sp, B, G, r, d, D, gathered, out.data_ptr<float>());
   else
     partial_query_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp,
-                       S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(), p, cp, sp, B, G, r, d, D,
+                       S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(), p, cp, sp, B, G, r, d, D, gathered,
                        out.data_ptr<float>());
   return out;
 }
@@ -1043,9 +1091,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
-  mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied");
+  mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied",
+          py::arg("x"), py::arg("W"), py::arg("bias"), py::arg("S"), py::arg("P"), py::arg("cos"), py::arg("sin"),
+          py::arg("r"), py::arg("d_head") = 0);
   mod.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
+  mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
 }
