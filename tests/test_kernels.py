@@ -109,8 +109,9 @@ def test_speculate_matches_threshold_and_cap(combine, alpha, k, r):
     kp = torch.randn(B, G, cap, p)
     keep = torch.rand(B, 1, n) > 0.2
     caps = torch.tensor([[40], [1000]]).expand(B, G).contiguous()  # sequence 0 capped lower
-    idx, count = K.speculate(q, kp, n, keep, caps, 0.125, alpha, k,
-                             combine == "mean")
+    idx, count, total = K.speculate(q, kp, n, keep, caps, 0.125, alpha, k,
+                                    combine == "mean")
+    assert total == int(count.sum())  # the host's tally of the step's fetch
     rel = relative(q @ kp[:, :, :n].transpose(-1, -2) * 0.125, keep, combine)  # (B, G, n)
     within = (rel > -alpha).sum(-1)
     expect = torch.minimum(torch.minimum(within, caps), torch.tensor(k)).clamp(min=1)
@@ -136,12 +137,12 @@ def test_speculate_breaks_ties_at_the_cap_by_age_in_position_order(dtype):
     q = torch.ones(B, G, r, p)
     keep = torch.ones(B, 1, n, dtype=torch.bool)
     keep[0, 0, :3] = False  # padding is never chosen, even among ties
-    idx, count = K.speculate(q, rows, n, keep, None, 0.125, 8.0, k, False)
+    idx, count, _ = K.speculate(q, rows, n, keep, None, 0.125, 8.0, k, False)
     expect = sorted(best.tolist() + list(range(3, 3 + k - len(best))))
     assert count.tolist() == [[k, k]]
     for g in range(G):
         assert idx[0, g].tolist() == expect
-    idx, count = K.speculate(q, rows, n, None, None, 0.125, 8.0, n, False)  # the cap does not bind: all of them
+    idx, count, _ = K.speculate(q, rows, n, None, None, 0.125, 8.0, n, False)  # the cap does not bind: all of them
     assert count.tolist() == [[n, n]] and idx[0, 0].tolist() == list(range(n))
 
 
@@ -165,7 +166,7 @@ def test_int8_partial_keys_kernel_matches_pytorch(p):
     q = torch.randn(B, G, r, p)
     keep = torch.rand(B, 1, n) > 0.1
     caps = torch.tensor([[40], [1000]]).expand(B, G).contiguous()
-    idx, count = K.speculate(q, rows, n, keep, caps, 0.125, 4.0, k, False)
+    idx, count, _ = K.speculate(q, rows, n, keep, caps, 0.125, 4.0, k, False)
     scores = int8.scores(q, rows[:, :, :n], 0.125)  # (B, G, r, n)
     e_idx, e_count = select(scores, keep, 4.0, 1.0, k)
     assert torch.equal(count, torch.minimum(e_count, caps))
@@ -376,8 +377,8 @@ def test_kernels_batch_invariant(dtype):
     assert torch.equal(alone[0], batch[0])
     caps1 = torch.full((1, G), 130)
     caps2 = torch.tensor([[130], [133]]).expand(2, G).contiguous()
-    i1, c1 = K.speculate(qp, kp.contiguous(), n, keep1, caps1, 0.125, 8.0, 133, False)
-    i2, c2 = K.speculate(qp2, KP2, n + pad, keep2, caps2, 0.125, 8.0, 133, False)
+    i1, c1, _ = K.speculate(qp, kp.contiguous(), n, keep1, caps1, 0.125, 8.0, 133, False)
+    i2, c2, _ = K.speculate(qp2, KP2, n + pad, keep2, caps2, 0.125, 8.0, 133, False)
     assert torch.equal(c1[0], c2[0])
     for g in range(G):
         assert i1[0, g, : c1[0, g]].tolist() == (i2[0, g, : c2[0, g]] - pad).tolist()

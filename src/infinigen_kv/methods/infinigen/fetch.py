@@ -16,14 +16,15 @@ class Fetch:
     """A layer's fetch of one decode step: slots idx (B, G, m), of which those where real (B, G, m) is True
     are real, or the first count (B, G) of each row, or all when both are None; `whole`: idx is 0..m-1 in
     every row (a transfer may copy the rows as they lie); `keep` (B, 1, n): the past positions the step may
-    attend (None: all), `scored`: bytes of partial key read per slot to choose them; `rows` once in flight."""
+    attend (None: all), `scored`: bytes of partial key read per slot to choose them; `total`: the sum of count where
+    the host knows it (the CPU kernel's); `rows` once in flight."""
 
-    __slots__ = ("idx", "real", "count", "whole", "keep", "scored", "rows")
+    __slots__ = ("idx", "real", "count", "whole", "keep", "scored", "total", "rows")
 
     def __init__(self, idx: torch.Tensor, real: torch.Tensor | None = None, count: torch.Tensor | None = None,
-                 whole: bool = False, keep: torch.Tensor | None = None, scored: int = 0):
+                 whole: bool = False, keep: torch.Tensor | None = None, scored: int = 0, total: int | None = None):
         self.idx, self.real, self.count, self.whole, self.rows = idx, real, count, whole, None
-        self.keep, self.scored = keep, scored
+        self.keep, self.scored, self.total = keep, scored, total
 
     def real_mask(self) -> torch.Tensor | None:
         return counted(self.count, self.idx.shape[-1]) if self.count is not None else self.real

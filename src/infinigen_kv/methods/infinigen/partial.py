@@ -41,6 +41,7 @@ class PartialQuery:
             self.rows = list(rope_channels(calibration.channels, arch.head_dim))
             self.channels = [c.contiguous() for c in calibration.channels]
         self._rows_memo = {}  # layer -> its q_proj rows and channel maps on its device (rows_on)
+        self._gathered = {}  # layer -> the kernel's contiguous copy of its q_proj rows (gathered)
         self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
         self.reset()
 
@@ -99,14 +100,17 @@ class PartialQuery:
         decode weight (bfloat16 with --dtype bf16-weights): read at the bandwidth, where the same rows scattered
         through q_proj ran at about half (docs/BENCHMARKS.md). Kept on the module, so every cache of the model
         shares it (12.6 MB for the default model, 5% of its weights)."""
-        proj = self.arch.attns[layer].q_proj
-        w = getattr(proj, "weight_bf16", None)  # the weight decode steps use
-        w = w if w is not None else proj.weight.detach()
-        memo = proj.__dict__.setdefault("_infinigen_pq_rows", {})
-        key = (w.dtype, self.rows[layer].numpy().tobytes())
-        if key not in memo:
-            memo[key] = w[self.q_rows(layer)].contiguous()
-        return memo[key]
+        W = self._gathered.get(layer)
+        if W is None:
+            proj = self.arch.attns[layer].q_proj
+            w = getattr(proj, "weight_bf16", None)  # the weight decode steps use
+            w = w if w is not None else proj.weight.detach()
+            memo = proj.__dict__.setdefault("_infinigen_pq_rows", {})
+            key = (w.dtype, self.rows[layer].numpy().tobytes())
+            if key not in memo:
+                memo[key] = w[self.q_rows(layer)].contiguous()
+            W = self._gathered[layer] = memo[key]
+        return W
 
     def rows_on(self, layer: int, device) -> tuple:
         """(W (H c, D), bias or None, both (G, 2p)) of `layer` on `device`: the q_proj rows h d + S[g] of every query

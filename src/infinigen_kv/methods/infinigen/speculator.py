@@ -213,9 +213,9 @@ class Speculate:
             if keep is not None and caps is None:  # per row: budget x its valid length
                 keep = keep.contiguous()
                 caps = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()  # (B, G)
-            idx, count = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
-                                        cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
-            return Fetch(idx, count=count, keep=keep, scored=partial_row)
+            idx, count, total = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
+                                               cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
+            return Fetch(idx, count=count, keep=keep, scored=partial_row, total=total)
         scores = approx_scores(q, target.partial.valid(), cache.arch.score_scale)  # (B, G, r, slots)
         idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
         return Fetch(idx, count=count, keep=keep, scored=partial_row)

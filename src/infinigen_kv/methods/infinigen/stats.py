@@ -42,7 +42,9 @@ class Counters:
         B, G, m = idx.shape
         n, nxt = target.k.length, target.layer_idx
         got = fetch.count if fetch.count is not None else fetch.real.sum(-1) if fetch.real is not None else None
-        if got is None:
+        if fetch.total is not None:  # the host knows it (CPU): no tensor op
+            self.fetched[nxt] += fetch.total
+        elif got is None:
             self.fetched[nxt] += B * G * m
         else:
             self.fetched_t[nxt] = _accumulate(self.fetched_t[nxt], got)
@@ -50,8 +52,12 @@ class Counters:
             self.possible[nxt] += B * G * n
         else:
             if self.keep_total[0] is not keep:  # one sum per step: every layer shares the step's mask
-                self.keep_total = (keep, keep.sum() * (G // keep.shape[1]))
-            self.possible_t[nxt] = _accumulate(self.possible_t[nxt], self.keep_total[1])
+                total = keep.sum() * (G // keep.shape[1])
+                self.keep_total = (keep, int(total) if keep.device.type == "cpu" else total)  # (CPU: no sync)
+            if isinstance(self.keep_total[1], int):
+                self.possible[nxt] += self.keep_total[1]
+            else:
+                self.possible_t[nxt] = _accumulate(self.possible_t[nxt], self.keep_total[1])
         self.rows[nxt] += B * G
         self.steps[nxt] += 1
         self.rows_moved += idx.numel()

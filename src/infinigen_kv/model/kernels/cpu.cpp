@@ -20,6 +20,8 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -740,8 +742,9 @@ void dispatch_storage(at::ScalarType st, F&& f) {
 }  // namespace
 
 // q (B, G, r, p) float32; kp (B, G, cap, p) partial keys, or (B, G, cap, p + 4) int8 rows (score_rows_i8); keep (B, 1 or G, n) bool or None; caps (B, G) int64 or None.
-// Returns idx (B, G, k) int64 (slots [count, k) repeat slot 0) and count (B, G) int64.
-std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::optional<at::Tensor> keep,
+// Returns idx (B, G, k) int64 (slots [count, k) repeat slot 0), count (B, G) int64 and the sum of count (the host's
+// tally of what a step fetched, without a tensor op a layer).
+std::tuple<at::Tensor, at::Tensor, int64_t> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::optional<at::Tensor> keep,
                                   c10::optional<at::Tensor> caps, double scale, double alpha, int64_t k,
                                   bool mean) {
   check_cpu_contig(q, "q");
@@ -775,7 +778,7 @@ std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::o
       speculate_rows(qp, kr, p + 4, keep_p, keep_heads, caps_p, B, G, r, p, cap, n, float(scale), float(alpha), k,
                      mean, ip, cp, [&](const float* qs, const int8_t* rows, float* s) { score_rows_i8<P>(qs, rows, r, p, n, s); });
     });
-    return {idx, count};
+    return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
   }
   dispatch_storage(kp.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -786,7 +789,7 @@ std::vector<at::Tensor> speculate(at::Tensor q, at::Tensor kp, int64_t n, c10::o
                      ip, cp, [&](const float* qs, const T* rows, float* s) { score_rows<T, P>(qs, rows, r, p, n, s); });
     });
   });
-  return {idx, count};
+  return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
 }
 
 // q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage; idx (B, G, m) slots or None (slots 0..n-1,
