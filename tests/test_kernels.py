@@ -84,6 +84,30 @@ def test_store_token_writes_what_the_separate_appends_write():
         K.store_token(Kb, Vb, Pb, k, v, channels, cap)
 
 
+def test_decode_stores_a_token_in_one_kernel_call(tiny_models, monkeypatch):
+    """With int8 partial keys a decode step stores each pool layer's token through store_token, and the cache holds
+    the bytes the separate appends would have written (the same logits, rows and partial rows)."""
+    from infinigen_kv.methods.infinigen.layer import InfiniGenLayer
+
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    calls = []
+    store = K.store_token
+    monkeypatch.setattr(K, "store_token", lambda *a: calls.append(1) or store(*a))
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(InfiniGenLayer, "append_token", lambda self, k, v: False)
+        cache = ig.make_cache("infinigen", model, partial_dtype="int8", alpha=4.0, budget=0.3, min_budget=0)
+        runs.append((step_logits(model, cache, ids, mask, steps=4), cache.layers[2]))
+    pool_layers = model.config.num_hidden_layers - 1  # layer 0 is dense, without partial keys
+    assert len(calls) == 4 * pool_layers
+    assert torch.equal(runs[0][0], runs[1][0])
+    (_, a), (_, b) = runs
+    for x, y in ((a.k, b.k), (a.v, b.v), (a.partial, b.partial)):
+        assert x.length == y.length and torch.equal(x.valid(), y.valid())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_dense_with_mask(dtype):
     torch.manual_seed(1)
