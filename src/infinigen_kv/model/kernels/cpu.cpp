@@ -350,6 +350,12 @@ inline float quantize_row(const float* x, int64_t p, int8_t* q) {
   return sc;
 }
 
+// A stored int8 row of x (p values): the values, then the scale's 4 bytes (p + 4 in all)
+inline void pack_row(const float* x, int64_t p, int8_t* row) {
+  const float sc = quantize_row(x, p, row);
+  std::memcpy(row + p, &sc, 4);
+}
+
 inline float row_scale(const int8_t* row, int64_t p) {
   float sc;
   std::memcpy(&sc, row + p, 4);
@@ -858,17 +864,14 @@ at::Tensor quantize_rows(at::Tensor x) {
   const float* xp = x.data_ptr<float>();
   auto* op = reinterpret_cast<int8_t*>(out.data_ptr());
   at::parallel_for(0, R, 1024, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float sc = quantize_row(xp + i * p, p, op + i * (p + 4));
-      std::memcpy(op + i * (p + 4) + p, &sc, 4);
-    }
+    for (int64_t i = i0; i < i1; ++i) pack_row(xp + i * p, p, op + i * (p + 4));
   });
   return out;
 }
 
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
 // strides above: views of the step's merged q k v output) into K, V (B, G, cap, d), and the int8 row of k's
-// partial channels (G, p) into P (B, G, cap, p + 4) (quantize_row: quantize_rows' bits). The three appends of a
+// partial channels (G, p) into P (B, G, cap, p + 4) (pack_row: quantize_rows' bits). The three appends of a
 // layer's step in one call, where they were ~8 PyTorch ops (a channel gather, quantize_rows, three copies).
 void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Tensor v, at::Tensor channels, int64_t at) {
   for (auto* t : {&K, &V, &P, &channels}) check_cpu_contig(*t, "store_token buffer");
@@ -893,9 +896,7 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
       std::memcpy(Kp + row * d, kr, d * sizeof(float));
       std::memcpy(Vp + row * d, vp + b * v.stride(0) + g * v.stride(1), d * sizeof(float));
       for (int64_t t = 0; t < p; ++t) part[t] = kr[ch[g * p + t]];
-      int8_t* pr = Pp + row * (p + 4);
-      const float sc = quantize_row(part.data(), p, pr);
-      std::memcpy(pr + p, &sc, 4);
+      pack_row(part.data(), p, Pp + row * (p + 4));
     }
 }
 
@@ -971,7 +972,7 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
   TORCH_CHECK(S.scalar_type() == at::kLong && P.scalar_type() == at::kLong, "S and P must be int64");
   const int64_t B = x.size(0), D = x.size(1), G = S.size(0), c = S.size(1), p = P.size(1), H = G * r;
   const bool gathered = d_head > 0;
-  TORCH_CHECK(W.size(0) == (gathered ? H * c : W.size(0)) && W.size(0) % H == 0 && W.size(1) == D && P.size(0) == G,
+  TORCH_CHECK((!gathered || W.size(0) == H * c) && W.size(0) % H == 0 && W.size(1) == D && P.size(0) == G,
               "bad shapes");
   const int64_t d = gathered ? d_head : W.size(0) / H;
   for (auto* t : {&S, &P})
