@@ -209,10 +209,46 @@ int64_t values_in_bin(const float* x, const uint32_t* bins, int64_t n, uint32_t 
   return j;
 }
 
+// The bins of rel[0, n): within alpha (x > -alpha, so -x in [0, alpha)) bin min(-x SELECT_BINS / alpha, SELECT_BINS - 1),
+// a monotone function of the value; SELECT_BINS for the others (NaN, -inf), which are not counted. Their histogram
+// into hist[0, SELECT_BINS) (scratch: 2 (SELECT_BINS + 1)). Without branches (whether a token is within alpha is
+// data, unpredictable): the bins 8 at a time, then the counts in two interleaved histograms, so that equal bins in
+// a row do not wait on each other's increment.
+void bin_values(const float* rel, int64_t n, float alpha, uint32_t* bins, int32_t* hist) {
+  const float to_bin = float(SELECT_BINS) / alpha;
+  int64_t t = 0;
+#ifdef IG_AVX2
+  const __m256 lo = _mm256_set1_ps(-alpha), sc = _mm256_set1_ps(to_bin), top = _mm256_set1_ps(float(SELECT_BINS - 1));
+  const __m256i none = _mm256_set1_epi32(SELECT_BINS);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 x = _mm256_loadu_ps(rel + t);
+    const __m256 within = _mm256_cmp_ps(x, lo, _CMP_GT_OQ);
+    const __m256 v = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), within), sc), top);
+    const __m256i bin = _mm256_blendv_epi8(none, _mm256_cvttps_epi32(v), _mm256_castps_si256(within));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bins + t), bin);
+  }
+#endif
+  for (; t < n; ++t) {
+    const float x = rel[t];
+    const bool within = x > -alpha;
+    bins[t] = within ? uint32_t(std::min(-x * to_bin, float(SELECT_BINS - 1))) : uint32_t(SELECT_BINS);
+  }
+  int32_t* h0 = hist;
+  int32_t* h1 = hist + SELECT_BINS + 1;
+  std::fill(h0, h0 + 2 * (SELECT_BINS + 1), 0);
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    ++h0[bins[i]];
+    ++h1[bins[i + 1]];
+  }
+  if (i < n) ++h0[bins[i]];
+  for (int b = 0; b < SELECT_BINS; ++b) h0[b] += h1[b];
+}
+
 // scores s (r, n) of one (sequence, KV head) -> its chosen slots: each head's logits relative to its
 // max (masked by kb), the group's heads combined, the tokens within alpha counted and capped at min(k, cap_row),
 // the chosen slots written to out[0, c) in position order (slots [c, k) repeat out[0]); returns c.
-// rel (n), bins (n + 8), hist (SELECT_BINS) and cand (n + 8) are scratch.
+// rel (n), bins (n + 8), hist (2 (SELECT_BINS + 1)) and cand (n + 8) are scratch.
 int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, int64_t k, int64_t cap_row,
                    bool mean, float* rel, uint32_t* bins, int32_t* hist, float* cand, float* mx, int64_t* out) {
   for (int64_t h = 0; h < r; ++h) {
@@ -249,15 +285,7 @@ int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, 
   } else {  // the cap binds: the c highest (ties: the oldest). A histogram of the values within alpha finds the
     // bin holding the c-th highest, whose few values give it exactly; then one pass in position order.
     // A bin is a monotone function of the value (equal values share one, a better bin holds higher values).
-    const float to_bin = float(SELECT_BINS) / alpha;
-    std::fill(hist, hist + SELECT_BINS, 0);
-    for (int64_t t = 0; t < n; ++t) {  // bins of the values within alpha; SELECT_BINS marks the others
-      const float x = rel[t];
-      const bool within = x > -alpha;  // then -x is in [0, alpha): a bin in range (NaN and -inf: bin 0, not counted)
-      const uint32_t bin = uint32_t(std::min((within ? -x : 0.f) * to_bin, float(SELECT_BINS - 1)));
-      bins[t] = within ? bin : uint32_t(SELECT_BINS);
-      hist[bin] += within;
-    }
+    bin_values(rel, n, alpha, bins, hist);
     int64_t above = 0;  // values in bins better than b
     uint32_t b = 0;
     while (above + hist[b] < c) above += hist[b++];
@@ -439,7 +467,7 @@ void speculate_rows(const float* q, const T* kp, int64_t w, const bool* keep, in
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(r * n), rel(n), cand(n + 8), qs(r * p), mx(r);
     std::vector<uint32_t> bins(n + 8);  // room for the vector stores past the last kept position
-    std::vector<int32_t> hist(SELECT_BINS);
+    std::vector<int32_t> hist(2 * (SELECT_BINS + 1));
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / G, g = row % G;
       for (int64_t i = 0; i < r * p; ++i) qs[i] = q[row * r * p + i] * scale;
