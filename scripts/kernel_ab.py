@@ -1,12 +1,15 @@
-"""The `speculate` kernel of a git revision against the working tree's, in one process: both builds loaded side by
-side, alternated call by call (this 2-core machine's speed drifts by 1.5x between runs minutes apart; alternation
-in one process cancels that), at the default model's shapes (B sequences x 3 KV heads x 3 query heads, 32 int8
-partial channels, 4k tokens), and checked to choose the same tokens.
+"""A kernel of a git revision against the working tree's, in one process: both builds loaded side by side,
+alternated call by call (this 2-core machine's speed drifts by 1.5x between runs minutes apart; alternation in one
+process cancels that), at the default model's shapes (B sequences x 3 KV heads x 3 query heads), checked to give
+the same result.
 
     python scripts/kernel_ab.py --rev HEAD~1 [--batch 4] [--prompt-len 4096] [--threads 1]
+    python scripts/kernel_ab.py --rev HEAD~1 --kernel attend [--batch 8] [--prompt-len 8192] [--threads 2]
 
-Cases: the cap binds (alpha 12, a quarter chosen: the default at 4k), few tokens within alpha (0.01: scores and
-passes only), every token within alpha and under the cap. Prints microseconds per (sequence, KV head) row.
+speculate (32 int8 partial channels): the cap binds (alpha 12, a quarter chosen: the default at 4k), few tokens
+within alpha (0.01: scores and passes only), every token within alpha and under the cap; microseconds per
+(sequence, KV head) row. attend: a step's 29 layers over chosen rows (1,024 of the past per (sequence, KV head),
+in position order, and the new token), each layer its own float32 pool (cold, as in a step); ms a step.
 """
 
 import argparse
@@ -40,10 +43,15 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--kernel", choices=["speculate", "attend", "linear"], default="speculate")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     old = build(subprocess.run(["git", "show", f"{args.rev}:{SRC}"], capture_output=True, text=True, check=True).stdout)
     new = build(Path(SRC).read_text())
+    if args.kernel == "attend":
+        return attend_ab(old, new, args)
+    if args.kernel == "linear":
+        return linear_ab(old, new, args)
     B, G, r, p, n = args.batch, 3, 3, 32, args.prompt_len
     rows = new.quantize_rows(torch.randn(B, G, n + 64, p))
     q = torch.randn(B, G, r, p)
@@ -62,6 +70,58 @@ def main():
         med = [sorted(times[i])[len(times[i]) // 2] for i in (0, 1)]
         print(f"{what:>16} (alpha {alpha}, cap {k}): {args.rev} {med[0]:.1f} us/row, working tree {med[1]:.1f} "
               f"({med[1] / med[0]:.2f}x); same selection: {same}")
+
+
+def attend_ab(old, new, args, layers: int = 29, m: int = 1024):
+    B, G, r, d, n = args.batch, 3, 3, 64, args.prompt_len
+    g = torch.Generator().manual_seed(0)
+    pools = [(torch.randn(B, G, n + 64, d, generator=g), torch.randn(B, G, n + 64, d, generator=g)) for _ in range(layers)]
+    idx = [torch.rand(B, G, n, generator=g).argsort(-1)[..., :m].sort(-1).values.contiguous() for _ in range(layers)]
+    count = torch.full((B, G), m, dtype=torch.int64)
+    q = torch.randn(B, G, r, d, generator=g)
+
+    def step(kern):
+        return [kern.attend(q, K, V, i, count, None, n, None, n, d**-0.5, torch.float32)
+                for (K, V), i in zip(pools, idx)]
+
+    times = {0: [], 1: []}
+    for _ in range(args.rounds):
+        for i, kern in enumerate((old, new)):
+            t = time.perf_counter()
+            step(kern)
+            times[i].append((time.perf_counter() - t) * 1e3)
+    same = all(torch.equal(a, b) for a, b in zip(step(old), step(new)))
+    med = [sorted(times[i])[len(times[i]) // 2] for i in (0, 1)]
+    mb = layers * B * G * (m + 1) * d * 8 / 1e6
+    print(f"attend, B{B} x {n}, {m} chosen rows, {torch.get_num_threads()} threads: {args.rev} {med[0]:.2f} ms a step "
+          f"({mb / med[0]:.1f} GB/s), working tree {med[1]:.2f} ({mb / med[1]:.1f} GB/s, {med[1] / med[0]:.2f}x); "
+          f"same output: {same}")
+
+
+def linear_ab(old, new, args):
+    """A step's decode linears as the own step calls them (30 x qkv, o, gate/up, down, and the LM head), bf16."""
+    D, FF = 576, 1536
+    g = torch.Generator().manual_seed(0)
+    shapes = [(D + 2 * 192, D), (D, D), (2 * FF, D), (D, FF)]
+    Ws = [torch.randn(o, i, generator=g).bfloat16() for _ in range(30) for o, i in shapes]
+    Ws.append(torch.randn(49152, D, generator=g).bfloat16())
+    xs = {D: torch.randn(args.batch, D, generator=g), FF: torch.randn(args.batch, FF, generator=g)}
+
+    def step(kern):
+        return [kern.linear(xs[W.shape[1]], W, None) for W in Ws]
+
+    times = {0: [], 1: []}
+    for _ in range(args.rounds):
+        for i, kern in enumerate((old, new)):
+            t = time.perf_counter()
+            step(kern)
+            times[i].append((time.perf_counter() - t) * 1e3)
+    close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-3) for a, b in zip(step(old), step(new)))
+    med = [sorted(times[i])[len(times[i]) // 2] for i in (0, 1)]
+    mb = sum(W.numel() * 2 for W in Ws) / 1e6
+    print(f"linear, {args.batch} row(s), {torch.get_num_threads()} threads: {args.rev} {med[0]:.2f} ms a step "
+          f"({mb / med[0]:.1f} GB/s), working tree {med[1]:.2f} ({mb / med[1]:.1f} GB/s, {med[1] / med[0]:.2f}x); "
+          f"close: {close}")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@
   speculate  InfiniGen's selection over 29 layers of partial keys (B, 3, prompt-len, 32): --partial-dtype
           bfloat16 (the default's) or int8 (rows of 32 values and their scale), a quarter of the past chosen
           (the default floor at 4k), GB/s of partial keys read
-  linear  the 211 decode matrices of a step (30 layers x q, k, v, o, gate, up, down, and the LM head) in
-          bfloat16, one row each, GB/s of weights read
+  linear  the 121 decode matrices of a step as the own step calls them (30 layers x qkv merged, o, gate/up
+          merged, down, and the LM head) in bfloat16, --batch rows each, GB/s of weights read
 
     python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096]
     python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8] [--alpha 0.01] [--threads 1]
-    python scripts/kernel_bench.py --kernel linear
+    python scripts/kernel_bench.py --kernel linear [--batch 4]
 """
 
 import argparse
@@ -48,10 +48,10 @@ def speculate_step(kern, batch: int, n: int, dtype: str, alpha: float = 12.0):
     return step, sum(kp[:, :, :n].numel() * kp.element_size() for kp in rows)
 
 
-def linear_step(kern):
-    shapes = [(D, D), (192, D), (192, D), (D, D), (FF, D), (FF, D), (D, FF)]
+def linear_step(kern, batch: int):
+    shapes = [(D + 2 * 192, D), (D, D), (2 * FF, D), (D, FF)]
     Ws = [torch.randn(o, i).bfloat16() for _ in range(LAYERS) for o, i in shapes] + [torch.randn(VOCAB, D).bfloat16()]
-    xs = {D: torch.randn(1, D), FF: torch.randn(1, FF)}
+    xs = {D: torch.randn(batch, D), FF: torch.randn(batch, FF)}
 
     def step():
         for w in Ws:
@@ -81,7 +81,7 @@ def main():
     elif args.kernel == "speculate":
         step, nbytes = speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype, args.alpha)
     else:
-        step, nbytes = linear_step(kern)
+        step, nbytes = linear_step(kern, args.batch)
     for _ in range(3):
         step()
     times = []
@@ -90,7 +90,7 @@ def main():
         step()
         times.append(time.perf_counter() - t)
     med = sorted(times)[len(times) // 2]
-    shape = "one row" if args.kernel == "linear" else f"B{args.batch} x {args.prompt_len}"
+    shape = f"{args.batch} row(s)" if args.kernel == "linear" else f"B{args.batch} x {args.prompt_len}"
     if args.kernel == "speculate":
         shape += f", {args.partial_dtype}, alpha {args.alpha:g}, {torch.get_num_threads()} threads"
     print(f"{args.kernel}, {shape}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
