@@ -56,20 +56,33 @@ def main():
     rows = new.quantize_rows(torch.randn(B, G, n + 64, p))
     q = torch.randn(B, G, r, p)
     for alpha, k, what in ((12.0, n // 4, "cap binds"), (0.01, n // 4, "few within alpha"), (12.0, n + 1, "no cap")):
-        times = {0: [], 1: []}
-        for _ in range(args.rounds):
-            for i, m in enumerate((old, new)):
-                t = time.perf_counter()
-                for _ in range(10):
-                    m.speculate(q, rows, n, None, None, 0.125, alpha, k, False)
-                times[i].append((time.perf_counter() - t) / 10 / (B * G) * 1e6)
+        def ten(m):
+            for _ in range(10):
+                m.speculate(q, rows, n, None, None, 0.125, alpha, k, False)
+
+        med = [t * 1e3 / 10 / (B * G) for t in alternated(old, new, ten, args.rounds)]  # us per row
         picks = [m.speculate(q, rows, n, None, None, 0.125, alpha, k, False) for m in (old, new)]
         same = torch.equal(picks[0][1], picks[1][1]) and all(
             sorted(picks[0][0][b, g, : picks[0][1][b, g]].tolist()) == sorted(picks[1][0][b, g, : picks[1][1][b, g]].tolist())
             for b in range(B) for g in range(G))
-        med = [sorted(times[i])[len(times[i]) // 2] for i in (0, 1)]
         print(f"{what:>16} (alpha {alpha}, cap {k}): {args.rev} {med[0]:.1f} us/row, working tree {med[1]:.1f} "
               f"({med[1] / med[0]:.2f}x); same selection: {same}")
+
+
+def alternated(old, new, step, rounds: int) -> list[float]:
+    """Median ms of step(old) and of step(new), called in turn `rounds` times each."""
+    times = ([], [])
+    for _ in range(rounds):
+        for i, kern in enumerate((old, new)):
+            t = time.perf_counter()
+            step(kern)
+            times[i].append((time.perf_counter() - t) * 1e3)
+    return [sorted(ts)[len(ts) // 2] for ts in times]
+
+
+def report(what: str, rev: str, med: list[float], mb: float, check: str) -> None:
+    print(f"{what}, {torch.get_num_threads()} threads: {rev} {med[0]:.2f} ms a step ({mb / med[0]:.1f} GB/s), "
+          f"working tree {med[1]:.2f} ({mb / med[1]:.1f} GB/s, {med[1] / med[0]:.2f}x); {check}")
 
 
 def attend_ab(old, new, args, layers: int = 29, m: int = 1024):
@@ -84,18 +97,10 @@ def attend_ab(old, new, args, layers: int = 29, m: int = 1024):
         return [kern.attend(q, K, V, i, count, None, n, None, n, d**-0.5, torch.float32)
                 for (K, V), i in zip(pools, idx)]
 
-    times = {0: [], 1: []}
-    for _ in range(args.rounds):
-        for i, kern in enumerate((old, new)):
-            t = time.perf_counter()
-            step(kern)
-            times[i].append((time.perf_counter() - t) * 1e3)
+    med = alternated(old, new, step, args.rounds)
     same = all(torch.equal(a, b) for a, b in zip(step(old), step(new)))
-    med = [sorted(times[i])[len(times[i]) // 2] for i in (0, 1)]
-    mb = layers * B * G * (m + 1) * d * 8 / 1e6
-    print(f"attend, B{B} x {n}, {m} chosen rows, {torch.get_num_threads()} threads: {args.rev} {med[0]:.2f} ms a step "
-          f"({mb / med[0]:.1f} GB/s), working tree {med[1]:.2f} ({mb / med[1]:.1f} GB/s, {med[1] / med[0]:.2f}x); "
-          f"same output: {same}")
+    report(f"attend, B{B} x {n}, {m} chosen rows", args.rev, med, layers * B * G * (m + 1) * d * 8 / 1e6,
+           f"same output: {same}")
 
 
 def linear_ab(old, new, args):
@@ -110,18 +115,9 @@ def linear_ab(old, new, args):
     def step(kern):
         return [kern.linear(xs[W.shape[1]], W, None) for W in Ws]
 
-    times = {0: [], 1: []}
-    for _ in range(args.rounds):
-        for i, kern in enumerate((old, new)):
-            t = time.perf_counter()
-            step(kern)
-            times[i].append((time.perf_counter() - t) * 1e3)
+    med = alternated(old, new, step, args.rounds)
     close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-3) for a, b in zip(step(old), step(new)))
-    med = [sorted(times[i])[len(times[i]) // 2] for i in (0, 1)]
-    mb = sum(W.numel() * 2 for W in Ws) / 1e6
-    print(f"linear, {args.batch} row(s), {torch.get_num_threads()} threads: {args.rev} {med[0]:.2f} ms a step "
-          f"({mb / med[0]:.1f} GB/s), working tree {med[1]:.2f} ({mb / med[1]:.1f} GB/s, {med[1] / med[0]:.2f}x); "
-          f"close: {close}")
+    report(f"linear, {args.batch} row(s)", args.rev, med, sum(W.numel() * 2 for W in Ws) / 1e6, f"close: {close}")
 
 
 if __name__ == "__main__":
