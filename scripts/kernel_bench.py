@@ -1,13 +1,15 @@
 """A decode kernel alone at the default model's shapes, each layer its own buffers (nothing stays in cache):
 
-  attend  over a whole cache: 30 layers of (B, 3, prompt-len, 64) float32 K/V, GB/s of K/V read
+  attend  over a whole cache: 30 layers of (B, 3, prompt-len, 64) K/V in --kv-dtype (float32, the caches'
+          storage; bfloat16; or both, alternated step by step), GB/s of K/V read; --chosen M: over M scattered
+          rows of each (sequence, KV head) instead (sorted, as `speculate` returns them: InfiniGen's fetch)
   speculate  InfiniGen's selection over 29 layers of partial keys (B, 3, prompt-len, 32): --partial-dtype
           bfloat16 (the default's) or int8 (rows of 32 values and their scale), a quarter of the past chosen
           (the default floor at 4k), GB/s of partial keys read
   linear  the 121 decode matrices of a step as the own step calls them (30 layers x qkv merged, o, gate/up
           merged, down, and the LM head) in bfloat16, --batch rows each, GB/s of weights read
 
-    python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096]
+    python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096] [--kv-dtype float32,bfloat16] [--chosen 1024]
     python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8] [--alpha 0.01] [--threads 1]
     python scripts/kernel_bench.py --kernel linear [--batch 4]
 """
@@ -22,17 +24,23 @@ from infinigen_kv.model import kernels
 LAYERS, D, FF, VOCAB = 30, 576, 1536, 49152  # SmolLM2-135M
 
 
-def attend_step(kern, batch: int, n: int):
+def attend_step(kern, batch: int, n: int, dtype: torch.dtype, chosen: int | None):
     G, r, d = 3, 3, 64
-    Ks = [torch.randn(batch, G, n + 64, d) for _ in range(LAYERS)]
-    Vs = [torch.randn(batch, G, n + 64, d) for _ in range(LAYERS)]
+    Ks = [torch.randn(batch, G, n + 64, d).to(dtype) for _ in range(LAYERS)]
+    Vs = [torch.randn(batch, G, n + 64, d).to(dtype) for _ in range(LAYERS)]
     q = torch.randn(batch, G, r, d)
+    m = min(chosen or n, n)
+    idx = [torch.rand(batch * G, n).argsort(-1)[:, :m].sort(-1).values.view(batch, G, m) for _ in range(LAYERS)]
+    count = torch.full((batch, G), m, dtype=torch.long)
 
     def step():
-        for K, V in zip(Ks, Vs):
-            kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32)
+        for K, V, i in zip(Ks, Vs, idx):
+            if chosen:
+                kern.attend(q, K, V, i, count, None, n, None, 0, d**-0.5, torch.float32)
+            else:
+                kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32)
 
-    return step, LAYERS * batch * G * n * d * 8
+    return step, LAYERS * batch * G * (m + (1 if chosen else 0)) * d * 2 * Ks[0].element_size()
 
 
 def speculate_step(kern, batch: int, n: int, dtype: str, alpha: float = 12.0):
@@ -64,6 +72,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=["attend", "speculate", "linear"], default="attend")
     ap.add_argument("--partial-dtype", choices=["bfloat16", "int8"], default="bfloat16")
+    ap.add_argument("--kv-dtype", default="float32", help="attend: float32, bfloat16, or both (float32,bfloat16: "
+                    "alternated step by step)")
+    ap.add_argument("--chosen", type=int, default=None, help="attend: over this many scattered rows of each "
+                    "(sequence, KV head), not the whole past")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=15)
@@ -73,28 +85,33 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not set(args.kv_dtype.split(",")) <= {"float32", "bfloat16"}:
+        ap.error(f"--kv-dtype: float32 and/or bfloat16, got {args.kv_dtype!r}")
     kern = kernels.cpu()
     if kern is None:
         raise SystemExit("kernel_bench: the CPU kernels are not built here")
-    if args.kernel == "attend":
-        step, nbytes = attend_step(kern, args.batch, args.prompt_len)
-    elif args.kernel == "speculate":
-        step, nbytes = speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype, args.alpha)
-    else:
-        step, nbytes = linear_step(kern, args.batch)
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    med = sorted(times)[len(times) // 2]
     shape = f"{args.batch} row(s)" if args.kernel == "linear" else f"B{args.batch} x {args.prompt_len}"
-    if args.kernel == "speculate":
-        shape += f", {args.partial_dtype}, alpha {args.alpha:g}, {torch.get_num_threads()} threads"
-    print(f"{args.kernel}, {shape}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
-
+    if args.kernel == "attend":  # each K/V dtype named: their steps alternate, one process, the same machine state
+        cases = [(f"{shape}, {dt} K/V" + (f", {args.chosen} chosen rows" if args.chosen else ""),
+                  *attend_step(kern, args.batch, args.prompt_len, getattr(torch, dt), args.chosen))
+                 for dt in args.kv_dtype.split(",")]
+    elif args.kernel == "speculate":
+        cases = [(f"{shape}, {args.partial_dtype}, alpha {args.alpha:g}, {torch.get_num_threads()} threads",
+                  *speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype, args.alpha))]
+    else:
+        cases = [(shape, *linear_step(kern, args.batch))]
+    for _ in range(3):
+        for _, step, _ in cases:
+            step()
+    times = [[] for _ in cases]
+    for _ in range(args.steps):
+        for (_, step, _), ts in zip(cases, times):
+            t = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t)
+    for (label, _, nbytes), ts in zip(cases, times):
+        med = sorted(ts)[len(ts) // 2]
+        print(f"{args.kernel}, {label}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
 
 if __name__ == "__main__":
     main()
