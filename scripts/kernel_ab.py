@@ -16,13 +16,13 @@ import argparse
 import hashlib
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load
 
 from infinigen_kv.model import kernels
+from kernel_bench import alternated  # scripts/ is on the path when run as a script
 
 SRC = "src/infinigen_kv/model/kernels/cpu.cpp"
 
@@ -60,24 +60,14 @@ def main():
             for _ in range(10):
                 m.speculate(q, rows, n, None, None, 0.125, alpha, k, False)
 
-        med = [t * 1e3 / 10 / (B * G) for t in alternated(old, new, ten, args.rounds)]  # us per row
+        ms = alternated([lambda: ten(old), lambda: ten(new)], args.rounds)
+        med = [t * 1e3 / 10 / (B * G) for t in ms]  # us per row
         picks = [m.speculate(q, rows, n, None, None, 0.125, alpha, k, False) for m in (old, new)]
         same = torch.equal(picks[0][1], picks[1][1]) and all(
             sorted(picks[0][0][b, g, : picks[0][1][b, g]].tolist()) == sorted(picks[1][0][b, g, : picks[1][1][b, g]].tolist())
             for b in range(B) for g in range(G))
         print(f"{what:>16} (alpha {alpha}, cap {k}): {args.rev} {med[0]:.1f} us/row, working tree {med[1]:.1f} "
               f"({med[1] / med[0]:.2f}x); same selection: {same}")
-
-
-def alternated(old, new, step, rounds: int) -> list[float]:
-    """Median ms of step(old) and of step(new), called in turn `rounds` times each."""
-    times = ([], [])
-    for _ in range(rounds):
-        for i, kern in enumerate((old, new)):
-            t = time.perf_counter()
-            step(kern)
-            times[i].append((time.perf_counter() - t) * 1e3)
-    return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
 def report(what: str, rev: str, med: list[float], mb: float, check: str) -> None:
@@ -97,7 +87,7 @@ def attend_ab(old, new, args, layers: int = 29, m: int = 1024):
         return [kern.attend(q, K, V, i, count, None, n, None, n, d**-0.5, torch.float32)
                 for (K, V), i in zip(pools, idx)]
 
-    med = alternated(old, new, step, args.rounds)
+    med = alternated([lambda: step(old), lambda: step(new)], args.rounds)
     same = all(torch.equal(a, b) for a, b in zip(step(old), step(new)))
     report(f"attend, B{B} x {n}, {m} chosen rows", args.rev, med, layers * B * G * (m + 1) * d * 8 / 1e6,
            f"same output: {same}")
@@ -115,7 +105,7 @@ def linear_ab(old, new, args):
     def step(kern):
         return [kern.linear(xs[W.shape[1]], W, None) for W in Ws]
 
-    med = alternated(old, new, step, args.rounds)
+    med = alternated([lambda: step(old), lambda: step(new)], args.rounds)
     close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-3) for a, b in zip(step(old), step(new)))
     report(f"linear, {args.batch} row(s)", args.rev, med, sum(W.numel() * 2 for W in Ws) / 1e6, f"close: {close}")
 

@@ -9,7 +9,8 @@
   linear  the 121 decode matrices of a step as the own step calls them (30 layers x qkv merged, o, gate/up
           merged, down, and the LM head) in bfloat16, --batch rows each, GB/s of weights read
 
-    python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096] [--kv-dtype float32,bfloat16] [--chosen 1024]
+    python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096] [--kv-dtype float32,bfloat16]
+                                   [--chosen 1024]
     python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8] [--alpha 0.01] [--threads 1]
     python scripts/kernel_bench.py --kernel linear [--batch 4]
 """
@@ -29,18 +30,21 @@ def attend_step(kern, batch: int, n: int, dtype: torch.dtype, chosen: int | None
     Ks = [torch.randn(batch, G, n + 64, d).to(dtype) for _ in range(LAYERS)]
     Vs = [torch.randn(batch, G, n + 64, d).to(dtype) for _ in range(LAYERS)]
     q = torch.randn(batch, G, r, d)
-    m = min(chosen or n, n)
+    if not chosen:
+        def step():
+            for K, V in zip(Ks, Vs):
+                kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32)
+
+        return step, LAYERS * batch * G * n * d * 2 * Ks[0].element_size()
+    m = min(chosen, n)
     idx = [torch.rand(batch * G, n).argsort(-1)[:, :m].sort(-1).values.view(batch, G, m) for _ in range(LAYERS)]
     count = torch.full((batch, G), m, dtype=torch.long)
 
-    def step():
+    def step():  # the chosen rows and the new token's (slot n)
         for K, V, i in zip(Ks, Vs, idx):
-            if chosen:
-                kern.attend(q, K, V, i, count, None, n, None, 0, d**-0.5, torch.float32)
-            else:
-                kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32)
+            kern.attend(q, K, V, i, count, None, n, None, 0, d**-0.5, torch.float32)
 
-    return step, LAYERS * batch * G * (m + (1 if chosen else 0)) * d * 2 * Ks[0].element_size()
+    return step, LAYERS * batch * G * (m + 1) * d * 2 * Ks[0].element_size()
 
 
 def speculate_step(kern, batch: int, n: int, dtype: str, alpha: float = 12.0):
@@ -66,6 +70,18 @@ def linear_step(kern, batch: int):
             kern.linear(xs[w.shape[1]], w, None)
 
     return step, sum(w.numel() * 2 for w in Ws)
+
+
+def alternated(fns, rounds: int, warmup: int = 0) -> list[float]:
+    """Median ms of each of `fns`, called in turn `rounds` times after `warmup` untimed rounds: one process, the
+    same machine state for all (this 2-core machine's speed drifts by 1.5x between runs minutes apart)."""
+    times = [[] for _ in fns]
+    for _ in range(warmup + rounds):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return [sorted(ts[warmup:])[rounds // 2] for ts in times]
 
 
 def main():
@@ -100,18 +116,10 @@ def main():
                   *speculate_step(kern, args.batch, args.prompt_len, args.partial_dtype, args.alpha))]
     else:
         cases = [(shape, *linear_step(kern, args.batch))]
-    for _ in range(3):
-        for _, step, _ in cases:
-            step()
-    times = [[] for _ in cases]
-    for _ in range(args.steps):
-        for (_, step, _), ts in zip(cases, times):
-            t = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t)
-    for (label, _, nbytes), ts in zip(cases, times):
-        med = sorted(ts)[len(ts) // 2]
-        print(f"{args.kernel}, {label}: {med * 1e3:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e9 / med:.1f} GB/s")
+    meds = alternated([step for _, step, _ in cases], args.steps, warmup=3)
+    for (label, _, nbytes), med in zip(cases, meds):
+        print(f"{args.kernel}, {label}: {med:.2f} ms a step, {nbytes / 1e6:.0f} MB, {nbytes / 1e6 / med:.1f} GB/s")
+
 
 if __name__ == "__main__":
     main()
