@@ -28,9 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import requests
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis_jsonschema import from_schema
 
 WORDS = ("the pool keeps every key and value while each layer fetches only the few entries that matter "
          "speculated one layer ahead so that the transfer hides behind the compute of the previous layer").split()
@@ -174,6 +171,10 @@ def burst(model, method, model_id, limit, clients, words, max_tokens):
 
 
 def fuzz(url, model_id, count):
+    from hypothesis import HealthCheck, given, settings  # the fuzzing only (serve_speed.py imports start/stop)
+    from hypothesis import strategies as st
+    from hypothesis_jsonschema import from_schema
+
     schema = requests.get(url + "/openapi.json").json()
     components = schema.get("components", {})
 

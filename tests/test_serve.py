@@ -339,7 +339,7 @@ def test_metrics(server):
 
 def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
     s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--api-key", "s3cret", "--queue-size", "1",
-               "--max-batch", "1", "--grace-period", "1")
+               "--max-batch", "1", "--grace-period", "0.2")
     try:
         url, key = s.url + "/v1/completions", {"Authorization": "Bearer s3cret"}
         body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
@@ -374,7 +374,7 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         rest = [x for x in lines if x]
         assert rest[-1] == b"data: [DONE]"
         last = json.loads(rest[-2][6:])
-        assert last["error"]["code"] == "shutting_down", last  # 900 tokens do not fit 1 s
+        assert last["error"]["code"] == "shutting_down", last  # 900 tokens do not fit the grace period
         assert all(json.loads(x[6:]) for x in rest if x.startswith(b"data: {"))
         t.join(120)
         assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"

@@ -1,5 +1,6 @@
-"""The decode step of our own (model/step.py) computes what the model's forward computes, to the last bit, for
-every method, alone and in a left-padded batch; it serves only the models and caches it was written for."""
+"""The decode step (model/step.py) computes what the model's forward computes, to the last bit, for every method and
+architecture, alone and in a left-padded batch, through its kernel path and its PyTorch path; a cache not made here
+decodes through the forward."""
 
 import copy
 
@@ -11,7 +12,7 @@ from infinigen_kv.model import step
 from infinigen_kv.model.load import fast_cpu_linears
 from conftest import KINDS, left_padded_batch
 
-SERVED = ["llama-mha", "llama-gqa", "llama31", "qwen2"]
+SERVED = KINDS
 METHODS = {"full": {}, "infinigen": {"budget": 0.3, "min_budget": 0}, "offload": {}, "h2o": {"budget": 0.5},
            "streaming": {"budget": 0.5}, "quant": {}}
 
@@ -35,6 +36,8 @@ def test_own_step_equals_the_models_forward(tiny_models, kind, monkeypatch):
             ref_tokens, ref_lps, _ = run(model, ids, mask, method, False, monkeypatch)
             assert used, (kind, method)
             assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps), (kind, method, ids.shape)
+    if model.config.model_type not in step.KERNEL_TYPES:
+        return
     # q, k, v and gate, up went through one kernel call each, over views of one matrix (Qwen2: with its biases)
     layer, merged = model.model.layers[0], model._infinigen_merged[0]
     assert merged is not None and layer.self_attn.k_proj.weight_bf16.data_ptr() > merged[0][0].data_ptr()
@@ -63,16 +66,20 @@ def test_an_mlp_with_biases_keeps_separate_calls(tiny_models):
     assert step._merge_layer(model.model.layers[0]) is None and step._merge_layer(model.model.layers[1]) is not None
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in SERVED])
-def test_other_models_keep_their_forward(tiny_models, kind):
-    model = copy.deepcopy(tiny_models[kind])
-    fast_cpu_linears(model)
-    assert not step.supports(model, ig.make_cache("full", model))
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "gemma3", "opt"])
+def test_the_step_in_the_models_dtype_with_its_own_linears(tiny_models, kind, monkeypatch):
+    """The step's PyTorch path (what a GPU runs): the model's own linears, in bfloat16, every method as its forward."""
+    model = copy.deepcopy(tiny_models[kind]).to(torch.bfloat16)
+    ids, mask = left_padded_batch(lengths=(40, 33, 21))
+    for method in ("full", "infinigen", "h2o"):
+        tokens, lps, used = run(model, ids, mask, method, True, monkeypatch)
+        ref_tokens, ref_lps, _ = run(model, ids, mask, method, False, monkeypatch)
+        assert used and torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps), (kind, method)
 
 
-def test_not_without_the_fast_linears_or_with_a_foreign_cache(tiny_models):
+def test_a_foreign_cache_decodes_through_the_forward(tiny_models):
     model = copy.deepcopy(tiny_models["llama-gqa"])
-    assert not step.supports(model, ig.make_cache("full", model))  # the model's own linears: its forward
     fast_cpu_linears(model)
-    assert step.supports(model, ig.make_cache("full", model))
-    assert not step.supports(model, ig.make_cache("hf-dynamic", model))
+    cache = ig.make_cache("hf-dynamic", model)
+    assert not step.supports(model, cache) and step.forward_reason(model, cache) in step.FORWARD
+    assert step.supports(model, ig.make_cache("full", model)) and step.forward_reason(model, cache) is not None

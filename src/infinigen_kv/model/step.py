@@ -1,10 +1,14 @@
-"""A batch's decode step of our own, for the Llama-architecture models (llama, qwen2) on CPU: the decoder layers as
-one flat loop over their weights, the `linear` kernel, the cache and the registered attention function, without
-transformers' module machinery around them (the eager overhead of a batch-1 step: docs/BENCHMARKS.md, "Where a
-step goes"). The same operations in the same order as the model's own forward: logits equal to the last bit
-(tests/test_step.py), so every method and test means the same with it or without it.
+"""The decode step: one token per sequence through the decoder layers as one flat loop over their weights, the
+cache and the registered attention function, without transformers' module machinery around them (the eager
+overhead of a batch-1 step: docs/BENCHMARKS.md, "Where a step goes"). Every decode loop runs it: `generate`, the
+server's running batch (`runtime/batching.py`), `bench speed`. The same operations in the same order as the model's
+own forward, so the logits are equal to the last bit (tests/test_step.py): every method and test means the same
+with it or without it.
 
-Used by `generate` when `supports(model, cache)`; INFINIGEN_OWN_STEP=0 turns it off (the model's forward).
+Two paths: on CPU in float32 with the fast linears (load_model on CPU), Llama-layout models (KERNEL_TYPES) run
+~10 kernel calls a layer (`_kernel_layers`); every other model, device and dtype runs the same loop in PyTorch ops
+and the model's own modules (`_layers`, a decoder-layer layout per architecture in LAYOUTS). What runs through
+transformers' forward instead is in FORWARD, with the reason; INFINIGEN_OWN_STEP=0 sends every step there.
 """
 
 from __future__ import annotations
@@ -18,21 +22,41 @@ from .arch import apply_rope, get_arch
 from .attention import _attention
 from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear
 
-MODEL_TYPES = ("llama", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no windows, no QK-norm
+KERNEL_TYPES = ("llama", "mistral", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no QK-norm
 ENABLED = os.environ.get("INFINIGEN_OWN_STEP", "1") != "0"
+# What decodes through transformers' forward, and why (every architecture of arch.SUPPORTED runs the step).
+FORWARD = {
+    "a cache not made here (transformers' DynamicCache...)": "the step calls the cache's speculation hook itself",
+    "layers spread over devices (device_map)": "accelerate moves activations between devices in its module hooks",
+}
+
+
+def forward_reason(model, cache) -> str | None:
+    """The FORWARD entry that keeps this model and cache off the step (None: the step serves them)."""
+    if getattr(cache, "before_attention", None) is None:
+        return next(iter(FORWARD))
+    if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
+        return list(FORWARD)[1]
+    return None
 
 
 def supports(model, cache) -> bool:
-    """Whether `decode_step` serves this model and cache: a Llama-layout model on CPU in float32 with the fast
-    linears installed (load_model on CPU), one of our caches (it speculates in `before_attention`)."""
-    if not ENABLED or getattr(cache, "before_attention", None) is None:
+    """Whether `decode_step` serves this model and cache (the model's architecture is one arch.py adapts)."""
+    if not ENABLED or not getattr(model, "_infinigen_installed", False):
         return False
-    if not getattr(model, "_infinigen_phase_hook", False) or not getattr(model, "_infinigen_installed", False):
-        return False
-    arch = get_arch(model)
-    p = next(model.parameters())
-    return (arch.model_type in MODEL_TYPES and not arch.qk_norm and all(w is None for w in arch.windows)
-            and p.device.type == "cpu" and p.dtype == torch.float32)
+    return forward_reason(model, cache) is None
+
+
+def decode(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+           own: bool | None = None) -> torch.Tensor:
+    """The next logits (B, V) after ids (B,) at positions (B, 1), mask (B, n + 1) of the padded past and this token
+    (None: nothing padded): every decode loop's one step (generate, the server's running batch, bench speed).
+    `decode_step` where it serves the model and cache (own: `supports`, when the caller has asked once), else the
+    model's forward (the same logits)."""
+    if own if own is not None else supports(model, cache):
+        return decode_step(model, cache, ids, positions, mask)
+    return model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                 use_cache=True).logits[:, -1]
 
 
 @torch.inference_mode()
@@ -40,32 +64,123 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
     """ids (B,) at positions (B, 1), mask (B, n + 1) of the padded past and this token (None: nothing padded)
     -> logits (B, V), the cache appended to, as model(input_ids=ids[:, None], ...) would."""
     _prefilling.set(False)  # the linears' decode path (a forward's pre-hook would set it)
-    base = model.model
-    x = base.embed_tokens(ids[:, None])  # (B, 1, D)
-    cos, sin = base.rotary_emb(x, positions)  # (B, 1, d)
-    mask4 = None if mask is None else mask[:, None, None, :].bool()  # (B, 1, 1, n + 1), True: attend
-    B = ids.shape[0]
-    kern = kernels.cpu() if B <= KERNEL_ROWS_BF16 else None  # the rows the linears' kernel path takes
-    plans = _merged(model) if kern is not None else None
-    if plans is not None and None not in plans:
-        return _kernel_layers(model, cache, kern, x, (cos.contiguous(), sin.contiguous()), mask4, plans)
-    for i, layer in enumerate(base.layers):
-        a = layer.self_attn
-        h = _norm(layer.input_layernorm, x)
-        cache.before_attention(i, h, (cos, sin), mask4)  # what the self_attn pre-hook does
-        shape = (B, 1, -1, a.head_dim)
-        q, k, v = (_small_batch_linear(proj, h).view(shape).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
-        q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))  # transformers' apply_rotary_pos_emb
-        k, v = cache.update(k, v, i)
-        out, _ = _attention(a, q, k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
-        x = x + _small_batch_linear(a.o_proj, out.reshape(B, 1, -1).contiguous())
-        h = _norm(layer.post_attention_layernorm, x)
-        m = layer.mlp
-        x = x + _small_batch_linear(m.down_proj, m.act_fn(_small_batch_linear(m.gate_proj, h)) * _small_batch_linear(m.up_proj, h))
-    return _small_batch_linear(model.lm_head, _norm(base.norm, x))[:, -1]
+    arch = get_arch(model)
+    base, B = arch.base, ids.shape[0]
+    masks = _masks(arch, mask, B, cache.get_seq_length() + 1)
+    inputs = arch.step  # what speculation reads of the step (StepInputs): the model's mask, each layer type's RoPE
+    inputs.mask = mask
+    try:
+        x = base.embed_tokens(ids[:, None])  # (B, 1, D)
+        if arch.model_type == "opt":
+            x = _opt_embed(base, x, positions)
+            ropes = None
+        elif arch.rope_types is not None:  # a RoPE per layer type (Gemma 3): the rotary hook notes each (arch.step)
+            ropes = {t: base.rotary_emb(x, positions, t) for t in dict.fromkeys(arch.rope_types)}
+        else:
+            ropes = {None: base.rotary_emb(x, positions)}  # (B, 1, d) each
+        p = next(model.parameters())
+        kern = kernels.cpu() if arch.model_type in KERNEL_TYPES and p.is_cpu and p.dtype == torch.float32 else None
+        plans = _merged(model) if kern is not None and B <= KERNEL_ROWS_BF16 else None
+        if plans is not None and None not in plans:
+            rope = tuple(t.contiguous() for t in ropes[None])
+            return _kernel_layers(model, arch, cache, kern, x, rope, masks, plans)
+        return _logits(model, arch, _layers(arch, cache, x, ropes, masks))
+    finally:
+        inputs.clear()
 
 
-def _kernel_layers(model, cache, kern, x, rope, mask4, plans) -> torch.Tensor:
+def _masks(arch, mask: torch.Tensor | None, B: int, N: int) -> dict:
+    """Each window's decode mask (B, 1, 1, N) bool over the N = n + 1 positions (True: attend) as transformers
+    builds it for the layers with that window (None: global layers): None where it builds none (nothing padded and,
+    for a window, fewer positions than it spans)."""
+    pad = None if mask is None else mask[:, None, None, :].bool()
+    out = {}
+    for w in dict.fromkeys(arch.windows):
+        if w is None or (pad is None and N < w):
+            out[w] = pad
+            continue
+        inside = (torch.arange(N, device=arch.base.embed_tokens.weight.device) > N - 1 - w).view(1, 1, 1, N)
+        out[w] = inside.expand(B, 1, 1, N) if pad is None else pad & inside
+    return out
+
+
+def _layers(arch, cache, x: torch.Tensor, ropes: dict | None, masks: dict) -> torch.Tensor:
+    """The decoder layers in PyTorch ops and the model's own modules, each by its architecture's layout: x (B, 1, D)."""
+    layout = LAYOUTS[arch.model_type]
+    for i, layer in enumerate(arch.base.layers):
+        rope = None if ropes is None else ropes[arch.rope_types[i] if arch.rope_types is not None else None]
+        x = layout(layer, x, lambda h: _attend(arch, cache, i, h, rope, masks[arch.windows[i]]))
+    return x
+
+
+def _attend(arch, cache, i: int, h: torch.Tensor, rope, mask4) -> torch.Tensor:
+    """Layer i's attention of its normed input h (B, 1, D), its output projection applied, as the model's
+    self_attn forward (with the pre-hook's speculation first): (B, 1, D)."""
+    a = arch.attns[i]
+    B, d = h.shape[0], arch.head_dim
+    cache.before_attention(i, h, rope, mask4)  # what the self_attn pre-hook does
+    q = a.q_proj(h) * arch.q_scale if arch.q_scale != 1.0 else a.q_proj(h)  # OPT scales q before the scores
+    q, k, v = (t.view(B, 1, -1, d) for t in (q, a.k_proj(h), a.v_proj(h)))
+    if arch.qk_norm:  # per-head RMSNorm of q and k (Qwen3, Gemma 3), before RoPE
+        q, k = a.q_norm(q), a.k_norm(k)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, 1, d)
+    if arch.rope:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)  # transformers' apply_rotary_pos_emb
+    k, v = cache.update(k, v, i)
+    out, _ = _attention(a, q, k, v, mask4, arch.score_scale, 0.0, infinigen_cache=cache,
+                        sliding_window=arch.windows[i])  # (B, 1, H, d)
+    o = a.out_proj if arch.model_type == "opt" else a.o_proj
+    return o(out.reshape(B, 1, -1).contiguous())
+
+
+def _pre_norm(layer, x, attend):
+    """Llama, Mistral, Qwen2, Qwen3: x + attn(norm(x)), then x + mlp(norm(x))."""
+    x = x + attend(_norm(layer.input_layernorm, x))
+    return x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+
+
+def _gemma3(layer, x, attend):
+    """Gemma 3: each sublayer's output normed too before its residual add."""
+    x = x + layer.post_attention_layernorm(attend(layer.input_layernorm(x)))
+    return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+
+
+def _opt(layer, x, attend):
+    """OPT: LayerNorms before (most sizes) or after (350m) each sublayer, a ReLU MLP of fc1, fc2."""
+    pre = layer.do_layer_norm_before
+    x = x + attend(layer.self_attn_layer_norm(x) if pre else x)
+    if not pre:
+        x = layer.self_attn_layer_norm(x)
+    h = layer.final_layer_norm(x) if pre else x
+    x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
+    return x if pre else layer.final_layer_norm(x)
+
+
+LAYOUTS = {"llama": _pre_norm, "mistral": _pre_norm, "qwen2": _pre_norm, "qwen3": _pre_norm, "gemma3_text": _gemma3,
+           "opt": _opt}
+
+
+def _opt_embed(base, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """OPT's input: token embeddings (projected in where the model has it) plus learned position embeddings."""
+    if base.project_in is not None:
+        x = base.project_in(x)
+    return x + base.embed_positions(None, 0, position_ids=positions)
+
+
+def _logits(model, arch, x: torch.Tensor) -> torch.Tensor:
+    """The final norm and the LM head: x (B, 1, D) -> logits (B, V)."""
+    base = arch.base
+    if arch.model_type == "opt":
+        x = base.final_layer_norm(x) if base.final_layer_norm is not None else x
+        x = base.project_out(x) if base.project_out is not None else x
+    else:
+        x = _norm(base.norm, x)
+    logits = model.lm_head(x)[:, -1]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
+def _kernel_layers(model, arch, cache, kern, x, rope, masks, plans) -> torch.Tensor:
     """The decoder layers of a few rows through the kernels, ~10 calls a layer: RMSNorm, q k v in one linear, RoPE
     of q and k in place, the cache and attention, o with the residual added, RMSNorm, gate and up in one linear,
     silu(gate) * up, down with the residual added. x (B, 1, D) -> logits (B, V); the same bits as the loop above
@@ -79,12 +194,14 @@ def _kernel_layers(model, cache, kern, x, rope, mask4, plans) -> torch.Tensor:
         d = a.head_dim
         nq, nk = split[0] // d, split[1] // d
         h = _norm(layer.input_layernorm, x)
+        mask4 = masks[arch.windows[i]]
         cache.before_attention(i, h.view(B, 1, -1), rope, mask4)  # what the self_attn pre-hook does
         qkv = kern.linear(h, wqkv, bqkv)  # (B, (H + 2G) d)
         kern.rope_(qkv, cos, sin, nq + nk)  # q and k rotated in place, as apply_rope
         qkv = qkv.view(B, 1, -1, d).transpose(1, 2)  # (B, H + 2G, 1, d)
         k, v = cache.update(qkv[:, nq : nq + nk], qkv[:, nq + nk :], i)
-        out, _ = _attention(a, qkv[:, :nq], k, v, mask4, a.scaling, 0.0, infinigen_cache=cache)  # (B, 1, H, d)
+        out, _ = _attention(a, qkv[:, :nq], k, v, mask4, a.scaling, 0.0, infinigen_cache=cache,
+                            sliding_window=arch.windows[i])  # (B, 1, H, d)
         x = kern.linear(out.reshape(B, -1).contiguous(), wo, bo, x)  # x + o_proj(out)
         h = _norm(layer.post_attention_layernorm, x)
         gu = kern.linear(h, wgu, None)  # (B, 2F): gate, up

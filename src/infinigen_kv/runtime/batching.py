@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model import step
 from .sampling import Sampler, SamplingParams, token_logprobs
 
 
@@ -110,6 +111,8 @@ class RunningBatch:
         self.device = next(model.parameters()).device
         self.cache = None
         self.mask = self.pos = self.logits = None
+        self.padded = False  # some row has padding columns (else decode steps pass no mask, as generate does)
+        self.own_step = False  # step.supports(model, cache), asked once per batch cache
         self.sampler = Sampler(self.device, model.config.vocab_size)
         self.remaining: list[int] = []
 
@@ -140,10 +143,12 @@ class RunningBatch:
             raise
         if self.cache is None:
             self.cache = cache
+            self.own_step = step.supports(self.model, cache)
             for k, v in row.items():
                 setattr(self, k, v)
             return
         N = max(self.mask.shape[1], n)
+        self.padded = self.padded or self.mask.shape[1] != n
         pad = lambda m: torch.nn.functional.pad(m, (N - m.shape[1], 0))  # left padding: zeros
         self.mask = torch.cat([pad(self.mask), pad(row["mask"])])
         for k in ("pos", "logits"):
@@ -179,6 +184,7 @@ class RunningBatch:
         self.sampler.retain(order)
         self.cache.retain(order, trim, self.room())
         self.mask = mask[:, trim:]
+        self.padded = not bool(self.mask.all())  # (a host read between steps, as the trim's)
         self.pos, self.logits = self.pos[index], self.logits[index]
         return order
 
@@ -186,9 +192,7 @@ class RunningBatch:
     def forward(self, ids: torch.Tensor) -> None:
         """Feed each row's new token ids (B,): the next logits."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
-        self.logits = self.model(
-            input_ids=ids.view(-1, 1).to(self.device), attention_mask=self.mask, position_ids=self.pos,
-            past_key_values=self.cache, use_cache=True,
-        ).logits[:, -1]
+        self.logits = step.decode(self.model, self.cache, ids.view(-1).to(self.device), self.pos,
+                                  self.mask if self.padded else None, self.own_step)
         self.pos = self.pos + 1
         self.remaining = [r - 1 for r in self.remaining]

@@ -94,15 +94,6 @@ def _stop_ids(model, eos_token_id, ignore_eos: bool, device):
     return (eos[:0] if ignore_eos else eos), pad
 
 
-def _decode(model, cache, own_step: bool, ids: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
-    """The next logits (B, V) after ids (B,): the decoder layers as one flat loop where model/step.py serves the
-    model and cache (the same logits, less overhead), else the model's forward."""
-    if own_step:
-        return step.decode_step(model, cache, ids, positions, mask)
-    return model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                 use_cache=True).logits[:, -1]
-
-
 @torch.inference_mode()
 def generate(
     model,
@@ -181,7 +172,7 @@ def generate(
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break
-        logits = _decode(model, cache, own_step, ids, next_pos + i, None if unpadded else mask[:, : n + i + 1])
+        logits = step.decode(model, cache, ids, next_pos + i, None if unpadded else mask[:, : n + i + 1], own_step)
         threads.decode_step(device)  # on CPU: the thread count of the next steps, from the machine's load
         steps += 1
     _sync(device)
