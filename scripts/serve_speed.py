@@ -4,10 +4,12 @@ command, not a test; results go to docs/BENCHMARKS.md).
     python scripts/serve_speed.py [--model M] [--methods full,infinigen] [--prompt-len 4096] [--new-tokens 32]
         [--repeats 3]
 
-Per method: one server (`infinigen serve --method M`), then `repeats` streamed completions, one at a time, of the
-prompt `bench speed` times (the same token ids, sent as a list of ids), with `ignore_eos`. The decode speed is the
-tokens after the first over the time from the first streamed token to the last; the first token's time is the
-prefill. Then `infinigen bench speed --batch 1` at the same shape and methods, and the ratio server / bench.
+One server per method (`infinigen serve --method M`, idle while the others run), and the model loaded here as
+`bench speed` loads it. Then `repeats` rounds, each method in turn: one streamed completion of the prompt `bench
+speed` times (the same token ids, sent as a list of ids, `ignore_eos`), then one `bench speed` run of it here
+(`bench.speed.run_once`: the same generate call). Alternated so that the machine's drift hits both alike. The
+server's decode speed is the tokens after the first over the time from the first streamed token to the last.
+Prints medians and the ratio server / bench.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,18 +25,6 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from load_test import start, stop  # noqa: E402
-
-
-def prompt_ids(model: str | None, length: int) -> list[int]:
-    """The batch-1 prompt `bench speed` decodes after, as token ids."""
-    from transformers import AutoTokenizer
-
-    from infinigen_kv.bench.speed import prompts
-    from infinigen_kv.model.load import resolve_source
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_source(model))
-    ids, _ = prompts(tokenizer, 1, length)
-    return ids[0].tolist()
 
 
 def one_stream(client, model_id: str, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -57,31 +46,40 @@ def one_stream(client, model_id: str, ids: list[int], new_tokens: int) -> tuple[
     return first - t0, (tokens - 1) / (last - first)
 
 
-def serve_speeds(model, methods, ids, new_tokens, repeats) -> dict:
-    out = {}
-    for method in methods:
-        proc, url = start(model, method)
-        try:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
-            model_id = client.models.list().data[0].id
-            one_stream(client, model_id, ids[-128:], 4)  # warm-up (calibration happened at start)
-            runs = [one_stream(client, model_id, ids, new_tokens) for _ in range(repeats)]
-            for ttft, tps in runs:
-                print(f"  serve {method}: first token {ttft:.2f} s, decode {tps:.2f} tok/s", file=sys.stderr)
-            out[method] = {"decode_tokens_per_s": statistics.median(r[1] for r in runs),
-                           "first_token_s": statistics.median(r[0] for r in runs)}
-        finally:
+def measure(model_name, methods, length, new_tokens, repeats) -> dict:
+    import infinigen_kv as ig
+    from infinigen_kv.bench.speed import machine_info, prompts, run_once
+
+    model, tokenizer = ig.load_model(model_name)
+    ids, mask = prompts(tokenizer, 1, length)
+    servers = {m: start(model_name, m) for m in methods}
+    runs = {m: {"serve": [], "first": [], "bench": []} for m in methods}
+    try:
+        clients = {m: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+                   for m, (_, url) in servers.items()}
+        model_id = clients[methods[0]].models.list().data[0].id
+        options = {"tokenizer": tokenizer}
+        for m in methods:  # warm-up: the servers' and this process's first steps
+            one_stream(clients[m], model_id, ids[0, -128:].tolist(), 4)
+            run_once(model, m, ids[:, -128:], mask[:, -128:], 4, options)
+        for rep in range(repeats):
+            for m in methods:
+                first, tps = one_stream(clients[m], model_id, ids[0].tolist(), new_tokens)
+                res = run_once(model, m, ids, mask, new_tokens, options)[0]
+                runs[m]["serve"].append(tps)
+                runs[m]["first"].append(first)
+                runs[m]["bench"].append(res.decode_tokens_per_s)
+                print(f"  rep {rep} {m}: serve {tps:.2f} tok/s (first token {first:.2f} s), "
+                      f"bench {res.decode_tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
             stop(proc)
-    return out
-
-
-def bench_speeds(model, methods, length, new_tokens, repeats) -> dict:
-    cmd = [sys.executable, "-m", "infinigen_kv.cli", "bench", "speed", "--methods", ",".join(methods), "--batch", "1",
-           "--prompt-len", str(length), "--new-tokens", str(new_tokens), "--repeats", str(repeats), "--json"]
-    if model:
-        cmd += ["--model", model]
-    res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return {r["method"]: r["decode_tokens_per_s"] for r in res["rows"]}, res["machine"]
+    med = statistics.median
+    rows = [{"method": m, "prompt_len": length, "new_tokens": new_tokens,
+             "serve_tokens_per_s": round(med(r["serve"]), 2), "serve_first_token_s": round(med(r["first"]), 2),
+             "bench_tokens_per_s": round(med(r["bench"]), 2),
+             "serve_over_bench": round(med(r["serve"]) / med(r["bench"]), 3)} for m, r in runs.items()]
+    return {"machine": machine_info(next(model.parameters()).device), "rows": rows}
 
 
 def main() -> None:
@@ -92,14 +90,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    methods = a.methods.split(",")
-    ids = prompt_ids(a.model, a.prompt_len)
-    served = serve_speeds(a.model, methods, ids, a.new_tokens, a.repeats)
-    benched, machine = bench_speeds(a.model, methods, a.prompt_len, a.new_tokens, a.repeats)
-    rows = [{"method": m, "prompt_len": a.prompt_len, "serve_tokens_per_s": round(served[m]["decode_tokens_per_s"], 2),
-             "serve_first_token_s": round(served[m]["first_token_s"], 2), "bench_tokens_per_s": round(benched[m], 2),
-             "serve_over_bench": round(served[m]["decode_tokens_per_s"] / benched[m], 3)} for m in methods]
-    print(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    print(json.dumps(measure(a.model, a.methods.split(","), a.prompt_len, a.new_tokens, a.repeats), indent=1))
 
 
 if __name__ == "__main__":

@@ -192,8 +192,7 @@ def cmd_serve(args) -> None:
         _serve_ray(args, model_id, options, engine_args)
         return
     try:
-        model, tok = _load(args)
-        engine = Engine(model, tok, args.method, options, **engine_args)
+        engine = Engine.on_one_thread(lambda: _load(args), args.method, options, **engine_args)
     except BaseException:
         sock.close()
         raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ class Engine:
     def __init__(self, model, tokenizer, method: str = DEFAULT_METHOD, options: dict | None = None,
                  max_batch: int = 8, queue_size: int = 64, batching: str = "continuous", prefill_chunk: int = 256,
                  max_pool_bytes: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_cache_dir: str | None = None, prefix_cache_disk_bytes: int | None = None):
+                 prefix_cache_dir: str | None = None, prefix_cache_disk_bytes: int | None = None, start: bool = True):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         if (options or {}).get("capacity") is not None or (options or {}).get("capacity_bytes") is not None:
@@ -105,7 +106,35 @@ class Engine:
         self.prefill: tuple[Job, Prefill] | None = None
         self.forming = False  # static batching: a batch is being formed (no decode step until it is)
         self.thread = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
-        self.thread.start()
+        if start:  # (else the caller runs _work on its own thread: on_one_thread)
+            self.thread.start()
+
+    @classmethod
+    def on_one_thread(cls, load, *args, **kwargs) -> "Engine":
+        """An engine made and run on one thread: load() -> (model, tokenizer) runs there, then the engine (its
+        calibration and probe) and its worker loop; the Engine's arguments follow. Every tensor operation of the
+        server then runs on that thread. Each thread that runs PyTorch's parallel ops keeps an OpenMP team of its
+        own, and once the teams hold more threads than there are cores, libgomp stops spinning between parallel
+        regions and puts its threads to sleep at every one (a decode step has hundreds): the worker's decode steps
+        ran ~1.4x slower after the main thread had loaded the model (scripts/serve_speed.py)."""
+        made = queue.Queue()
+
+        def run() -> None:
+            try:
+                model, tokenizer = load()
+                engine = cls(model, tokenizer, *args, start=False, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                made.put(e)
+                return
+            engine.thread = threading.current_thread()
+            made.put(engine)
+            engine._work()
+
+        threading.Thread(target=run, name="infinigen-engine", daemon=True).start()
+        engine = made.get()
+        if isinstance(engine, BaseException):
+            raise engine
+        return engine
 
     def _prefix_store(self, probe, memory_bytes, disk_dir, disk_bytes) -> tuple[PrefixStore | None, str | None]:
         """The prefix store (on by default in memory: its limit the pool's, which it gives back on demand) and, when
@@ -232,6 +261,8 @@ class Engine:
         self.pending.popleft()
         try:
             self._fit_prefix(need)
+            if not self.rows:  # after idle time: the thread count's look at the machine's load starts now, not at the
+                threads.watch(self.device)  # last step (other work in between would count against the next steps)
             cache = make_cache(self.method, self.model, **self.options)
             p = Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs, self.prefix,
                         reserve=len(job.prompt_ids) + job.max_tokens)

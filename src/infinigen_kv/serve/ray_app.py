@@ -45,8 +45,7 @@ class Replica:
             set_threads(fixed_threads)  # --threads N
         elif threads:
             torch.set_num_threads(threads)  # replicas on one machine share its cores (fewer while busy: threads.py)
-        model, tok = load_model(**load)
-        self.engine = Engine(model, tok, method, options, **engine)
+        self.engine = Engine.on_one_thread(lambda: load_model(**load), method, options, **engine)
         self.asgi = create_app(self.engine, **app)  # (not self.app: a property of Ray's wrapper)
 
     def __serve_build_asgi_app__(self):
