@@ -101,16 +101,16 @@ def test_victim_fetched_this_step_is_attended_not_the_new_token_twice(tiny_model
     cache = ig.make_cache("infinigen", model, capacity=0.7, eviction=eviction, **EXACT)
     sets = []
     layer = cache.layers[2]
-    update = layer.update
+    view = layer.view
 
-    def spy(k, v, *a, **kw):
-        K, V = update(k, v, *a, **kw)
+    def spy(k, v):
+        got = view(k, v)
         if k.shape[2] == 1:
-            m = layer.work_mask  # None: every slot is real
+            K, m = got.keys, got.mask  # mask None: every slot is real
             sets.append((K.clone(), torch.ones(K.shape[0], K.shape[1], 1, K.shape[2], dtype=torch.bool) if m is None else m.clone()))
-        return K, V
+        return got
 
-    layer.update = spy
+    layer.view = spy
     step_logits(model, cache, ids, mask, steps=5)
     assert layer.slots.evicted > 0 and len(sets) == 5
     for K, m in sets:

@@ -11,8 +11,7 @@ from infinigen_kv.methods.registry import METHOD_NAMES
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "infinigen_kv"
 FRONT = ("serve", "bench", "cli", "commands")  # what may use the core, never the other way round
-TRAITS = {"needs_probs", "dense_kernel", "fused", "track_recall", "working", "work_mask", "kv_offset", "limited",
-          "takes_budget", "pool_on_host", "shares_prefill", "batches", "stats", "method"}
+TRAITS = {"needs_probs", "track_recall", "limited", "takes_budget", "pool_on_host", "shares_prefill", "batches", "stats", "method"}
 MAX_MODULE, MAX_FUNCTION = 440, 88  # "about 400" and "about 80" lines
 
 

@@ -83,3 +83,17 @@ def test_a_foreign_cache_decodes_through_the_forward(tiny_models):
     cache = ig.make_cache("hf-dynamic", model)
     assert not step.supports(model, cache) and step.forward_reason(model, cache) in step.FORWARD
     assert step.supports(model, ig.make_cache("full", model)) and step.forward_reason(model, cache) is not None
+
+
+def test_the_working_set_reaches_attention_as_a_value(tiny_models, monkeypatch):
+    """A layer's view (model/kv.py) is what attention reads: after decode steps of every method no layer holds a
+    working set, its mask, its chosen rows or a key offset for the attention function to find."""
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    fast_cpu_linears(model, weights="bfloat16")
+    ids, mask = left_padded_batch(lengths=(40, 33, 21))
+    for method in METHODS:
+        cache = ig.make_cache(method, model, **METHODS[method])
+        ig.generate(model, ids, mask, cache=cache, max_new_tokens=4, stop_at_eos=False)
+        for layer in cache.layers:
+            left = {"working", "work_mask", "fused", "kv_offset", "selection", "new_slot"} & set(dir(layer))
+            assert not left, (method, left)

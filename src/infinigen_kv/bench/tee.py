@@ -6,10 +6,13 @@ prefill."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache
 
 from ..methods.base import LogicalLayer
+from ..model.kv import KVView
 
 
 class TeeLayer(LogicalLayer):
@@ -24,12 +27,13 @@ class TeeLayer(LogicalLayer):
         """Nothing of its own: the caches in it make their buffers."""
 
     @torch.no_grad()
-    def update(self, key_states, value_states, *args, **kwargs):
+    def view(self, key_states, value_states) -> KVView:
         if self.is_initialized:
             raise NotImplementedError("a TeeCache serves one prefill forward; decode with each cache in it")
         self.is_initialized = True
-        out = [layer.update(key_states, value_states, *args, **kwargs) for layer in self.children]
-        return out[0]
+        views = [layer.view(key_states, value_states) for layer in self.children]
+        # the first cache's keys (every prefill attends over the prompt itself); the weights to each that scores them
+        return dataclasses.replace(views[0], scores=self if self.needs_probs else None)
 
     def add_prefill_scores(self, *args) -> None:
         for layer in self.children:

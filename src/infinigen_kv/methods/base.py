@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..model.install import install
+from ..model.kv import KVView
 from .rows import PIN_ROUNDING, release_pinned
 
 
@@ -21,21 +22,23 @@ class LogicalLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    # Traits, declared by a method's layer class, read by the attention function:
-    dense_kernel = False  # a decode step over the whole cache may attend in place with the CPU kernel (full, layer 0)
+    # Traits, declared by a method's layer class:
     needs_probs = False  # attention hands the layer its weights: the prefill's scores, each decode step's (H2O)
-    fused = None  # (idx, count, new slot) of a step whose chosen rows attention reads in place (InfiniGen, CPU)
-    # The attention function attends over what update() returned with `work_mask` (B, G or 1, 1, m) when
-    # `working` is set (None: all of it), and with transformers' own mask otherwise.
-    working = False
-    work_mask = None
     _cache = None
     # A layer with a sliding `window` W keeps only what its next queries may attend: between W - 1 and 2W rows
-    # (it slides in one copy every ~W steps), the first at position `offset`; `kv_offset` is the position of
-    # the first key the last update returned, where the attention function starts reading its mask.
+    # (it slides in one copy every ~W steps), the first at position `offset`.
     window = None
     offset = 0
-    kv_offset = 0
+
+    def view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> KVView:
+        """Store the new k, v (B, G, T, d) and return what attention reads for this forward (model/kv.py): here,
+        what `update` returns, read with the model's mask."""
+        return KVView(*self.update(key_states, value_states))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """transformers' Cache API: the keys and values of `view` (attention inside the model reads the view)."""
+        view = self.view(key_states, value_states)
+        return view.keys, view.values
 
     # A layer's link to its cache is weak (the cache owns its layers): a cache nobody holds any more (a finished
     # request, a decoded fork) frees its buffers at once, not at some later garbage collection.

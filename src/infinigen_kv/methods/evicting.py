@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_min_budget
 from ..model.install import install
+from ..model.kv import KVView
 from .base import LogicalLayer, Rebatch
 from .budget import budget_caps
 from .keep import keep_source, valid_keys
@@ -27,13 +28,8 @@ class EvictingLayer(LogicalLayer):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.window = cache.arch.windows[layer_idx]  # sliding window (None: global): attention stays inside it
-        self.work_mask = None
         self.compact_due = False
         self.steps = self.bytes_read = 0  # decode steps, and the KV bytes their attention read (the kept slots)
-
-    @property
-    def working(self) -> bool:
-        return self.work_mask is not None  # decode: the kept slots, masked
 
     def lazy_initialization(self, key_states, value_states) -> None:
         B, G, _, d = key_states.shape
@@ -57,7 +53,7 @@ class EvictingLayer(LogicalLayer):
         return self.cache.entries(self.n_valid)  # (B,)
 
     @torch.no_grad()
-    def update(self, key_states, value_states, *args, **kwargs):
+    def view(self, key_states, value_states) -> KVView:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
@@ -79,10 +75,10 @@ class EvictingLayer(LogicalLayer):
             self.seen += T
             self.kept.fill_(self.k.length)
             self.compact_due = True
-            self.work_mask = None
+            scores = self if self.needs_probs else None
             if self.seen == T:
-                return key_states, value_states
-            return self.k.valid(), self.v.valid()
+                return KVView(key_states, value_states, scores=scores)
+            return KVView(self.k.valid(), self.v.valid(), scores=scores)
         if self.compact_due:
             self._compact()
         self.n_valid += 1
@@ -105,13 +101,14 @@ class EvictingLayer(LogicalLayer):
         self.seen += 1
         m = self.k.length
         slots = torch.arange(m, device=slot.device)
-        self.work_mask = (slots < self.kept.view(-1, 1)).view(B, 1, 1, m)  # (B, 1, 1, m): same for all heads
+        mask = (slots < self.kept.view(-1, 1)).view(B, 1, 1, m)  # (B, 1, 1, m): same for all heads
         if self.window is not None and self.seen > self.window:  # kept entries the window has left: masked
             inside = self.pos.valid()[..., 0] > self.seen - 1 - self.window  # (B, G, m)
-            self.work_mask = self.work_mask & inside.unsqueeze(2)  # (B, G, 1, m)
+            mask = mask & inside.unsqueeze(2)  # (B, G, 1, m)
         self.steps += 1
         self.bytes_read += (self.k.valid().numel() + self.v.valid().numel()) * self.k.data.element_size()
-        return self.k.valid(), self.v.valid()
+        return KVView(self.k.valid(), self.v.valid(), selected=True, mask=mask,
+                      scores=self if self.needs_probs else None)
 
     def _victims(self, cap: torch.Tensor) -> torch.Tensor:
         """(B, G) slot each (sequence, head) gives up: the lowest priority among its kept slots."""
@@ -156,7 +153,6 @@ class EvictingLayer(LogicalLayer):
         self.kept, self.n_valid = torch.cat([self.kept, other.kept]), n_valid
         self.first = torch.cat([self.first + at_self, other.first + at_other])
         self.seen += at_self
-        self.work_mask = None
 
     def retain(self, rows: list[int], trim: int, room: int) -> None:
         if self.compact_due:
@@ -168,7 +164,6 @@ class EvictingLayer(LogicalLayer):
             buf.retain(rows, 0, max(0, slots - buf.length))
         self.pos.valid().sub_(trim)
         self.seen -= trim
-        self.work_mask = None
 
     def row_buffers(self) -> list:
         return [self.k, self.v, self.pos, self.score]

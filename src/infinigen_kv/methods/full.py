@@ -10,13 +10,12 @@ from transformers.cache_utils import Cache
 
 from ..model.arch import UnsupportedModelError
 from ..model.install import install
+from ..model.kv import KVView
 from .base import LogicalLayer, Rebatch, read_stats
 from .rows import RowBuffer
 
 
 class FullLayer(LogicalLayer):
-    dense_kernel = True  # on CPU a decode step attends in place with the CPU kernel (attention.py)
-
     def __init__(self, reserved: int = 0, window: int | None = None):
         super().__init__()
         self.reserved = reserved  # rows the buffers are made with (FullCache.reserve)
@@ -34,7 +33,7 @@ class FullLayer(LogicalLayer):
         self.is_initialized = True
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def update(self, key_states, value_states, *args, **kwargs):
+    def view(self, key_states, value_states) -> KVView:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.k.length == 0
@@ -42,15 +41,14 @@ class FullLayer(LogicalLayer):
         self.k.append(k)
         self.v.append(v)
         if first:  # a prompt attends over itself (a window layer kept only its end)
-            self.kv_offset = 0
-            return key_states, value_states
-        self.kv_offset = self.offset
+            return KVView(key_states, value_states)
         if key_states.shape[2] == 1:
             self.steps += 1
             n = self.k.length
             rows = n if self.window is None else min(n, self.window)
             self.bytes_read += self.k.valid().numel() // n * rows * self.k.data.element_size() * 2
-        return self.k.valid(), self.v.valid()  # (B, G, n, d) views of the preallocated buffers
+        # (B, G, n, d) views of the preallocated buffers; on CPU a decode query reads them in place (the kernel)
+        return KVView(self.k.valid(), self.v.valid(), offset=self.offset, buffers=(self.k.data, self.v.data))
 
     def get_seq_length(self) -> int:
         return self.offset + self.k.length if self.is_initialized else 0
@@ -59,7 +57,7 @@ class FullLayer(LogicalLayer):
         return [self.k, self.v]
 
     def reset(self) -> None:
-        self.offset = self.kv_offset = 0
+        self.offset = 0
         if self.is_initialized:
             self.k.reset()
             self.v.reset()

@@ -1,11 +1,11 @@
-"""The attention function every method here runs under (registered as "infinigen" by install.py), called
-with the cache the pre-hook handed it as the `infinigen_cache` keyword.
+"""Attention: the attention block every layer runs with one of our caches (`attention_block`: speculation, q/k/v,
+the cache layer's `view`, attention over it), and the attention function over a view (`attend`).
 
-- The attention function attends over the fetched working set with its per-(sequence, KV head) mask
-  when the cache's layer has one, and is plain transformers sdpa otherwise, so a model with these
-  hooks behaves exactly as before with any other cache. On CPU, with the kernels of kernels/cpu.cpp,
-  a decode step attends in one pass: over InfiniGen's chosen rows where they lie in the pool (the layer's
-  `fused` selection), or over a whole cache (`dense_kernel` layers: full, InfiniGen's layer 0).
+- A view (kv.py) that is a working set chosen for the step is attended with its own per-(sequence, KV head)
+  mask; any other with the model's mask, as transformers' sdpa would (the function registered as "infinigen"
+  serves caches not made here that way). On CPU, with the kernels of kernels/cpu.cpp, a decode step attends in
+  one pass: over InfiniGen's chosen rows where they lie in the pool (`chosen`), or over a whole cache in place
+  (`buffers`: full, InfiniGen's layer 0).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import kernels
+from .arch import apply_rope
+from .kv import KVView
 
 # SDPA backends on a GPU: all but cuDNN's, which builds a plan on the host for every new key length (a host-bound
 # decode step spent a large share of its time there: docs/BENCHMARKS.md, "On a GPU")
@@ -23,48 +25,78 @@ GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 
 
 def infinigen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query (B, H, q, d); key/value (B, G, k, d). Returns (B, q, H, d) and no weights."""
+    """The registered function, for a cache not made here: query (B, H, q, d); key/value (B, G, k, d).
+    Returns (B, q, H, d) and no weights."""
+    return attend(module, query, KVView(key, value), attention_mask, scaling, dropout, **kwargs)
+
+
+def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask) -> torch.Tensor:
+    """Layer i's self-attention with one of our caches, the same operations as the model's self_attn forward, the
+    cache's speculation first: normed input h (B, T, D), RoPE (cos, sin) (None: OPT), the layer's mask ->
+    (B, T, D) after the output projection. The model's forward (install.py) and the decode step both run it."""
+    a = arch.attns[i]
+    B, T, _ = h.shape
+    cache.before_attention(i, h, rope, mask)  # the next layer's selection, chosen now (its fetch starts)
+    q = a.q_proj(h) * arch.q_scale if arch.q_scale != 1.0 else a.q_proj(h)  # OPT scales q before the scores
+    q, k, v = (t.view(B, T, -1, arch.head_dim) for t in (q, a.k_proj(h), a.v_proj(h)))
+    if arch.qk_norm:  # per-head RMSNorm of q and k (Qwen3, Gemma 3), before RoPE
+        q, k = a.q_norm(q), a.k_norm(k)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
+    if arch.rope:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)  # transformers' apply_rotary_pos_emb
+    out = attend_layer(a, cache, i, q, k, v, mask, arch.score_scale, arch.windows[i])  # (B, T, H, d)
+    o = a.out_proj if arch.model_type == "opt" else a.o_proj
+    return o(out.reshape(B, T, -1).contiguous())
+
+
+def attend_layer(module, cache, i: int, q, k, v, mask, scaling: float, window) -> torch.Tensor:
+    """Layer i's new q (B, H, T, d), k, v (B, G, T, d) through the cache: its layer's view (which stores k, v),
+    attention over it, and the recall diagnostic where the cache tracks it. -> (B, T, H, d)"""
+    view = cache.layers[i].view(k, v)
+    out, _ = attend(module, q, view, mask, scaling, 0.0, sliding_window=window)
+    if view.selected and cache.track_recall:
+        B, H, _, d = q.shape
+        cache.record_recall(i, q.reshape(B, view.keys.shape[1], -1, d), view, mask, scaling)
+    return out
+
+
+def attend(module, query, view: KVView, attention_mask, scaling, dropout=0.0, **kwargs):
+    """query (B, H, q, d) over a cache layer's view. Returns (B, q, H, d) and no weights."""
     if query.is_cuda:
         with sdpa_kernel(GPU_SDPA):
-            return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            return _attention(module, query, view, attention_mask, scaling, dropout, **kwargs)
+    return _attention(module, query, view, attention_mask, scaling, dropout, **kwargs)
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    cache = kwargs.pop("infinigen_cache", None)
-    layer = cache.layers[module.layer_idx] if cache is not None else None
+def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **kwargs):
+    key, value = view.keys, view.values
     B, H, T, d = query.shape
     G = key.shape[1]
-    # a cache of ours hands its layer (methods/base.LogicalLayer: its traits); another cache (DynamicCache) none
-    if layer is None or not layer.working:
-        first = layer.kv_offset if layer is not None else 0  # a sliding window's buffers begin at that position
-        if first and attention_mask is not None:
-            attention_mask = attention_mask[..., first : first + key.shape[2]]
-        if layer is not None and layer.needs_probs and T > 1:  # H2O scores the prefill
-            layer.add_prefill_scores(query, key, attention_mask, scaling)
-        if T == 1 and layer is not None and layer.dense_kernel:
-            out = _dense_kernel(layer, query, key, attention_mask, scaling)
+    if not view.selected:
+        if view.offset and attention_mask is not None:  # a sliding window's buffers begin at that position
+            attention_mask = attention_mask[..., view.offset : view.offset + key.shape[2]]
+        if view.scores is not None and T > 1:  # H2O scores the prefill
+            view.scores.add_prefill_scores(query, key, attention_mask, scaling)
+        if T == 1 and view.buffers is not None:
+            out = _dense_kernel(view, query, attention_mask, scaling)
             if out is not None:
                 return out, None
         if T > 1 and (out := _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs)) is not None:
             return out, None
         return _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout)
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
-    fused = layer.fused
-    if fused is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
-        idx, count, new = fused
+    if view.chosen is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
+        idx, count, new = view.chosen
         out = kernels.cpu().attend(q.float().contiguous(), key, value, idx, count,
                                    new if isinstance(new, torch.Tensor) else None,
                                    new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype)
-    elif layer.needs_probs:  # H2O accumulates the weights: explicit softmax
+    elif view.scores is not None:  # H2O accumulates the weights: explicit softmax
         s = torch.matmul(q, key.transpose(-1, -2)) * scaling  # (B, G, r, m)
-        p = torch.softmax(s.masked_fill(~layer.work_mask, float("-inf")).float(), dim=-1)
-        layer.add_scores(p.sum(2))
+        p = torch.softmax(s.masked_fill(~view.mask, float("-inf")).float(), dim=-1)
+        view.scores.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
     else:
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=layer.work_mask, scale=scaling)  # (B, G, r, d)
-    if cache.track_recall:
-        cache.record_recall(module.layer_idx, q, attention_mask, scaling)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=view.mask, scale=scaling)  # (B, G, r, d)
     return out.reshape(B, 1, H, d), None
 
 
@@ -85,13 +117,15 @@ def _scale(scaling, d: int) -> float:
     return float(scaling) if scaling is not None else d**-0.5
 
 
-def _dense_kernel(layer, query, key, attention_mask, scaling):
-    """A decode query over a whole CPU cache (full, InfiniGen's dense layer 0) with the CPU kernel, reading
-    the K/V buffers in place; None when the kernel does not apply (other device, no kernel, a copy)."""
-    buf_k, buf_v = layer.k.data, layer.v.data  # (B, G, capacity, d): the rows [0, n) are the cache
+def _dense_kernel(view: KVView, query, attention_mask, scaling):
+    """A decode query over a whole CPU cache (full, InfiniGen's dense layer 0) with the CPU kernel, reading the
+    view's buffers in place; None when the kernel does not apply (other device, no kernel, keys not a prefix of
+    the buffers)."""
+    buf_k, buf_v = view.buffers  # (B, G, capacity, d): the rows [0, n) are the keys
+    key = view.keys
     n = key.shape[2]
     if (query.device.type != "cpu" or buf_k.device.type != "cpu" or key.data_ptr() != buf_k.data_ptr()
-            or n != layer.k.length or not buf_k.is_contiguous()):
+            or key.stride() != buf_k.stride() or not buf_k.is_contiguous()):
         return None
     kern = kernels.cpu()
     if kern is None:

@@ -1,9 +1,9 @@
 """Everything infinigen-kv installs on a transformers model, in one place, once per model:
 
 - the attention function and mask function named "infinigen" (attention.py), set as the model's attention;
-- a forward pre-hook on every layer's self_attn: it sees layer l's post-norm input, the RoPE (cos, sin), the
-  mask and the cache; a cache of ours (one with `before_attention`) speculates there, and rides along to the
-  attention function as the `infinigen_cache` keyword;
+- every layer's self_attn forward: with a cache of ours (one with `before_attention`) the attention block
+  (attention.py: the cache's speculation, q/k/v, `cache.update`, the attention function, the output projection),
+  which the decode step (step.py) runs too; with any other cache the model's own forward;
 - hooks that keep what a forward computes once for all layers (arch.StepInputs: the mask, per-type RoPE);
 - on CPU, the fast linears of decode steps (`fast_cpu_linears`, by load_model).
 """
@@ -19,21 +19,23 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import kernels
 from .arch import Arch, get_arch, step_inputs
-from .attention import infinigen_attention
+from .attention import attention_block, infinigen_attention
 
 NAME = "infinigen"
-HOOK_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")  # what _pre_hook reads
+HOOK_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")  # what the forward reads
 
 
-def _pre_hook(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    speculate = getattr(cache, "before_attention", None)
-    if speculate is None:  # not one of our caches
-        return None
-    speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
-              kwargs.get("attention_mask"))
-    kwargs["infinigen_cache"] = cache
-    return args, kwargs
+def _attention_forward(arch, i: int, original):
+    """Layer i's self_attn forward: with one of our caches the attention block (attention.py), the model's own
+    forward otherwise."""
+    def forward(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if getattr(cache, "before_attention", None) is None:  # not one of our caches
+            return original(*args, **kwargs)
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return attention_block(arch, cache, i, h, kwargs.get("position_embeddings"), kwargs.get("attention_mask")), None
+
+    return forward
 
 
 def register() -> None:
@@ -49,8 +51,8 @@ def install(model) -> Arch:
     arch = get_arch(model)
     register()
     step_inputs(model, arch.base)
-    for attn in arch.attns:
-        attn.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    for i, attn in enumerate(arch.attns):
+        attn.forward = _attention_forward(arch, i, attn.forward)
     try:
         model.set_attn_implementation(NAME)
     except Exception:
@@ -139,6 +141,7 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
     if not getattr(model, "_infinigen_phase_hook", False):
         model.register_forward_pre_hook(_note_phase, with_kwargs=True)
         model._infinigen_phase_hook = True
+    model.__dict__.pop("_infinigen_merged", None)  # the decode step's merged matrices (step.py) follow the weights
     for module in model.modules():
         if type(module).__name__ in RMS_NORMS and module.weight.dtype == torch.float32 and "forward" not in vars(module):
             module.forward = types.MethodType(_fast_rms_norm, module)  # every path through the model, prefill too

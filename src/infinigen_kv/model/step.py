@@ -19,7 +19,7 @@ import torch
 
 from . import kernels
 from .arch import apply_rope, get_arch
-from .attention import _attention
+from .attention import attend_layer, attention_block
 from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear
 
 KERNEL_TYPES = ("llama", "mistral", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no QK-norm
@@ -79,7 +79,8 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
         else:
             ropes = {None: base.rotary_emb(x, positions)}  # (B, 1, d) each
         p = next(model.parameters())
-        kern = kernels.cpu() if arch.model_type in KERNEL_TYPES and p.is_cpu and p.dtype == torch.float32 else None
+        fast = getattr(model, "_infinigen_phase_hook", False)  # the fast linears (and bf16 copies) are installed
+        kern = kernels.cpu() if fast and arch.model_type in KERNEL_TYPES and p.is_cpu and p.dtype == torch.float32 else None
         plans = _merged(model) if kern is not None and B <= KERNEL_ROWS_BF16 else None
         if plans is not None and None not in plans:
             rope = tuple(t.contiguous() for t in ropes[None])
@@ -109,28 +110,8 @@ def _layers(arch, cache, x: torch.Tensor, ropes: dict | None, masks: dict) -> to
     layout = LAYOUTS[arch.model_type]
     for i, layer in enumerate(arch.base.layers):
         rope = None if ropes is None else ropes[arch.rope_types[i] if arch.rope_types is not None else None]
-        x = layout(layer, x, lambda h: _attend(arch, cache, i, h, rope, masks[arch.windows[i]]))
+        x = layout(layer, x, lambda h: attention_block(arch, cache, i, h, rope, masks[arch.windows[i]]))
     return x
-
-
-def _attend(arch, cache, i: int, h: torch.Tensor, rope, mask4) -> torch.Tensor:
-    """Layer i's attention of its normed input h (B, 1, D), its output projection applied, as the model's
-    self_attn forward (with the pre-hook's speculation first): (B, 1, D)."""
-    a = arch.attns[i]
-    B, d = h.shape[0], arch.head_dim
-    cache.before_attention(i, h, rope, mask4)  # what the self_attn pre-hook does
-    q = a.q_proj(h) * arch.q_scale if arch.q_scale != 1.0 else a.q_proj(h)  # OPT scales q before the scores
-    q, k, v = (t.view(B, 1, -1, d) for t in (q, a.k_proj(h), a.v_proj(h)))
-    if arch.qk_norm:  # per-head RMSNorm of q and k (Qwen3, Gemma 3), before RoPE
-        q, k = a.q_norm(q), a.k_norm(k)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, 1, d)
-    if arch.rope:
-        q, k = apply_rope(q, rope), apply_rope(k, rope)  # transformers' apply_rotary_pos_emb
-    k, v = cache.update(k, v, i)
-    out, _ = _attention(a, q, k, v, mask4, arch.score_scale, 0.0, infinigen_cache=cache,
-                        sliding_window=arch.windows[i])  # (B, 1, H, d)
-    o = a.out_proj if arch.model_type == "opt" else a.o_proj
-    return o(out.reshape(B, 1, -1).contiguous())
 
 
 def _pre_norm(layer, x, attend):
@@ -199,9 +180,8 @@ def _kernel_layers(model, arch, cache, kern, x, rope, masks, plans) -> torch.Ten
         qkv = kern.linear(h, wqkv, bqkv)  # (B, (H + 2G) d)
         kern.rope_(qkv, cos, sin, nq + nk)  # q and k rotated in place, as apply_rope
         qkv = qkv.view(B, 1, -1, d).transpose(1, 2)  # (B, H + 2G, 1, d)
-        k, v = cache.update(qkv[:, nq : nq + nk], qkv[:, nq + nk :], i)
-        out, _ = _attention(a, qkv[:, :nq], k, v, mask4, a.scaling, 0.0, infinigen_cache=cache,
-                            sliding_window=arch.windows[i])  # (B, 1, H, d)
+        out = attend_layer(a, cache, i, qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :], mask4, a.scaling,
+                           arch.windows[i])  # (B, 1, H, d)
         x = kern.linear(out.reshape(B, -1).contiguous(), wo, bo, x)  # x + o_proj(out)
         h = _norm(layer.post_attention_layernorm, x)
         gu = kern.linear(h, wgu, None)  # (B, 2F): gate, up

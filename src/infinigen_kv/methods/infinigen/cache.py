@@ -2,13 +2,14 @@
 the rows that layer l's speculation chose for layer l+1 (plus the new token).
 
 One decode step, layer l (l >= 1), file by file:
-  1. model/install.py: layer l's attention pre-hook calls `before_attention(l, x)` here;
+  1. model/attention.py: layer l's attention block calls `before_attention(l, x)` here;
   2. the selection (speculator.py: `Speculate.choose`; offload: `FetchAll`) returns layer l+1's fetch, from
      the partial query (partial.py) scored against layer l+1's partial key cache;
   3. `prefetch` counts it (stats.py) and starts it (transfer.py on CPU, cuda_transfer.py on a GPU);
-  4. layer l+1's `update(k, v)` (layer.py) fetches the chosen rows, stores the new token in the pool (rows.py;
-     pool.py when it has a capacity) and returns the working set [new token, fetched rows] (B, G, m + 1, d);
-  5. model/attention.py attends over it with the working-set mask (or the CPU kernel over the rows in place).
+  4. layer l+1's `view(k, v)` (layer.py) fetches the chosen rows, stores the new token in the pool (rows.py;
+     pool.py when it has a capacity) and returns the working set [new token, fetched rows] as a KVView
+     (model/kv.py: the rows and their mask, or the chosen slots read in place);
+  5. model/attention.py attends over that view, passed to it as an argument.
 Layer 0 has no previous layer and attends over all of its (device-resident) cache. The cache reports the
 logical length, so transformers builds masks and positions as usual.
 """
@@ -186,9 +187,10 @@ class InfiniGenCache(Rebatch, Cache):
             target.slots.record(fetch.idx, fetch.real_mask())
         target.transfer.prefetch(target, fetch)
 
-    def record_recall(self, layer_idx: int, q: torch.Tensor, attention_mask, scaling: float) -> None:
-        """The recall diagnostic (track_recall): the true attention mass of q (B, G, r, d) on the fetched rows."""
-        self.counters.record_recall(self.layers[layer_idx], q, attention_mask, scaling)
+    def record_recall(self, layer_idx: int, q: torch.Tensor, view, attention_mask, scaling: float) -> None:
+        """The recall diagnostic (track_recall): the true attention mass of q (B, G, r, d) on the rows of the step's
+        working set (view, model/kv.py)."""
+        self.counters.record_recall(self.layers[layer_idx], q, view, attention_mask, scaling)
 
     # --- reporting and batch changes ------------------------------------------------------------------------
 

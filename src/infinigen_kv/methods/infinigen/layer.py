@@ -1,7 +1,7 @@
 """A layer of InfiniGenCache: its K/V in the host pool (layer 0 and a model's local layers: on the compute
-device, attended whole), its partial key cache, and the decode step's hand-off from the speculation: `update`
-gets the rows the previous layer's speculation chose (`pending`, started by the cache) and returns the working
-set attention reads.
+device, attended whole), its partial key cache, and the decode step's hand-off from the speculation: `view`
+takes the rows the previous layer's speculation chose (`pending`, started by the cache) and returns the working
+set attention reads, as a KVView (model/kv.py).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...model import kernels
+from ...model.kv import KVView
 from ..base import LogicalLayer
 from ..rows import RowBuffer
 from . import int8
@@ -17,8 +18,6 @@ from .speculator import approx_scores, relative
 
 
 class InfiniGenLayer(LogicalLayer):
-    dense_kernel = True  # a dense decode step (layer 0) attends in place with the CPU kernel (attention.py)
-
     def __init__(self, cache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
@@ -29,14 +28,9 @@ class InfiniGenLayer(LogicalLayer):
         # not the whole context: on a GPU it stays on the device at the window's size.
         self.window = cache.arch.windows[layer_idx] if self.dense else None
         self.pending = None  # Fetch of this step, set by the previous layer's selection
-        self.working = False  # the last update returned a fetched working set (not the whole layer)
-        self.work_mask = None  # (B, G, 1, m + 1) mask of that working set; None: attend all of it
-        self.selection = None  # (B, G, m) indices of the last fetch (for the recall diagnostic)
-        self.fused = None  # (idx, count, new slot) when attention reads the chosen rows in place (CPU kernel)
         self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
         self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
         self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
-        self.new_slot = None  # where the last token went: an int (appended) or (B, G) (overwrote a victim)
         self.prefill_query = None  # (x, rope, keep) of a prompt's last position, when a prefill may overflow
         self.mirror = None  # (k, v) RowBuffers on the device of a prompt being prefilled in chunks (CudaTransfer)
         self.skew_p = self.partial = self.key_channels = None  # A_P (G, d, p), partial key cache, raw channels (G, p)
@@ -90,13 +84,12 @@ class InfiniGenLayer(LogicalLayer):
         self.transfer.init_layer(self, self.k.batch, self.k.heads, rows, not selection.whole)
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def update(self, key_states, value_states, *args, **kwargs):
+    def view(self, key_states, value_states) -> KVView:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         transfer = self.transfer
         past, T = self.seen, key_states.shape[2]
         pending, self.pending = self.pending, None
-        self.fused = None
         if pending is not None:
             pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
         if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
@@ -105,27 +98,24 @@ class InfiniGenLayer(LogicalLayer):
         if pending is None or T > 1:  # prefill, or a dense decode step
             self.store(key_states, value_states)
             self.seen += T
-            self.work_mask, self.working = None, False
             if past == 0:
-                self.kv_offset = 0
-                return key_states, value_states  # prefill: attend over the prompt itself
-            self.kv_offset = self.offset
+                return KVView(key_states, value_states)  # prefill: attend over the prompt itself
             if T == 1:
                 self.cache.counters.count_dense(self, self.cache.arch.windows[self.layer_idx])
-            return transfer.dense(self)
+            k, v = transfer.dense(self)
+            return KVView(k, v, offset=self.offset, buffers=(self.k.data, self.v.data))
         # A decode step over the rows chosen one layer ahead: fetch them from the pool as the last step left
         # it, then store the new token (on a full pool it may overwrite one of the chosen: read in place
         # only when it is appended).
         got = transfer.fetch(self, pending, key_states, value_states,
                              in_place=self.cache.selection.in_place and not self.evicts_next())
-        self.store(key_states, value_states)
+        new = self.store(key_states, value_states)
         self.seen += 1
-        self.selection, self.working = pending.idx, True
         if got is None:  # the CPU kernel reads [new token, chosen rows] where they lie in the pool
-            self.fused, self.work_mask = (pending.idx, pending.count, self.new_slot), None
-            return self.k.data, self.v.data
-        K, V, self.work_mask = got
-        return K, V
+            return KVView(self.k.data, self.v.data, selected=True, chosen=(pending.idx, pending.count, new),
+                          rows=pending.idx)
+        K, V, mask = got
+        return KVView(K, V, selected=True, mask=mask, rows=pending.idx)
 
     def limit(self, seen: int) -> int | None:
         """Entries the pool may hold per (sequence, KV head) after `seen` tokens (None: no limit)."""
@@ -142,10 +132,11 @@ class InfiniGenLayer(LogicalLayer):
         limit = self.limit(self.seen + 1)
         return limit is not None and self.k.length + 1 > limit
 
-    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor):
         """The new rows k, v (B, G, T, d) into the pool and their skewed channels into the partial key
         cache; a full pool overwrites the slot its eviction policy names (one per new token), and a
-        prefill larger than the pool keeps its most recent tokens."""
+        prefill larger than the pool keeps its most recent tokens. Returns where the last row went: its slot
+        (an int: appended) or the slots (B, G) it overwrote."""
         transfer, past, T = self.transfer, self.seen, k.shape[2]
         limit = self.limit(past + T)
         if limit is not None and T == 1 and self.k.length + 1 > limit:
@@ -153,8 +144,7 @@ class InfiniGenLayer(LogicalLayer):
             transfer.write(self, k, v, slot)
             self.partial.put(slot, self.partial_rows(k))
             self.slots.replace(slot, past)
-            self.new_slot = slot
-            return
+            return slot
         k, v = self.slide(k, v)
         pos = None
         if limit is not None and self.k.length + T > limit:  # only a first prefill gets here (see update)
@@ -173,7 +163,7 @@ class InfiniGenLayer(LogicalLayer):
                 self.partial.append(self.partial_rows(k))  # (B, G, T, p), or int8 (B, G, T, p + 4)
         if self.slots is not None:
             self.slots.append(past, T, pos)
-        self.new_slot = self.k.length - 1
+        return self.k.length - 1
 
     def append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A decode token's k, v (B, G, 1, d) into the pool and its int8 partial key row into the partial key cache
@@ -242,12 +232,11 @@ class InfiniGenLayer(LogicalLayer):
         self.prepare_transfer()
 
     def _clear_step(self) -> None:
-        """Forget the last step's selection and working set (sized for the batch it ran with)."""
-        self.pending = self.work_mask = self.selection = self.prefill_query = self.fused = self.mirror = None
-        self.working = False
+        """Forget the last step's fetch (sized for the batch it ran with)."""
+        self.pending = self.prefill_query = self.mirror = None
 
     def reset(self) -> None:
-        self.seen = self.offset = self.kv_offset = 0
+        self.seen = self.offset = 0
         if self.slots is not None:
             self.slots.reset()
         if self.is_initialized:

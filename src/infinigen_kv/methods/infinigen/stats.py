@@ -74,8 +74,9 @@ class Counters:
         self.steps[i] += 1
         self.kv_bytes += rows * (read + 1) * (layer.k.width + layer.v.width) * layer.k.data.element_size()
 
-    def record_recall(self, layer, q: torch.Tensor, attention_mask, scaling: float) -> None:
-        """True attention of q (B, G, r, d) over layer's whole pool; add the mass on the rows it fetched."""
+    def record_recall(self, layer, q: torch.Tensor, view, attention_mask, scaling: float) -> None:
+        """True attention of q (B, G, r, d) over layer's whole pool; add the mass on the rows its view (the step's
+        working set, model/kv.py) fetched."""
         if layer.slots is not None and layer.slots.evicted:
             return  # positions no longer match the slots: the diagnostic measures unevicted pools only
         layer.transfer.flush(layer)
@@ -85,10 +86,10 @@ class Counters:
             m = attention_mask[:, :, -1:, :]  # (B, 1, 1, n + 1)
             s = s.masked_fill(~m if m.dtype == torch.bool else m != 0, float("-inf"))
         p = torch.softmax(s, dim=-1)
-        sel = layer.work_mask.squeeze(2)[..., 1:] if layer.work_mask is not None else 1.0  # (B, G, m) real slots
-        if layer.fused is not None and layer.fused[1] is not None:
-            sel = counted(layer.fused[1], layer.selection.shape[-1]).to(p.dtype)
-        got = torch.gather(p, 3, layer.selection.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
+        sel = view.mask.squeeze(2)[..., 1:] if view.mask is not None else 1.0  # (B, G, m) real slots
+        if view.chosen is not None and view.chosen[1] is not None:
+            sel = counted(view.chosen[1], view.rows.shape[-1]).to(p.dtype)
+        got = torch.gather(p, 3, view.rows.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
         mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
         self.recall[layer.layer_idx] += mass.mean().to(self.recall.device)
         self.recall_steps[layer.layer_idx] += 1
