@@ -18,7 +18,7 @@ import types
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.model import install as attention_mod
+from infinigen_kv.model import attention as attention_mod
 from infinigen_kv.model import kernels
 from infinigen_kv.model import step as step_mod
 from infinigen_kv.methods.infinigen import cache as cache_mod
@@ -59,7 +59,7 @@ def main():
         caches[method] = ig.make_cache(method, model)
         caches[method].reserve(n + 2 + 2 * args.steps)  # the timed (and profiled) steps: no buffer grows then
         ig.generate(model, ids, mask, cache=caches[method], max_new_tokens=2, stop_at_eos=False)
-    timed(cache_mod.InfiniGenCache, "before_attention", "speculation (pre-hooks)")
+    timed(cache_mod.InfiniGenCache, "before_attention", "speculation")
     timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
     timed(selection_mod, "approx_scores", "  approximate scores (PyTorch path)")
     timed(selection_mod, "select", "  selection (PyTorch path)")
@@ -71,10 +71,8 @@ def main():
         timed(kernels._module, "linear", "linear kernel (all decode linears)")
         timed(kernels._module, "partial_query", "  partial query kernel")
         timed(kernels._module, "rms_norm", "rms_norm kernel")
-    timed(layer_mod.InfiniGenLayer, "update", "update (pool append, fetch)")
-    timed(attention_mod, "infinigen_attention", "attention")
-    timed(step_mod, "_attention", "attention")
-    attention_mod.register()  # re-register the wrapped attention function
+    timed(layer_mod.InfiniGenLayer, "view", "view (pool append, fetch)")
+    timed(attention_mod, "attend", "attention")
     x = torch.full((B, 1), 100)
     for method, cache in caches.items():
         TIMES.clear()

@@ -89,14 +89,15 @@ class Arch:
 
 
 class StepInputs:
-    """What a forward computes once and hands to its layers, kept for the speculation of the next layer:
-    the attention mask the model was called with (2-D, 4-D, one per layer type, or None) and, for models
-    with a RoPE per layer type, each type's (cos, sin). Filled by hooks on the model (install.py), cleared
-    when the forward ends."""
+    """What a forward (or a decode step, step.py) computes once and hands to its layers, kept for the speculation
+    of the next layer: the attention mask the model was called with (2-D, 4-D, one per layer type, or None), for
+    models with a RoPE per layer type each type's (cos, sin), and what the cache derives from them once for all
+    layers (`memo`). Filled by hooks on the model (install.py) or by the decode step, cleared when it ends."""
 
     def __init__(self):
         self.mask = None
         self.ropes = {}
+        self.memo = {}  # what a cache computes once for all layers of this forward (speculation's keep and caps)
 
     def note_mask(self, module, args, kwargs) -> None:
         self.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -106,7 +107,7 @@ class StepInputs:
         self.ropes[layer_type] = output
 
     def clear(self, *_) -> None:
-        self.mask, self.ropes = None, {}
+        self.mask, self.ropes, self.memo = None, {}, {}
 
 
 def step_inputs(model: nn.Module, base: nn.Module) -> StepInputs:

@@ -164,7 +164,7 @@ class InfiniGenCache(Rebatch, Cache):
 
     def partial_query(self, layer: int, x: torch.Tensor, rope) -> torch.Tensor:
         """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p) (partial.py)."""
-        return self.pq(layer, x, rope, self.layers[layer].skew_p)
+        return self.pq(layer, x, rope, self.layers[layer].skew_p, self.arch.step.memo)
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
@@ -208,8 +208,6 @@ class InfiniGenCache(Rebatch, Cache):
     def rebatched(self) -> None:
         """Per-row accumulators fold into the host counters (a sync, between steps), memos start over."""
         self.counters.fold()
-        if self.pq is not None:
-            self.pq.reset()
         self.selection.reset()
 
     def reset(self):
@@ -217,6 +215,4 @@ class InfiniGenCache(Rebatch, Cache):
             transfer.reset()  # nothing in flight touches a pool from here on
         super().reset()
         self.counters.reset()
-        if self.pq is not None:
-            self.pq.reset()
         self.selection.reset()

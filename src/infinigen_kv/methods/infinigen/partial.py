@@ -43,15 +43,10 @@ class PartialQuery:
         self._rows_memo = {}  # layer -> its q_proj rows and channel maps on its device (rows_on)
         self._gathered = {}  # layer -> the kernel's contiguous copy of its q_proj rows (gathered)
         self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
-        self.reset()
 
-    def reset(self) -> None:
-        """Forget the current step's memos (a new batch)."""
-        self._rope_memo = (None, None, None)  # (cos tensor, cos, sin) of the current step (_step_rope)
-        self._rope_channels_memo = (None, None, None)  # (cos, cos at P, signed sin at P) of the current step
-
-    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None) -> torch.Tensor:
-        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p); skew_p (G, d, p): the layer's A_P."""
+    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None, memo: dict) -> torch.Tensor:
+        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p); skew_p (G, d, p): the layer's A_P; memo:
+        the step's (arch.StepInputs.memo), where what every layer of a step shares is made once."""
         a = self.arch
         B = x.shape[0]
         kern = kernels.cpu() if x.device.type == "cpu" and x.dtype == torch.float32 else None
@@ -62,9 +57,10 @@ class PartialQuery:
                 q = F.linear(x, self.weight[layer], self.bias[layer])  # (B, 1, H*p)
             return q.view(B, a.num_kv_heads, a.group, -1)
         if self.rows is not None and rope is not None:  # raw channels: only their q_proj rows
-            cos, sin = self._step_rope(rope, B)
+            kind = a.rope_types[layer] if a.rope_types is not None else None  # layers of one RoPE share it
+            cos, sin = self._step_rope(rope, B, memo, kind)
             if kern is None:
-                return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin)
+                return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin, memo, kind)
             proj = a.attns[layer].q_proj
             x = x.contiguous()
             return kern.partial_query(x.reshape(B, -1), self.gathered(layer), proj.bias, self.rows[layer],
@@ -72,7 +68,8 @@ class PartialQuery:
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return torch.matmul(q, skew_p.unsqueeze(0))  # (B, G, r, p)
 
-    def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, memo: dict,
+                            kind) -> torch.Tensor:
         """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels): x (B, D) times only the
         q_proj rows of the partial channels P and their rotate-half partners S (a copy of those rows made once per
         layer, on its device), then RoPE of P in float32, from cos and the signed sin of every layer's P gathered
@@ -84,7 +81,7 @@ class PartialQuery:
         if a.q_scale != 1.0:
             y = y * a.q_scale
         y = y.gather(-1, both.view(1, G, 1, p2).expand(B, G, a.group, p2))  # (B, G, r, 2p): [P, partners of P]
-        cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device)
+        cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device, memo, kind)
         p = p2 // 2
         return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
 
@@ -133,12 +130,12 @@ class PartialQuery:
         self._rows_memo[layer] = memo
         return memo
 
-    def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device):
+    def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device, memo: dict, kind):
         """cos and the rotate-half-signed sin (B, L, G, 1, p) at every layer's partial channels P, of a decode step's
-        cos, sin (B, d): gathered once a step for all layers (memoized on the step's cos tensor)."""
-        memo = self._rope_channels_memo
-        if memo[0] is cos:
-            return memo[1], memo[2]
+        cos, sin (B, d) of RoPE `kind`: gathered once a step for all layers (in the step's memo)."""
+        key = ("rope at P", kind, cos.shape[0], torch.device(device))
+        if key in memo:
+            return memo[key]
         if self._channels_all is None or self._channels_all[0].device != torch.device(device):
             P = torch.stack([c for c in self.channels])  # (L, G, p)
             sign = torch.where(P < self.arch.head_dim // 2, -1.0, 1.0)  # rotate-half: -x[c + d/2] below d/2
@@ -148,13 +145,14 @@ class PartialQuery:
         B = cos.shape[0]
         cos_p = cos.index_select(1, P.view(-1)).view(B, L, G, 1, p)
         ssin_p = (sin.index_select(1, P.view(-1)).view(B, L, G, p) * sign).view(B, L, G, 1, p)
-        self._rope_channels_memo = (cos, cos_p, ssin_p)
+        memo[key] = cos_p, ssin_p
         return cos_p, ssin_p
 
-    def _step_rope(self, rope, B: int):
-        """cos, sin (B, d) float32 of a decode step's position from rope (B or 1, 1, d): every layer of a
-        step shares the tuple, so converted once (the memo holds the tensor, so its identity is safe)."""
-        if self._rope_memo[0] is not rope[0] or self._rope_memo[1].shape[0] != B:
-            cos, sin = (t[:, -1].expand(B, -1).float().contiguous() for t in rope)
-            self._rope_memo = (rope[0], cos, sin)
-        return self._rope_memo[1], self._rope_memo[2]
+    @staticmethod
+    def _step_rope(rope, B: int, memo: dict, kind):
+        """cos, sin (B, d) float32 of a decode step's position from rope (B or 1, 1, d) of RoPE `kind`: the same for
+        every layer of that kind in a step, so converted once (in the step's memo)."""
+        key = ("rope", kind, B, rope[0].device)
+        if key not in memo:
+            memo[key] = tuple(t[:, -1].expand(B, -1).float().contiguous() for t in rope)
+        return memo[key]

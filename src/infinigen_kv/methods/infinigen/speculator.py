@@ -139,7 +139,6 @@ class Speculate:
     whole = False  # fetches chosen rows (by index), not whole pasts
 
     def __init__(self):
-        self._memo = {}  # window -> (key, keep, {budget: caps}) of the current decode step (step_keep)
         self._dense_step = False  # this decode step's past is under every layer's cap (_under_floor)
 
     def dense(self, cache, layer_idx: int) -> bool:
@@ -230,15 +229,13 @@ class Speculate:
                   budget: float):
         """keep (B, 1, seen) of `layer` (layer_keep) and, if with_caps, the per-row caps (B, G) of the CPU
         kernel at `budget`: the same for every layer of a decode step with the same window (and budget), so
-        computed once per step."""
-        mask = keep_source(cache.arch, attention_mask)
-        window = cache.arch.windows[layer]
-        key = (None if mask is None else mask.data_ptr() if torch.is_tensor(mask) else id(mask), seen, dev, B, G)
-        memo = self._memo.get(window)
-        if memo is None or memo[0] != key:
-            keep = layer_keep(cache.arch, layer, mask, seen, B, dev)
-            memo = self._memo[window] = (key, None if keep is None else keep.contiguous(), {})
-        keep, caps = memo[1], memo[2]
+        computed once per step (kept in the step's own StepInputs, which the step clears when it ends)."""
+        memo = cache.arch.step.memo
+        key = ("keep", cache.arch.windows[layer], seen, dev, B, G)
+        if key not in memo:
+            keep = layer_keep(cache.arch, layer, keep_source(cache.arch, attention_mask), seen, B, dev)
+            memo[key] = (None if keep is None else keep.contiguous(), {})
+        keep, caps = memo[key]
         if keep is None or not with_caps:
             return keep, None
         if budget not in caps:
@@ -247,4 +244,4 @@ class Speculate:
         return keep, caps[budget]
 
     def reset(self) -> None:
-        self._memo = {}
+        """Nothing kept across steps."""
