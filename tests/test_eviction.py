@@ -103,8 +103,8 @@ def test_victim_fetched_this_step_is_attended_not_the_new_token_twice(tiny_model
     layer = cache.layers[2]
     view = layer.view
 
-    def spy(k, v):
-        got = view(k, v)
+    def spy(k, v, fetch=None):
+        got = view(k, v, fetch)
         if k.shape[2] == 1:
             K, m = got.keys, got.mask  # mask None: every slot is real
             sets.append((K.clone(), torch.ones(K.shape[0], K.shape[1], 1, K.shape[2], dtype=torch.bool) if m is None else m.clone()))

@@ -86,8 +86,9 @@ def test_a_foreign_cache_decodes_through_the_forward(tiny_models):
 
 
 def test_the_working_set_reaches_attention_as_a_value(tiny_models, monkeypatch):
-    """A layer's view (model/kv.py) is what attention reads: after decode steps of every method no layer holds a
-    working set, its mask, its chosen rows or a key offset for the attention function to find."""
+    """A layer's view (model/kv.py) is what attention reads and a selection's fetch is handed to the layer's view:
+    after decode steps of every method no layer holds a working set, its mask, its chosen rows, a key offset or a
+    pending fetch for another module to find."""
     model = copy.deepcopy(tiny_models["llama-gqa"])
     fast_cpu_linears(model, weights="bfloat16")
     ids, mask = left_padded_batch(lengths=(40, 33, 21))
@@ -95,5 +96,6 @@ def test_the_working_set_reaches_attention_as_a_value(tiny_models, monkeypatch):
         cache = ig.make_cache(method, model, **METHODS[method])
         ig.generate(model, ids, mask, cache=cache, max_new_tokens=4, stop_at_eos=False)
         for layer in cache.layers:
-            left = {"working", "work_mask", "fused", "kv_offset", "selection", "new_slot"} & set(dir(layer))
+            left = {"working", "work_mask", "fused", "kv_offset", "selection", "new_slot", "pending"} & set(dir(layer))
             assert not left, (method, left)
+        assert "keep_mask" not in dir(cache), method  # a prompt's valid positions reach each layer's view as a value

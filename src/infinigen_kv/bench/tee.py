@@ -27,11 +27,12 @@ class TeeLayer(LogicalLayer):
         """Nothing of its own: the caches in it make their buffers."""
 
     @torch.no_grad()
-    def view(self, key_states, value_states) -> KVView:
+    def view(self, key_states, value_states, fetch=None) -> KVView:
         if self.is_initialized:
             raise NotImplementedError("a TeeCache serves one prefill forward; decode with each cache in it")
         self.is_initialized = True
-        views = [layer.view(key_states, value_states) for layer in self.children]
+        fetches = fetch if fetch is not None else (None,) * len(self.children)  # each cache's own (before_attention)
+        views = [layer.view(key_states, value_states, f) for layer, f in zip(self.children, fetches)]
         # the first cache's keys (every prefill attends over the prompt itself); the weights to each that scores them
         return dataclasses.replace(views[0], scores=self if self.needs_probs else None)
 
@@ -57,6 +58,7 @@ class TeeCache(Cache):
             if hasattr(c, "reserve"):
                 c.reserve(tokens)
 
-    def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
-        for c in self.caches:
-            c.before_attention(layer_idx, x, rope, attention_mask)
+    def before_attention(self, layer_idx, x, rope, attention_mask) -> list:
+        """Every cache's; what each starts for a layer goes to that layer as a tuple, one entry per cache."""
+        started = [dict(c.before_attention(layer_idx, x, rope, attention_mask)) for c in self.caches]
+        return [(i, tuple(s.get(i) for s in started)) for i in sorted(set().union(*started))]

@@ -30,9 +30,10 @@ class LogicalLayer(CacheLayerMixin):
     window = None
     offset = 0
 
-    def view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> KVView:
+    def view(self, key_states: torch.Tensor, value_states: torch.Tensor, fetch=None) -> KVView:
         """Store the new k, v (B, G, T, d) and return what attention reads for this forward (model/kv.py): here,
-        what `update` returns, read with the model's mask."""
+        what `update` returns, read with the model's mask. fetch: what an earlier layer's selection started for
+        this one (a decode step of a method that selects)."""
         return KVView(*self.update(key_states, value_states))
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -157,9 +158,11 @@ class Rebatch:
     limited = False  # its pool has a capacity: a prompt may overflow it (InfiniGen with capacity)
     track_recall = False  # the attention function reports each step's true attention (InfiniGen's recall diagnostic)
 
-    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
-        """Called from layer l's attention pre-hook with its input x (B, T, D) (model/install.py): a method
-        that chooses what a step reads does it here; the hook then hands the cache to the attention function."""
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
+        """Called by layer l's attention block with its input x (B, T, D) (model/attention.py): a method that
+        chooses what a step reads does it here, and returns what it started for later layers, (layer, fetch)
+        each; the block hands each to that layer's view."""
+        return []
 
     @torch.inference_mode()  # the buffers were made under it (a prefill): only written in place under it
     def join(self, other, room: int = 0) -> None:

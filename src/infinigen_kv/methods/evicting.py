@@ -53,7 +53,7 @@ class EvictingLayer(LogicalLayer):
         return self.cache.entries(self.n_valid)  # (B,)
 
     @torch.no_grad()
-    def view(self, key_states, value_states) -> KVView:
+    def view(self, key_states, value_states, fetch=None) -> KVView:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
@@ -61,7 +61,7 @@ class EvictingLayer(LogicalLayer):
             raise NotImplementedError(f"{self.cache.method}: a multi-token forward after decoding has started "
                                       "is not supported (evicted entries are gone); use a new cache per prompt")
         if self.seen == 0 or T > 1:  # prefill: keep everything for now, attend over everything
-            keep = self.cache.keep_mask  # (B, T) valid positions of this forward, or None
+            keep = fetch  # (B, T) valid positions of this forward (the cache's before_attention), or None
             B, G = key_states.shape[:2]
             for buf, x in ((self.k, key_states), (self.v, value_states)):
                 buf.append(x)
@@ -188,7 +188,6 @@ class EvictingCache(Rebatch, Cache):
         check_min_budget(min_budget)
         self.budget, self.min_budget = budget, min_budget  # keep max(budget x seen, min_budget) entries
         self.arch = install(model)
-        self.keep_mask = None  # (B, T) valid positions of the current forward, set by the pre-hook
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
 
     def prefix_facts(self) -> None:
@@ -206,13 +205,15 @@ class EvictingCache(Rebatch, Cache):
         check_budget(budget)
         self.budget = budget
 
-    def before_attention(self, layer_idx, x, rope, attention_mask) -> None:
-        """The pre-hook: remember which positions of this forward are valid (padding excluded)."""
-        if layer_idx == 0:  # (not layer 0's window: keep_source)
-            mask = keep_source(self.arch, attention_mask)
-            self.keep_mask = valid_keys(mask, self.layers[0].get_seq_length() + x.shape[1])
-            if self.keep_mask is not None and x.shape[1] > 1:
-                self.keep_mask = self.keep_mask[:, -x.shape[1]:]
+    def before_attention(self, layer_idx, x, rope, attention_mask) -> list:
+        """A prompt's forward, at layer 0: which of its positions are valid (padding excluded), (B, T) or None, for
+        every layer's view (they keep the entries a policy ranks highest among those)."""
+        if layer_idx != 0 or x.shape[1] == 1:
+            return []
+        mask = keep_source(self.arch, attention_mask)  # (not layer 0's window: keep_source)
+        keep = valid_keys(mask, self.layers[0].get_seq_length() + x.shape[1])
+        keep = keep[:, -x.shape[1]:] if keep is not None else None
+        return [(i, keep) for i in range(len(self.layers))]
 
     @property
     def stats(self) -> dict:

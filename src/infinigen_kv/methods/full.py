@@ -33,7 +33,7 @@ class FullLayer(LogicalLayer):
         self.is_initialized = True
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def view(self, key_states, value_states) -> KVView:
+    def view(self, key_states, value_states, fetch=None) -> KVView:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.k.length == 0

@@ -36,7 +36,7 @@ def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask) -> torch.T
     (B, T, D) after the output projection. The model's forward (install.py) and the decode step both run it."""
     a = arch.attns[i]
     B, T, _ = h.shape
-    cache.before_attention(i, h, rope, mask)  # the next layer's selection, chosen now (its fetch starts)
+    arch.step.fetches.update(cache.before_attention(i, h, rope, mask))  # the next layer's fetch, started now
     q = a.q_proj(h) * arch.q_scale if arch.q_scale != 1.0 else a.q_proj(h)  # OPT scales q before the scores
     q, k, v = (t.view(B, T, -1, arch.head_dim) for t in (q, a.k_proj(h), a.v_proj(h)))
     if arch.qk_norm:  # per-head RMSNorm of q and k (Qwen3, Gemma 3), before RoPE
@@ -44,15 +44,17 @@ def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask) -> torch.T
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
     if arch.rope:
         q, k = apply_rope(q, rope), apply_rope(k, rope)  # transformers' apply_rotary_pos_emb
-    out = attend_layer(a, cache, i, q, k, v, mask, arch.score_scale, arch.windows[i])  # (B, T, H, d)
+    out = attend_layer(a, cache, i, q, k, v, mask, arch.score_scale, arch.windows[i],
+                       arch.step.fetches.pop(i, None))  # (B, T, H, d)
     o = a.out_proj if arch.model_type == "opt" else a.o_proj
     return o(out.reshape(B, T, -1).contiguous())
 
 
-def attend_layer(module, cache, i: int, q, k, v, mask, scaling: float, window) -> torch.Tensor:
-    """Layer i's new q (B, H, T, d), k, v (B, G, T, d) through the cache: its layer's view (which stores k, v),
-    attention over it, and the recall diagnostic where the cache tracks it. -> (B, T, H, d)"""
-    view = cache.layers[i].view(k, v)
+def attend_layer(module, cache, i: int, q, k, v, mask, scaling: float, window, fetch) -> torch.Tensor:
+    """Layer i's new q (B, H, T, d), k, v (B, G, T, d) through the cache: its layer's view (which stores k, v;
+    fetch: what an earlier layer's before_attention started for it), attention over it, and the recall diagnostic
+    where the cache tracks it. -> (B, T, H, d)"""
+    view = cache.layers[i].view(k, v, fetch)
     out, _ = attend(module, q, view, mask, scaling, 0.0, sliding_window=window)
     if view.selected and cache.track_recall:
         B, H, _, d = q.shape

@@ -50,7 +50,7 @@ def install(model) -> Arch:
         return get_arch(model)
     arch = get_arch(model)
     register()
-    step_inputs(model, arch.base)
+    arch.step = step_inputs(model, arch.base)
     for i, attn in enumerate(arch.attns):
         attn.forward = _attention_forward(arch, i, attn.forward)
     try:

@@ -176,12 +176,12 @@ def _kernel_layers(model, arch, cache, kern, x, rope, masks, plans) -> torch.Ten
         nq, nk = split[0] // d, split[1] // d
         h = _norm(layer.input_layernorm, x)
         mask4 = masks[arch.windows[i]]
-        cache.before_attention(i, h.view(B, 1, -1), rope, mask4)  # what the self_attn pre-hook does
+        arch.step.fetches.update(cache.before_attention(i, h.view(B, 1, -1), rope, mask4))  # the next layer's fetch
         qkv = kern.linear(h, wqkv, bqkv)  # (B, (H + 2G) d)
         kern.rope_(qkv, cos, sin, nq + nk)  # q and k rotated in place, as apply_rope
         qkv = qkv.view(B, 1, -1, d).transpose(1, 2)  # (B, H + 2G, 1, d)
         out = attend_layer(a, cache, i, qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :], mask4, a.scaling,
-                           arch.windows[i])  # (B, 1, H, d)
+                           arch.windows[i], arch.step.fetches.pop(i, None))  # (B, 1, H, d)
         x = kern.linear(out.reshape(B, -1).contiguous(), wo, bo, x)  # x + o_proj(out)
         h = _norm(layer.post_attention_layernorm, x)
         gu = kern.linear(h, wgu, None)  # (B, 2F): gate, up

@@ -167,21 +167,25 @@ class InfiniGenCache(Rebatch, Cache):
         return self.pq(layer, x, rope, self.layers[layer].skew_p, self.arch.step.memo)
 
     @torch.no_grad()
-    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> None:
-        """Called from layer l's attention pre-hook with its input x (B, T, D): a decode step's selection chooses
-        what the next layer(s) fetch, and their prefetch starts; a prefill into a pool with a capacity notes its
-        last query (a prompt larger than the pool keeps what that query would fetch: InfiniGenLayer.prefill_keep)."""
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
+        """Called by layer l's attention block with its input x (B, T, D): a decode step's selection chooses what
+        the next layer(s) fetch, and their prefetch starts; returns them, (layer, Fetch) each, for those layers'
+        views. A prefill into a pool with a capacity notes its last query (a prompt larger than the pool keeps
+        what that query would fetch: InfiniGenLayer.prefill_keep)."""
         if x.shape[1] != 1:
             if self.limited and layer_idx > 0:
                 last = tuple(t[:, -1:] for t in rope) if rope is not None else None
                 keep = valid_keys(attention_mask, x.shape[1])  # the layer's own mask: its last query's keys
                 self.layers[layer_idx].prefill_query = (x[:, -1:], last, None if keep is None else keep.unsqueeze(1))
-            return
+            return []
+        started = []
         for nxt, fetch in self.selection.choose(self, layer_idx, x, rope, attention_mask):
-            self.prefetch(self.layers[nxt], fetch)
+            self.prefetch(self.layers[nxt], fetch)  # started before the next one is scored
+            started.append((nxt, fetch))
+        return started
 
     def prefetch(self, target: InfiniGenLayer, fetch: Fetch) -> None:
-        """Count `fetch` (target's chosen slots) and start it; target's update picks it up."""
+        """Count `fetch` (target's chosen slots) and start it; target's view is handed it."""
         self.counters.count_fetch(target, fetch)
         if target.slots is not None:
             target.slots.record(fetch.idx, fetch.real_mask())

@@ -104,8 +104,7 @@ class CudaTransfer:
                 count_host.copy_(fetch.count, non_blocking=True)
         selected = self._record(self.events[layer.layer_idx]["selected"])  # after the selection and the copies
         job = submit_inference(self.worker, self._gather_copy, layer, slot, idx_host, count_host, m, selected)
-        fetch.rows = (slot, job)
-        layer.pending = fetch
+        fetch.rows = (slot, job)  # the fetch carries what is in flight to the layer's view
 
     def _gather_copy(self, layer, slot: int, idx_host, count_host, m: int, selected):
         """Worker thread: rows idx_host of `layer`'s pool -> pinned slot -> device slot (side stream); only
@@ -168,8 +167,7 @@ class CudaTransfer:
             record_stream(t, self.stream)
         ring.used[slot] = True
         self.bytes_moved += dk.nbytes + dv.nbytes
-        fetch.rows = (slot, dk, dv, done)
-        layer.pending = fetch
+        fetch.rows = (slot, dk, dv, done)  # the fetch carries what is in flight to the layer's view
 
     def _view(self, layer, name: str, buf):
         """A device view (B * G * capacity, width) of a pinned pool buffer's store, made again when the store

@@ -1,6 +1,6 @@
 """A layer of InfiniGenCache: its K/V in the host pool (layer 0 and a model's local layers: on the compute
 device, attended whole), its partial key cache, and the decode step's hand-off from the speculation: `view`
-takes the rows the previous layer's speculation chose (`pending`, started by the cache) and returns the working
+takes the rows the previous layer's speculation chose (a Fetch, started by the cache) and returns the working
 set attention reads, as a KVView (model/kv.py).
 """
 
@@ -27,7 +27,6 @@ class InfiniGenLayer(LogicalLayer):
         # A dense layer with a sliding window (Gemma's local layers) keeps only the window (LogicalLayer.slide),
         # not the whole context: on a GPU it stays on the device at the window's size.
         self.window = cache.arch.windows[layer_idx] if self.dense else None
-        self.pending = None  # Fetch of this step, set by the previous layer's selection
         self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
         self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
         self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
@@ -84,12 +83,13 @@ class InfiniGenLayer(LogicalLayer):
         self.transfer.init_layer(self, self.k.batch, self.k.heads, rows, not selection.whole)
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def view(self, key_states, value_states) -> KVView:
+    def view(self, key_states, value_states, fetch=None) -> KVView:
+        """fetch: the rows the previous layer's selection chose for this decode step, its prefetch started."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         transfer = self.transfer
         past, T = self.seen, key_states.shape[2]
-        pending, self.pending = self.pending, None
+        pending = fetch
         if pending is not None:
             pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
         if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
@@ -233,7 +233,7 @@ class InfiniGenLayer(LogicalLayer):
 
     def _clear_step(self) -> None:
         """Forget the last step's fetch (sized for the batch it ran with)."""
-        self.pending = self.prefill_query = self.mirror = None
+        self.prefill_query = self.mirror = None
 
     def reset(self) -> None:
         self.seen = self.offset = 0

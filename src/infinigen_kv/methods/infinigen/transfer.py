@@ -30,7 +30,7 @@ class DirectTransfer:
         self.scratch = Scratch("cpu")  # the gathered working set, shared by all layers (sequential)
 
     def prefetch(self, layer, fetch: Fetch) -> None:
-        layer.pending = fetch
+        """Nothing to start: the layer's view reads the chosen rows when it runs."""
 
     def ready(self, layer, fetch: Fetch) -> Fetch:
         """`fetch` once the prefetch of `layer` is complete (at once: nothing is in flight)."""
