@@ -25,17 +25,15 @@ NAME = "infinigen"
 HOOK_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")  # what the forward reads
 
 
-def _attention_forward(arch, i: int, original):
-    """Layer i's self_attn forward: with one of our caches the attention block (attention.py), the model's own
-    forward otherwise."""
-    def forward(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        if getattr(cache, "before_attention", None) is None:  # not one of our caches
-            return original(*args, **kwargs)
-        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        return attention_block(arch, cache, i, h, kwargs.get("position_embeddings"), kwargs.get("attention_mask")), None
-
-    return forward
+def _attention_forward(self, *args, **kwargs):
+    """A self_attn's forward: with one of our caches the attention block (attention.py), the model's own forward
+    otherwise. Bound to the module (a deep copy of the model gets its own, with its copy of the Arch)."""
+    cache = kwargs.get("past_key_values")
+    if getattr(cache, "before_attention", None) is None:  # not one of our caches
+        return type(self).forward(self, *args, **kwargs)
+    h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    return attention_block(self._infinigen_arch, cache, self.layer_idx, h, kwargs.get("position_embeddings"),
+                           kwargs.get("attention_mask")), None
 
 
 def register() -> None:
@@ -51,8 +49,9 @@ def install(model) -> Arch:
     arch = get_arch(model)
     register()
     arch.step = step_inputs(model, arch.base)
-    for i, attn in enumerate(arch.attns):
-        attn.forward = _attention_forward(arch, i, attn.forward)
+    for attn in arch.attns:
+        attn._infinigen_arch = arch
+        attn.forward = types.MethodType(_attention_forward, attn)
     try:
         model.set_attn_implementation(NAME)
     except Exception:
