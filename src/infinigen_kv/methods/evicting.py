@@ -4,8 +4,8 @@ Each layer keeps at most cap_b = max(ceil(budget x valid tokens seen), min_budge
 [0, kept_b) of compact buffers, with each entry's original position (and, for H2O, its accumulated
 attention). After the prefill, which attends over everything, the layer keeps the cap_b entries the
 policy ranks highest; each decode step the new token takes a free slot while kept_b < cap_b, else the
-slot of the entry the policy evicts. Attention runs over the slots with a slot mask, through the
-registered attention function, like InfiniGen's working set.
+slot of the entry the policy evicts. Attention runs over the slots with a slot mask, handed to it in the
+layer's view (model/kv.py) like InfiniGen's working set.
 """
 
 from __future__ import annotations

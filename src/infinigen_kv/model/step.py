@@ -164,7 +164,7 @@ def _logits(model, arch, x: torch.Tensor) -> torch.Tensor:
 def _kernel_layers(model, arch, cache, kern, x, rope, masks, plans) -> torch.Tensor:
     """The decoder layers of a few rows through the kernels, ~10 calls a layer: RMSNorm, q k v in one linear, RoPE
     of q and k in place, the cache and attention, o with the residual added, RMSNorm, gate and up in one linear,
-    silu(gate) * up, down with the residual added. x (B, 1, D) -> logits (B, V); the same bits as the loop above
+    silu(gate) * up, down with the residual added. x (B, 1, D) -> logits (B, V); the same bits as `_layers`
     (each kernel computes what the PyTorch ops it replaces compute, tests/test_step.py)."""
     base, B = model.model, x.shape[0]
     cos, sin = rope
