@@ -42,10 +42,10 @@ def register() -> None:
 
 
 def install(model) -> Arch:
-    """Hooks + attention implementation on `model`, once (idempotent); its Arch (UnsupportedModelError for an
-    architecture without an adapter)."""
+    """Hooks + attention implementation on `model`, once (idempotent); its Arch, made once (UnsupportedModelError
+    for an architecture without an adapter). Cheap once installed: the decode step asks for it every step."""
     if getattr(model, "_infinigen_installed", False):
-        return get_arch(model)
+        return model._infinigen_arch
     arch = get_arch(model)
     register()
     arch.step = step_inputs(model, arch.base)
@@ -56,8 +56,9 @@ def install(model) -> Arch:
         model.set_attn_implementation(NAME)
     except Exception:
         model.config._attn_implementation = NAME
+    model._infinigen_arch = arch  # (a deep copy of the model gets its copy, with its own modules)
     model._infinigen_installed = True
-    return get_arch(model)
+    return arch
 
 
 PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows

@@ -18,9 +18,8 @@ import os
 import torch
 
 from . import kernels
-from .arch import apply_rope, get_arch
 from .attention import attend_layer, attention_block
-from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear
+from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear, install
 
 KERNEL_TYPES = ("llama", "mistral", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no QK-norm
 ENABLED = os.environ.get("INFINIGEN_OWN_STEP", "1") != "0"
@@ -64,7 +63,7 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
     """ids (B,) at positions (B, 1), mask (B, n + 1) of the padded past and this token (None: nothing padded)
     -> logits (B, V), the cache appended to, as model(input_ids=ids[:, None], ...) would."""
     _prefilling.set(False)  # the linears' decode path (a forward's pre-hook would set it)
-    arch = get_arch(model)
+    arch = install(model)  # (installed: supports)
     base, B = arch.base, ids.shape[0]
     masks = _masks(arch, mask, B, cache.get_seq_length() + 1)
     inputs = arch.step  # what speculation reads of the step (StepInputs): the model's mask, each layer type's RoPE

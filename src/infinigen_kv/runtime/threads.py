@@ -20,6 +20,8 @@ runs fix the count: `set_threads(n)` (`--threads N`) does, and turns the tuning 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 
 import torch
@@ -138,3 +140,28 @@ def watch(device: torch.device | None = None) -> None:
 def decode_step(device: torch.device | None = None) -> None:
     """Called by the decode loops after each step (generation.generate, the server's engine)."""
     TUNER.step(device)
+
+
+def on_own_thread(build, run, name: str):
+    """build() on a new (daemon) thread, its result returned here (its exception raised here), then run(result) on
+    that thread. A server's tensor work all on one thread: each thread that runs PyTorch's parallel ops keeps an
+    OpenMP team of its own, and once the teams hold more threads than there are cores, libgomp stops spinning
+    between parallel regions and sleeps at every one (a decode step has hundreds): the server's decode steps ran
+    ~1.4x slower after the main thread had loaded the model (docs/BENCHMARKS.md, "The server runs the decode
+    step")."""
+    made = queue.Queue()
+
+    def thread() -> None:
+        try:
+            result = build()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            made.put(e)
+            return
+        made.put(result)
+        run(result)
+
+    threading.Thread(target=thread, name=name, daemon=True).start()
+    result = made.get()
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -111,30 +110,15 @@ class Engine:
 
     @classmethod
     def on_one_thread(cls, load, *args, **kwargs) -> "Engine":
-        """An engine made and run on one thread: load() -> (model, tokenizer) runs there, then the engine (its
-        calibration and probe) and its worker loop; the Engine's arguments follow. Every tensor operation of the
-        server then runs on that thread. Each thread that runs PyTorch's parallel ops keeps an OpenMP team of its
-        own, and once the teams hold more threads than there are cores, libgomp stops spinning between parallel
-        regions and puts its threads to sleep at every one (a decode step has hundreds): the worker's decode steps
-        ran ~1.4x slower after the main thread had loaded the model (scripts/serve_speed.py)."""
-        made = queue.Queue()
-
-        def run() -> None:
-            try:
-                model, tokenizer = load()
-                engine = cls(model, tokenizer, *args, start=False, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-                made.put(e)
-                return
+        """An engine made and run on one thread (threads.on_own_thread: every tensor operation of the server there):
+        load() -> (model, tokenizer), then the engine (its calibration and probe) and its worker loop; the Engine's
+        arguments follow."""
+        def build() -> "Engine":
+            engine = cls(*load(), *args, start=False, **kwargs)
             engine.thread = threading.current_thread()
-            made.put(engine)
-            engine._work()
+            return engine
 
-        threading.Thread(target=run, name="infinigen-engine", daemon=True).start()
-        engine = made.get()
-        if isinstance(engine, BaseException):
-            raise engine
-        return engine
+        return threads.on_own_thread(build, lambda engine: engine._work(), "infinigen-engine")
 
     def _prefix_store(self, probe, memory_bytes, disk_dir, disk_bytes) -> tuple[PrefixStore | None, str | None]:
         """The prefix store (on by default in memory: its limit the pool's, which it gives back on demand) and, when
