@@ -71,7 +71,7 @@ def main():
         timed(kernels._module, "linear", "linear kernel (all decode linears)")
         timed(kernels._module, "partial_query", "  partial query kernel")
         timed(kernels._module, "rms_norm", "rms_norm kernel")
-    timed(layer_mod.InfiniGenLayer, "view", "view (pool append, fetch)")
+    timed(layer_mod.PoolLayer, "view", "view (pool append, fetch)")
     timed(attention_mod, "attend", "attention")
     x = torch.full((B, 1), 100)
     for method, cache in caches.items():

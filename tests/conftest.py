@@ -216,6 +216,6 @@ def on_fake_cuda(cache, uva: bool = True):
     from infinigen_kv.methods.infinigen.cuda_transfer import CudaTransfer
 
     transfer = CudaTransfer("cpu", cuda=FakeCuda(), pin=False, uva=uva)
-    cache._transfers = {torch.device("cpu"): transfer}
+    cache.transfers.by_device = {torch.device("cpu"): transfer}
     cache.transfer = transfer
     return transfer

@@ -11,13 +11,14 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch, on_fake_cuda, tiny_model
+from infinigen_kv.methods.infinigen.layer import partial_dtype
 from infinigen_kv.model import kernels
 
 
 @pytest.fixture
 def device_path(monkeypatch):
     """No CPU kernels: the PyTorch code a GPU runs (scores, select, partial query rows, attention)."""
-    monkeypatch.setattr(kernels, "cpu", lambda: None)
+    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend (INFINIGEN_KERNELS=0)
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +259,5 @@ def test_scores_are_float32_on_every_device(model):
     assert s.dtype == torch.float32
     torch.testing.assert_close(s, q.float() @ k.float().transpose(-1, -2) * 0.5)
     cache = ig.make_cache("infinigen", model, budget=0.3)
-    assert cache.partial_dtype(torch.bfloat16, torch.device("cuda")) == torch.float32
-    cache.config = cache.config.__class__(**{**cache.config.__dict__, "partial_dtype": "model"})
-    assert cache.partial_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert partial_dtype(cache.config.partial_dtype, torch.bfloat16, torch.device("cuda")) == torch.float32
+    assert partial_dtype("model", torch.bfloat16, torch.device("cuda")) == torch.bfloat16

@@ -135,7 +135,7 @@ def test_device_map_per_layer_devices(tmp_path):
     torch.testing.assert_close(step_logits(model, cache, ids, mask, steps=4), ref, atol=1e-4, rtol=1e-4)
     for i, layer in enumerate(cache.layers):
         assert layer.device == model.model.layers[i].self_attn.q_proj.weight.device
-        assert layer.transfer is cache.transfer_for(layer.device)
+        assert layer.transfer is cache.transfers.for_device(layer.device)
 
 
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
@@ -150,8 +150,8 @@ def test_prompt_larger_than_the_pool(tiny_models, eviction):
     for layer in cache.layers[1:]:
         keep = layer.prefill_keep
 
-        def spy(k, n, layer=layer, keep=keep):
-            seen[layer.layer_idx] = out = keep(k, n)
+        def spy(k, n, query, layer=layer, keep=keep):
+            seen[layer.layer_idx] = out = keep(k, n, query)
             return out
 
         layer.prefill_keep = spy

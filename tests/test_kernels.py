@@ -87,7 +87,7 @@ def test_store_token_writes_what_the_separate_appends_write():
 def test_decode_stores_a_token_in_one_kernel_call(tiny_models, monkeypatch):
     """With int8 partial keys a decode step stores each pool layer's token through store_token, and the cache holds
     the bytes the separate appends would have written (the same logits, rows and partial rows)."""
-    from infinigen_kv.methods.infinigen.layer import InfiniGenLayer
+    from infinigen_kv.methods.infinigen.layer import PoolLayer
 
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
@@ -97,7 +97,7 @@ def test_decode_stores_a_token_in_one_kernel_call(tiny_models, monkeypatch):
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(InfiniGenLayer, "append_token", lambda self, k, v: False)
+            monkeypatch.setattr(PoolLayer, "append_token", lambda self, k, v: False)
         cache = ig.make_cache("infinigen", model, partial_dtype="int8", alpha=4.0, budget=0.3, min_budget=0)
         runs.append((step_logits(model, cache, ids, mask, steps=4), cache.layers[2]))
     pool_layers = model.config.num_hidden_layers - 1  # layer 0 is dense, without partial keys
@@ -319,7 +319,7 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
         for layer, rope in [(1, ropes[0]), (len(cache.layers) - 1, ropes[-1])]:  # RoPE per row, or one for all
             cache.layers[layer].skew_p = cache.skew_partial[layer]
             got = cache.partial_query(layer, x, rope)
-            monkeypatch.setattr(kernels, "cpu", lambda: None)
+            monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
             expect = cache.partial_query(layer, x, rope)
             monkeypatch.undo()
             torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
@@ -334,7 +334,7 @@ def test_partial_key_storage(tiny_models, monkeypatch):
     for option, kernel, expect in [("auto", True, torch.int8), ("bfloat16", True, torch.bfloat16),
                                    ("model", True, torch.float32), ("auto", False, torch.float32)]:
         if not kernel:
-            monkeypatch.setattr(kernels, "cpu", lambda: None)
+            monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
         cache = ig.make_cache("infinigen", model, partial_dtype=option, budget=1.0, alpha=1e9)
         torch.testing.assert_close(step_logits(model, cache, ids, mask), ref, atol=1e-4, rtol=1e-4)
         assert cache.layers[1].partial.data.dtype == expect
@@ -348,7 +348,7 @@ def test_bf16_weights_default(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
     assert not bf16_weights("float32", cpu) and not bf16_weights(None, cuda)
-    monkeypatch.setattr(kernels, "cpu", lambda: None)
+    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
     assert not bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
 
 

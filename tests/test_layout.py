@@ -128,3 +128,30 @@ def test_moved_modules_still_import_with_a_pointer():
     with pytest.raises(ModuleNotFoundError, match="methods.infinigen"):
         importlib.import_module("infinigen_kv.calibrate")
     assert callable(ig.calibrate)
+
+
+PROBED = {"cache", "layer", "target", "transfer", "self", "other", "b", "buf", "selection"}  # caches and their parts
+
+
+def test_no_capability_probes_and_one_backend():
+    """In model/, runtime/ and methods/: no hasattr/getattr of a named attribute on a cache, a layer, a buffer, a
+    transfer or a selection (each declares what it has: model/kv.StepCache, the Protocols of
+    methods/infinigen/contracts.py, class traits), and the CPU kernels are looked up by model/backend.py only."""
+    bad = []
+    for name, (path, tree) in modules().items():
+        if name.split(".")[0] not in ("model", "runtime", "methods"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in ("getattr", "hasattr") and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant)):
+                owner = node.args[0]
+                owner = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+                if owner in PROBED:
+                    bad.append(f"{path.name}:{node.lineno} {f.id}({owner}, {node.args[1].value!r})")
+            if (isinstance(f, ast.Attribute) and f.attr == "cpu" and isinstance(f.value, ast.Name)
+                    and f.value.id == "kernels" and name not in ("model.backend", "model.kernels")):
+                bad.append(f"{path.name}:{node.lineno} kernels.cpu() outside model/backend.py")
+    assert not bad, bad

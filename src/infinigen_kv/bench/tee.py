@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..methods.base import LogicalLayer
-from ..model.kv import KVView
+from ..model.kv import KVView, StepCache
 
 
 class TeeLayer(LogicalLayer):
@@ -45,7 +45,7 @@ class TeeLayer(LogicalLayer):
         return self.children[0].get_seq_length()
 
 
-class TeeCache(Cache):
+class TeeCache(StepCache, Cache):
     """`TeeCache(caches)`: a prefill through it lands in every cache of the list (same model; caches of methods
     that declare `shares_prefill`, all made of methods/base.LogicalLayer)."""
 
@@ -55,8 +55,7 @@ class TeeCache(Cache):
 
     def reserve(self, tokens: int) -> None:
         for c in self.caches:
-            if hasattr(c, "reserve"):
-                c.reserve(tokens)
+            c.reserve(tokens)
 
     def before_attention(self, layer_idx, x, rope, attention_mask) -> list:
         """Every cache's; what each starts for a layer goes to that layer as a tuple, one entry per cache."""

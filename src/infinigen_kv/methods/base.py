@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..model.install import install
-from ..model.kv import KVView
+from ..model.kv import KVView, StepCache
 from .rows import PIN_ROUNDING, release_pinned
 
 
@@ -99,7 +99,7 @@ class LogicalLayer(CacheLayerMixin):
         pinned allocator rounds a block up: the admission's cost model must not let pinned memory outgrow RAM)."""
         if not self.is_initialized:
             return 0
-        return sum(b.heads * b.width * b.data.element_size() * (PIN_ROUNDING if getattr(b, "pin", False) else 1)
+        return sum(b.heads * b.width * b.data.element_size() * (PIN_ROUNDING if b.pin else 1)
                    for b in self.row_buffers())
 
     def buffer_bytes(self) -> int:
@@ -148,21 +148,15 @@ def window_state(window: int, block: int, blocks: int) -> tuple[int, int]:
     return offset, length
 
 
-class Rebatch:
+class Rebatch(StepCache):
     """Continuous batching for a Cache of LogicalLayers: between decode steps, sequences prefilled in a cache
     of their own join a running one (`join`) and finished ones leave it (`retain`). Rows are left-padded to
     a common length (the caller's attention mask marks the padding); `room` is capacity for that many more
     tokens per sequence, allocated now so that no buffer grows inside the decode steps that follow."""
 
     method = None  # the registry's name of the method (methods/registry.py)
+    arch = None  # the model's Arch (model/arch.py), where the method keeps it
     limited = False  # its pool has a capacity: a prompt may overflow it (InfiniGen with capacity)
-    track_recall = False  # the attention function reports each step's true attention (InfiniGen's recall diagnostic)
-
-    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
-        """Called by layer l's attention block with its input x (B, T, D) (model/attention.py): a method that
-        chooses what a step reads does it here, and returns what it started for later layers, (layer, fetch)
-        each; the block hands each to that layer's view."""
-        return []
 
     @torch.inference_mode()  # the buffers were made under it (a prefill): only written in place under it
     def join(self, other, room: int = 0) -> None:
@@ -205,8 +199,7 @@ class Rebatch:
 
     def shared(self) -> dict:
         """deepcopy memo of what a fork shares with this cache: id -> the object itself."""
-        arch = getattr(self, "arch", None)
-        return {id(arch): arch} if arch is not None else {}
+        return {id(self.arch): self.arch} if self.arch is not None else {}
 
     def set_budget(self, budget: float) -> None:
         raise ValueError(f"{type(self).__name__} has no budget")

@@ -139,7 +139,7 @@ class RowBuffer:
         """(B, G, 1) int64: where each (sequence, head)'s rows start in the flattened buffer."""
         device = torch.device(device) if device is not None else self.device
         key = (self.capacity, device)
-        if getattr(self, "_base_key", None) != key:
+        if self._base_key != key:
             self._base = torch.arange(self.batch * self.heads, device=device).view(self.batch, self.heads, 1)
             self._base = self._base * self.capacity
             self._base_key = key

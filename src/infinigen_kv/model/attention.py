@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from . import kernels
+from . import backend as backends
 from .arch import apply_rope
 from .kv import KVView
 
@@ -89,7 +89,7 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     if view.chosen is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
         idx, count, new = view.chosen
-        out = kernels.cpu().attend(q.float().contiguous(), key, value, idx, count,
+        out = backends.for_device(key.device).ops.attend(q.float().contiguous(), key, value, idx, count,
                                    new if isinstance(new, torch.Tensor) else None,
                                    new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype)
     elif view.scores is not None:  # H2O accumulates the weights: explicit softmax
@@ -129,7 +129,7 @@ def _dense_kernel(view: KVView, query, attention_mask, scaling):
     if (query.device.type != "cpu" or buf_k.device.type != "cpu" or key.data_ptr() != buf_k.data_ptr()
             or key.stride() != buf_k.stride() or not buf_k.is_contiguous()):
         return None
-    kern = kernels.cpu()
+    kern = backends.for_device(query.device).ops
     if kern is None:
         return None
     B, H, _, d = query.shape

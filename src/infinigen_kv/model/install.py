@@ -17,9 +17,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import kernels
+from . import backend as backends
 from .arch import Arch, get_arch, step_inputs
 from .attention import attention_block, infinigen_attention
+from .kv import StepCache
 
 NAME = "infinigen"
 HOOK_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")  # what the forward reads
@@ -29,7 +30,7 @@ def _attention_forward(self, *args, **kwargs):
     """A self_attn's forward: with one of our caches the attention block (attention.py), the model's own forward
     otherwise. Bound to the module (a deep copy of the model gets its own, with its copy of the Arch)."""
     cache = kwargs.get("past_key_values")
-    if getattr(cache, "before_attention", None) is None:  # not one of our caches
+    if not isinstance(cache, StepCache):  # not one of our caches
         return type(self).forward(self, *args, **kwargs)
     h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     return attention_block(self._infinigen_arch, cache, self.layer_idx, h, kwargs.get("position_embeddings"),
@@ -98,7 +99,7 @@ def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
     if rows > SMALL_BATCH or not x.is_cpu or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     w16 = self.weight_bf16
-    if rows <= (KERNEL_ROWS if w16 is None else KERNEL_ROWS_BF16) and (kern := kernels.cpu()) is not None:
+    if rows <= (KERNEL_ROWS if w16 is None else KERNEL_ROWS_BF16) and (kern := backends.cpu().ops) is not None:
         y = kern.linear(x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1).contiguous(),
                         self.weight if w16 is None else w16, self.bias)
         return y.view(*x.shape[:-1], -1)
@@ -122,7 +123,7 @@ RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")  
 def _fast_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
     """A Llama-style RMSNorm of float32 x on CPU as one `rms_norm` kernel call (the module's forward is ~6 ops,
     ~20 us at decode sizes, 61 times a step); other inputs through the module's own forward."""
-    if x.dtype == torch.float32 and x.is_cpu and (kern := kernels.cpu()) is not None:
+    if x.dtype == torch.float32 and x.is_cpu and (kern := backends.cpu().ops) is not None:
         return kern.rms_norm(x.contiguous(), self.weight, self.variance_epsilon)
     return type(self).forward(self, x)
 

@@ -1,5 +1,6 @@
-"""What a cache layer hands attention for one forward (`KVView`): the value a layer's `view(k, v)` returns and the
-attention function reads, passed as an argument; nothing of it is left on the layer."""
+"""What the decode step asks of a cache (`StepCache`, the base of every cache made here) and what a cache layer hands
+attention for one forward (`KVView`): the value a layer's `view(k, v)` returns and the attention function reads,
+passed as an argument; nothing of it is left on the layer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,28 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+class StepCache:
+    """A cache made here (methods/base.py's Rebatch and its methods): its layers' `view(k, v, fetch)` return KVViews,
+    and attention blocks call `before_attention` first. Code that takes any transformers cache tells ours by this
+    class, never by probing for an attribute. The defaults are a method that selects nothing."""
+
+    track_recall = False  # attention reports each step's true attention on its working set (a diagnostic)
+
+    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
+        """Called by layer l's attention block with its input x (B, T, D) (model/attention.py): a method that
+        chooses what a step reads does it here, and returns what it started for later layers, (layer, fetch)
+        each; the block hands each to that layer's view."""
+        return []
+
+    def reserve(self, tokens: int) -> None:
+        """Size buffers for `tokens` tokens per sequence when they are made (none grows inside decode)."""
+
+    def prefix_facts(self) -> dict | None:
+        """What changes the rows this cache stores beyond the model and the method (runtime/prefix.py); None: it
+        does not continue from stored blocks."""
+        return None
 
 
 class ScoreSink(Protocol):

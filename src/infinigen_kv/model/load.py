@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
+from . import backend as backends
 from ..config import DEFAULT_MODEL, cache_dir
 from .arch import check_supported
 from .install import fast_cpu_linears
@@ -78,7 +78,7 @@ def bf16_weights(dtype: str | torch.dtype | None, device: torch.device) -> bool:
     keeps everything in float32."""
     if dtype == BF16_WEIGHTS:
         return True
-    return dtype in (None, "", "auto") and device.type == "cpu" and kernels.cpu() is not None
+    return dtype in (None, "", "auto") and backends.for_device(device).name == "cpu-kernels"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

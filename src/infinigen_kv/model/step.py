@@ -17,8 +17,9 @@ import os
 
 import torch
 
-from . import kernels
+from . import backend as backends
 from .attention import attend_layer, attention_block
+from .kv import StepCache
 from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear, install
 
 KERNEL_TYPES = ("llama", "mistral", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no QK-norm
@@ -32,7 +33,7 @@ FORWARD = {
 
 def forward_reason(model, cache) -> str | None:
     """The FORWARD entry that keeps this model and cache off the step (None: the step serves them)."""
-    if getattr(cache, "before_attention", None) is None:
+    if not isinstance(cache, StepCache):
         return next(iter(FORWARD))
     if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
         return list(FORWARD)[1]
@@ -79,11 +80,12 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
             ropes = {None: base.rotary_emb(x, positions)}  # (B, 1, d) each
         p = next(model.parameters())
         fast = getattr(model, "_infinigen_phase_hook", False)  # the fast linears (and bf16 copies) are installed
-        kern = kernels.cpu() if fast and arch.model_type in KERNEL_TYPES and p.is_cpu and p.dtype == torch.float32 else None
-        plans = _merged(model) if kern is not None and B <= KERNEL_ROWS_BF16 else None
+        backend = backends.for_device(p.device)
+        kernel_path = fast and backend.kernels and arch.model_type in KERNEL_TYPES and p.dtype == torch.float32
+        plans = _merged(model) if kernel_path and B <= KERNEL_ROWS_BF16 else None
         if plans is not None and None not in plans:
             rope = tuple(t.contiguous() for t in ropes[None])
-            return _kernel_layers(model, arch, cache, kern, x, rope, masks, plans)
+            return _kernel_layers(model, arch, cache, backend, x, rope, masks, plans)
         return _logits(model, arch, _layers(arch, cache, x, ropes, masks))
     finally:
         inputs.clear()
@@ -160,14 +162,14 @@ def _logits(model, arch, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
-def _kernel_layers(model, arch, cache, kern, x, rope, masks, plans) -> torch.Tensor:
+def _kernel_layers(model, arch, cache, backend, x, rope, masks, plans) -> torch.Tensor:
     """The decoder layers of a few rows through the kernels, ~10 calls a layer: RMSNorm, q k v in one linear, RoPE
     of q and k in place, the cache and attention, o with the residual added, RMSNorm, gate and up in one linear,
     silu(gate) * up, down with the residual added. x (B, 1, D) -> logits (B, V); the same bits as `_layers`
     (each kernel computes what the PyTorch ops it replaces compute, tests/test_step.py)."""
     base, B = model.model, x.shape[0]
     cos, sin = rope
-    lanes = kernels.silu_lanes() if kernels.silu_mul_exact() else None
+    kern, lanes = backend.ops, backend.silu_lanes
     x = x.view(B, -1)  # (B, D)
     for i, (layer, ((wqkv, bqkv, split), (wgu, half), (wo, bo), (wd, bd))) in enumerate(zip(base.layers, plans)):
         a = layer.self_attn

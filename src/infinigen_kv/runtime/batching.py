@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..model import step
+from ..model.kv import StepCache
 from .sampling import Sampler, SamplingParams, token_logprobs
 
 
@@ -44,7 +45,7 @@ class Prefill:
         self.cached = 0  # of those, restored from the prefix store
         self.logits = None  # (1, V) after the last chunk
         self.prompt_logprobs = ([], [], []) if logprobs is not None else None  # tokens 1..n-1: chosen, top, ids
-        if hasattr(cache, "reserve"):  # buffers sized once, not grown chunk by chunk: the prompt, or `reserve` tokens
+        if isinstance(cache, StepCache):  # buffers sized once, not grown chunk by chunk: the prompt, or `reserve` tokens
             cache.reserve(max(len(ids), reserve))  # in all (its decode steps too: joining a batch then moves nothing)
         self.prefix, self.keys = prefix, []
         if prefix is not None:

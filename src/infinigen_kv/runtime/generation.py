@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..model import step
+from ..model.kv import StepCache
 from . import threads
 from .batching import prefill_prefix
 from .sampling import Sampler, params_list, token_logprobs
@@ -45,7 +46,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     max_new_tokens more: the last position's logits (B, V)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if hasattr(cache, "reserve"):  # our caches: buffers sized for the whole run, none grows inside decode
+    if isinstance(cache, StepCache):  # ours: buffers sized for the whole run, none grows inside decode
         cache.reserve(input_ids.shape[1] + max_new_tokens)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
     return model(

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
+from ..model.kv import StepCache
+
 log = logging.getLogger("infinigen_kv.prefix")
 
 FORMAT = "infinigen-kv-prefix-1"
@@ -70,7 +72,7 @@ def model_fingerprint(model) -> str:
 
 def cache_namespace(model, cache, block: int) -> str | None:
     """The namespace of `cache`'s blocks for `model` (None: its method does not reuse prefixes)."""
-    facts = cache.prefix_facts() if hasattr(cache, "prefix_facts") else None
+    facts = cache.prefix_facts() if isinstance(cache, StepCache) else None
     if facts is None:
         return None
     return namespace(format=FORMAT, model=model_fingerprint(model), method=cache.method, block=block, **facts)

@@ -6,7 +6,9 @@ The modules in the order of the data path:
   offline.py      calibrating a model (its text, its queries and keys), the per-model cache of calibrations
   recall.py       the recall diagnostic (layer_budget "recall")
   cache.py        InfiniGenCache: the container a model decodes with; a step's hand-offs
-  layer.py        InfiniGenLayer: a layer's pool, partial key cache, update (prefill, dense, fetched)
+  contracts.py    the Selection and Transfer Protocols the cache is assembled from
+  layer.py        the layers by storage: DeviceLayer (attended whole), PoolLayer (host pool, partial keys, view)
+  evicting_pool.py  EvictingPoolLayer: a pool with a capacity (pool.py's eviction), a prompt larger than it
   partial.py      layer l+1's partial query from layer l's input
   speculator.py   scores, alpha threshold, budget caps, per-layer budgets: which rows a step fetches
   fetch.py        a step's fetch and the working set it makes

@@ -6,7 +6,7 @@ One decode step, layer l (l >= 1), file by file:
   2. the selection (speculator.py: `Speculate.choose`; offload: `FetchAll`) returns layer l+1's fetch, from
      the partial query (partial.py) scored against layer l+1's partial key cache;
   3. `prefetch` counts it (stats.py) and starts it (transfer.py on CPU, cuda_transfer.py on a GPU);
-  4. layer l+1's `view(k, v)` (layer.py) fetches the chosen rows, stores the new token in the pool (rows.py;
+  4. layer l+1's `view(k, v, fetch)` (layer.py: PoolLayer) fetches the chosen rows, stores the new token in the pool (rows.py;
      pool.py when it has a capacity) and returns the working set [new token, fetched rows] as a KVView
      (model/kv.py: the rows and their mask, or the chosen slots read in place);
   5. model/attention.py attends over that view, passed to it as an argument.
@@ -22,15 +22,16 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...config import ConfigError, InfiniGenConfig
-from ...model import kernels
 from ...model.install import install
 from ..base import Rebatch
 from ...runtime.prefix import digest
 from ..keep import valid_keys
 from .calibration import Calibration
 from .cuda_transfer import CudaTransfer
-from .fetch import Fetch
-from .layer import InfiniGenLayer
+from .contracts import Selection, Transfer
+from .evicting_pool import EvictingPoolLayer
+from .fetch import Fetch, PrefillQuery
+from .layer import DeviceLayer, LayerConfig, PoolLayer, partial_dtype
 from .offline import ensure_recall, load_or_calibrate
 from .partial import PartialQuery
 from .speculator import Speculate, layer_budgets, layer_scales
@@ -49,9 +50,22 @@ def refuse_offloaded_layers(model) -> None:
                           "accelerate would load its weights; give the GPUs every layer (or run all on the CPU)")
 
 
-def make_transfer(device: torch.device):
+def make_transfer(device: torch.device) -> Transfer:
     """The transfer engine of a compute device: direct on CPU, a side stream and pinned staging on a GPU."""
     return CudaTransfer(device) if torch.device(device).type == "cuda" else DirectTransfer()
+
+
+class Transfers:
+    """The transfer engine of each compute device (one side stream per GPU), made when first asked."""
+
+    def __init__(self):
+        self.by_device: dict[torch.device, Transfer] = {}
+
+    def for_device(self, device) -> Transfer:
+        device = torch.device(device)
+        if device not in self.by_device:
+            self.by_device[device] = make_transfer(device)
+        return self.by_device[device]
 
 
 class InfiniGenCache(Rebatch, Cache):
@@ -64,7 +78,7 @@ class InfiniGenCache(Rebatch, Cache):
     def __init__(self, model, config: InfiniGenConfig | None = None, calibration: Calibration | None = None,
                  tokenizer=None, selection=None, **overrides):
         self.config = config or InfiniGenConfig(**overrides)
-        self.selection = selection if selection is not None else Speculate()
+        self.selection: Selection = selection if selection is not None else Speculate()
         self.arch = install(model)
         refuse_offloaded_layers(model)
         if not self.selection.calibrated:
@@ -86,21 +100,32 @@ class InfiniGenCache(Rebatch, Cache):
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
         self.limited = self.selection.calibrated and (self.config.capacity is not None
                                                       or self.config.capacity_bytes is not None)
-        self.reserved = 0  # rows every buffer reserves when it is made (reserve())
-        self._transfers = {}
-        self.transfer = self.transfer_for(device)  # the first device's (one per device with device_map)
+        self.transfers = Transfers()
+        self.transfer = self.transfers.for_device(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers
-        super().__init__(layers=[InfiniGenLayer(self, i) for i in range(L)])
         self.counters = Counters(L, device)
+        super().__init__(layers=[self._layer(i) for i in range(L)])
         # Diagnostic (off by default, costs a full attention per layer): share of the true attention
         # mass that the fetched entries carry, per layer.
         self.track_recall = False
+
+    def _layer(self, i: int) -> DeviceLayer:
+        """Layer i by its storage: on the device (the selection attends it whole), in the pool, or in a pool with a
+        capacity."""
+        cal, s = self.calibration, self.selection
+        spec = LayerConfig(i, self.config, self.transfers, self.counters, self.arch.windows[i], whole=s.whole,
+                           in_place=s.in_place, pq=self.pq, score_scale=self.arch.score_scale,
+                           skew_p=self.skew_partial[i] if cal is not None else None,
+                           key_channels=cal.channels[i] if cal is not None and cal.unskewed else None)
+        kind = DeviceLayer if s.dense(self, i) else EvictingPoolLayer if self.limited else PoolLayer
+        return kind(spec, self.budget_of(i))
 
     def reserve(self, tokens: int) -> None:
         """Size every buffer for `tokens` tokens per sequence (prompt + new tokens) when it is made, so that no
         pool grows inside decode (a pinned pool's growth re-allocates and re-pins every layer at one step).
         `ig.generate` calls it before the prefill; beyond it, buffers still grow in chunks."""
-        self.reserved = max(self.reserved, int(tokens))
+        for layer in self.layers:
+            layer.reserved = max(layer.reserved, int(tokens))
 
     def budget_of(self, layer: int) -> float:
         """Layer `layer`'s budget: the config's, or its share under layer_budget "recall"."""
@@ -110,6 +135,8 @@ class InfiniGenCache(Rebatch, Cache):
         """A new budget (the cap of each decode step's fetch)."""
         self.config = dataclasses.replace(self.config, budget=budget)
         self._budgets = layer_budgets(budget, self.budget_scale)  # (the step memo keys its caps by budget)
+        for i, layer in enumerate(self.layers):
+            layer.budget = self.budget_of(i)
 
     def fork(self, budget: float | None = None):
         twin = super().fork(budget)
@@ -125,24 +152,9 @@ class InfiniGenCache(Rebatch, Cache):
         for obj in (self.calibration, self.skew_partial, self.pq):
             if obj is not None:
                 memo[id(obj)] = obj
-        for device, transfer in self._transfers.items():
+        for device, transfer in self.transfers.by_device.items():
             memo[id(transfer)] = make_transfer(device)
         return memo
-
-    def partial_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
-        "auto" stores int8 rows where the CPU kernel scores them (integer dot products, scores in float32), and
-        float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
-        option = self.config.partial_dtype
-        if option == "model":
-            return dtype
-        if option == "int8":
-            return torch.int8
-        if option == "bfloat16":
-            return torch.bfloat16
-        if dtype == torch.float32 and device.type == "cpu" and kernels.cpu() is not None:
-            return torch.int8
-        return torch.float32
 
     def prefix_facts(self) -> dict | None:
         """The partial key cache's storage and the calibration it was skewed with (a stored block holds its rows)."""
@@ -150,15 +162,8 @@ class InfiniGenCache(Rebatch, Cache):
             return None
         if self.calibration is None:
             return {}
-        return {"partial_dtype": str(self.partial_dtype(*self._compute)),
+        return {"partial_dtype": str(partial_dtype(self.config.partial_dtype, *self._compute)),
                 "calibration": digest({"skew": self.skew_partial.contiguous()})}
-
-    def transfer_for(self, device: torch.device):
-        """The transfer engine of a compute device (one side stream per GPU)."""
-        device = torch.device(device)
-        if device not in self._transfers:
-            self._transfers[device] = make_transfer(device)
-        return self._transfers[device]
 
     # --- one decode step: speculation at layer l's attention pre-hook, then the fetch it starts -------------
 
@@ -171,12 +176,13 @@ class InfiniGenCache(Rebatch, Cache):
         """Called by layer l's attention block with its input x (B, T, D): a decode step's selection chooses what
         the next layer(s) fetch, and their prefetch starts; returns them, (layer, Fetch) each, for those layers'
         views. A prefill into a pool with a capacity notes its last query (a prompt larger than the pool keeps
-        what that query would fetch: InfiniGenLayer.prefill_keep)."""
+        what that query would fetch: EvictingPoolLayer.prefill_keep), handed to the layer's view."""
         if x.shape[1] != 1:
-            if self.limited and layer_idx > 0:
+            if self.limited and not self.layers[layer_idx].dense:
                 last = tuple(t[:, -1:] for t in rope) if rope is not None else None
                 keep = valid_keys(attention_mask, x.shape[1])  # the layer's own mask: its last query's keys
-                self.layers[layer_idx].prefill_query = (x[:, -1:], last, None if keep is None else keep.unsqueeze(1))
+                query = PrefillQuery(x[:, -1:], last, None if keep is None else keep.unsqueeze(1))
+                return [(layer_idx, query)]
             return []
         started = []
         for nxt, fetch in self.selection.choose(self, layer_idx, x, rope, attention_mask):
@@ -184,7 +190,7 @@ class InfiniGenCache(Rebatch, Cache):
             started.append((nxt, fetch))
         return started
 
-    def prefetch(self, target: InfiniGenLayer, fetch: Fetch) -> None:
+    def prefetch(self, target: PoolLayer, fetch: Fetch) -> None:
         """Count `fetch` (target's chosen slots) and start it; target's view is handed it."""
         self.counters.count_fetch(target, fetch)
         if target.slots is not None:
@@ -202,7 +208,7 @@ class InfiniGenCache(Rebatch, Cache):
     def stats(self) -> dict:
         """fetched fraction per layer and overall, fetched tokens per (sequence, KV head) and step, bytes moved
         from the pool, KV bytes read per step, pool bytes (stats.py)."""
-        return self.counters.report(self.layers, list(self._transfers.values()), self.track_recall)
+        return self.counters.report(self.layers, list(self.transfers.by_device.values()), self.track_recall)
 
     def settle(self) -> None:
         for layer in self.layers:
@@ -215,7 +221,7 @@ class InfiniGenCache(Rebatch, Cache):
         self.selection.reset()
 
     def reset(self):
-        for transfer in self._transfers.values():
+        for transfer in self.transfers.by_device.values():
             transfer.reset()  # nothing in flight touches a pool from here on
         super().reset()
         self.counters.reset()

@@ -4,6 +4,8 @@ for attention: what the speculation hands the transfer engines and they hand att
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -60,3 +62,13 @@ class Scratch:
                               device=self.device, pin_memory=self.pin)
             self.bufs[name] = buf
         return buf[:numel].view(shape)
+
+
+@dataclass(frozen=True)
+class PrefillQuery:
+    """A prompt's last query, handed to an evicting pool's view at its prefill: x (B, 1, D), RoPE at its position,
+    keep (B, 1, T) of the prompt's valid keys (None: all). A prompt larger than the pool keeps what it would fetch."""
+
+    x: torch.Tensor
+    rope: tuple | None
+    keep: torch.Tensor | None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...model import kernels
+from ...model import backend as backends
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +24,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(x: torch.Tensor) -> torch.Tensor:
     """Partial keys x (..., p) -> stored rows (..., p + 4) int8 (the CPU kernel where it serves, else PyTorch)."""
     x = x.float()
-    kern = kernels.cpu() if x.device.type == "cpu" else None
+    kern = backends.for_device(x.device).ops
     if kern is not None:
         return kern.quantize_rows(x.contiguous())
     values, scale = quantize(x)

@@ -1,178 +1,257 @@
-"""A layer of InfiniGenCache: its K/V in the host pool (layer 0 and a model's local layers: on the compute
-device, attended whole), its partial key cache, and the decode step's hand-off from the speculation: `view`
-takes the rows the previous layer's speculation chose (a Fetch, started by the cache) and returns the working
-set attention reads, as a KVView (model/kv.py).
+"""The layers of InfiniGenCache, one class per storage kind, each built from a `LayerConfig` (no reference back to
+the cache):
+
+- `DeviceLayer`: K/V on the compute device, attended whole (InfiniGen's layer 0, which has no previous layer to
+  speculate from, and a model's local layers);
+- `PoolLayer`: K/V in the host pool and, when calibrated, the partial key cache; a decode step's `view` takes the
+  rows the previous layer's speculation chose (a Fetch) and returns the working set attention reads (a KVView,
+  model/kv.py);
+- `EvictingPoolLayer` (evicting_pool.py): a pool with a capacity, which overwrites entries by its eviction policy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ...model import kernels
+from ...config import InfiniGenConfig
+from ...model import backend as backends
 from ...model.kv import KVView
 from ..base import LogicalLayer
 from ..rows import RowBuffer
 from . import int8
-from .pool import Slots
-from .speculator import approx_scores, relative
+from .contracts import Transfer
+from .fetch import Fetch
+from .speculator import fetch_cap
+from .stats import Counters
 
 
-class InfiniGenLayer(LogicalLayer):
-    def __init__(self, cache, layer_idx: int):
+@dataclass(frozen=True)
+class LayerConfig:
+    """What a layer of InfiniGenCache is built from (the cache makes it)."""
+
+    layer_idx: int
+    config: InfiniGenConfig
+    transfers: "Transfers"  # the transfer engine of each compute device (cache.py)
+    counters: Counters  # the cache's fetch statistics
+    window: int | None  # the layer's attention window (None: global)
+    whole: bool = False  # the selection fetches whole pasts (offload), not chosen rows
+    in_place: bool = False  # on CPU, attention may read the chosen rows where they lie in the pool
+    skew_p: torch.Tensor | None = None  # (G, d, p) A_P of a calibrated layer
+    key_channels: torch.Tensor | None = None  # (G, p) raw channels, where A_P selects them (a gather)
+    pq: object = None  # the cache's PartialQuery (partial.py)
+    score_scale: float = 1.0
+
+
+def partial_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
+    "auto" stores int8 rows where the CPU kernel scores them (integer dot products, scores in float32), and
+    float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
+    if option == "model":
+        return dtype
+    if option == "int8":
+        return torch.int8
+    if option == "bfloat16":
+        return torch.bfloat16
+    if dtype == torch.float32 and backends.for_device(device).kernels:
+        return torch.int8
+    return torch.float32
+
+
+class DeviceLayer(LogicalLayer):
+    """K/V on the compute device, attended whole, in place where the backend reads it so."""
+
+    dense = True  # attended over all it holds; never scored, never fetched from
+    slots = None  # an evicting pool's slot records (EvictingPoolLayer)
+    skew_p = partial = key_channels = None  # a calibrated pool layer's A_P, partial key cache and raw channels
+
+    def __init__(self, spec: LayerConfig, budget: float = 1.0):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
-        # A dense layer attends over all of its cache, which lives on the device (InfiniGen's layer 0: it has
-        # no previous layer to speculate from); every other layer lives in the pool.
-        self.dense = cache.selection.dense(cache, layer_idx)
-        # A dense layer with a sliding window (Gemma's local layers) keeps only the window (LogicalLayer.slide),
-        # not the whole context: on a GPU it stays on the device at the window's size.
-        self.window = cache.arch.windows[layer_idx] if self.dense else None
-        self.seen = 0  # tokens seen (the logical length); the pool holds fewer once it has evicted
-        self.slots = None  # positions and fetch statistics of the pool's slots, when it has a capacity
-        self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
-        self.prefill_query = None  # (x, rope, keep) of a prompt's last position, when a prefill may overflow
+        self.spec, self.layer_idx, self.budget = spec, spec.layer_idx, budget
+        self.seen = 0  # tokens seen (the logical length); an evicting pool holds fewer
+        self.reserved = 0  # rows the buffers are made with (InfiniGenCache.reserve)
         self.mirror = None  # (k, v) RowBuffers on the device of a prompt being prefilled in chunks (CudaTransfer)
-        self.skew_p = self.partial = self.key_channels = None  # A_P (G, d, p), partial key cache, raw channels (G, p)
+        self.transfer: Transfer | None = None
+        # A dense layer with a sliding window (Gemma's local layers) keeps only the window (LogicalLayer.slide).
+        self.window = spec.window if self.dense else None
+
+    def pool_device(self, dev: torch.device) -> torch.device:
+        return dev
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
         dev, dtype = key_states.device, key_states.dtype
-        on_gpu = dev.type == "cuda"
-        pool_dev = dev if (self.dense or not on_gpu) else torch.device("cpu")
-        pin = pool_dev.type == "cpu" and on_gpu
-        c = self.cache.config
-        calibrated = self.cache.selection.calibrated and not self.dense  # a dense layer is never scored
-        if calibrated and (c.capacity is not None or c.capacity_bytes is not None):
-            self.slots = Slots(B, G, dev, c.eviction)
-            if c.capacity_bytes is not None:
-                row = G * (d + value_states.shape[-1]) * key_states.element_size()  # one token, all KV heads
-                self.max_rows = max(1, c.capacity_bytes // row)
-        self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin, max_rows=self.max_rows)
-        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, pool_dev, pin=pin, max_rows=self.max_rows)
-        self.skew_p = self.partial = self.key_channels = None
-        if calibrated:
-            self.skew_p = self.cache.skew_partial[self.layer_idx].to(dev, dtype)  # (G, d, p)
-            if self.cache.calibration.unskewed:  # A_P selects raw channels: a gather, not a product
-                self.key_channels = self.cache.calibration.channels[self.layer_idx].to(dev).contiguous()  # (G, p)
-            pdt = self.cache.partial_dtype(dtype, dev)
-            width = self.skew_p.shape[-1] + (4 if pdt == torch.int8 else 0)  # int8 rows end with their scale
-            self.partial = RowBuffer(B, G, width, pdt, dev,
-                                     max_rows=self.max_rows)
-            pq = self.cache.pq
-            if pq.rows is not None and (dev.type != "cpu" or kernels.cpu() is None):
-                pq.rows_on(self.layer_idx, dev)  # its partial query's q_proj rows, made now, not in decode
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
-        self.transfer = self.cache.transfer_for(dev)
-        reserved = self.cache.reserved
-        if reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
-            rows = self.limit(reserved) or self.rows_for(reserved)
-            for buf in (self.k, self.v, self.partial):
-                if buf is not None:
-                    buf.reserve(rows, room=False)
+        self.backend = backends.for_device(dev)  # the operations that run there
+        self.transfer = self.spec.transfers.for_device(dev)
+        pool_dev = self.pool_device(dev)
+        pin = pool_dev.type == "cpu" and dev.type == "cuda"
+        self.make_buffers(B, G, d, value_states.shape[-1], dtype, dev, pool_dev, pin)
+        if self.reserved:  # the whole run's rows now: no pool grows (or re-pins) inside decode
+            rows = self.limit(self.reserved) or self.rows_for(self.reserved)
+            for buf in self.buffers():
+                buf.reserve(rows, room=False)
         self.is_initialized = True
         self.prepare_transfer()
 
-    def prepare_transfer(self) -> None:
-        """The transfer's events and staging for this layer's decode steps, sized for the run (cache.reserve) or
-        its pool's capacity: made at its prefill, a fork, a join or a retain, not inside decode (CudaTransfer)."""
-        if not hasattr(self.transfer, "init_layer"):
-            return
-        selection, reserved = self.cache.selection, self.cache.reserved
-        tokens = reserved if reserved > self.seen else self.k.capacity
-        rows = 0 if self.dense else selection.max_fetch(self.cache, self.layer_idx, tokens)
-        self.transfer.init_layer(self, self.k.batch, self.k.heads, rows, not selection.whole)
-
-    @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def view(self, key_states, value_states, fetch=None) -> KVView:
-        """fetch: the rows the previous layer's selection chose for this decode step, its prefetch started."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        transfer = self.transfer
-        past, T = self.seen, key_states.shape[2]
-        pending = fetch
-        if pending is not None:
-            pending = transfer.ready(self, pending)  # the prefetch of this layer is complete
-        if self.slots is not None and self.slots.evicted and (pending is None or T > 1):
-            raise NotImplementedError("a pool that has evicted entries serves one decode token per step: "
-                                      "make a new cache per prompt")
-        if pending is None or T > 1:  # prefill, or a dense decode step
-            self.store(key_states, value_states)
-            self.seen += T
-            if past == 0:
-                return KVView(key_states, value_states)  # prefill: attend over the prompt itself
-            if T == 1:
-                self.cache.counters.count_dense(self, self.cache.arch.windows[self.layer_idx])
-            k, v = transfer.dense(self)
-            return KVView(k, v, offset=self.offset, buffers=(self.k.data, self.v.data))
-        # A decode step over the rows chosen one layer ahead: fetch them from the pool as the last step left
-        # it, then store the new token (on a full pool it may overwrite one of the chosen: read in place
-        # only when it is appended).
-        got = transfer.fetch(self, pending, key_states, value_states,
-                             in_place=self.cache.selection.in_place and not self.evicts_next())
-        new = self.store(key_states, value_states)
-        self.seen += 1
-        if got is None:  # the CPU kernel reads [new token, chosen rows] where they lie in the pool
-            return KVView(self.k.data, self.v.data, selected=True, chosen=(pending.idx, pending.count, new),
-                          rows=pending.idx)
-        K, V, mask = got
-        return KVView(K, V, selected=True, mask=mask, rows=pending.idx)
+    def make_buffers(self, B, G, d, dv, dtype, dev, pool_dev, pin, max_rows=None) -> None:
+        self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin, max_rows=max_rows)
+        self.v = RowBuffer(B, G, dv, dtype, pool_dev, pin=pin, max_rows=max_rows)
 
     def limit(self, seen: int) -> int | None:
         """Entries the pool may hold per (sequence, KV head) after `seen` tokens (None: no limit)."""
-        if self.slots is None:
-            return None
-        c = self.cache.config
-        limits = [self.max_rows] if self.max_rows is not None else []
-        if c.capacity is not None:
-            limits.append(max(1, int(c.capacity * seen)))
-        return min(limits)
+        return None
+
+    def max_fetch(self, tokens: int) -> int:
+        """The most rows one decode step fetches per (sequence, KV head) up to `tokens` tokens."""
+        return 0
+
+    def prepare_transfer(self) -> None:
+        """The transfer's events and staging for this layer's decode steps, sized for the run (reserve) or its
+        pool's capacity: made at its prefill, a fork, a join or a retain, not inside decode (CudaTransfer)."""
+        tokens = self.reserved if self.reserved > self.seen else self.k.capacity
+        self.transfer.init_layer(self, self.k.batch, self.k.heads, self.max_fetch(tokens), not self.spec.whole)
+
+    @torch.no_grad()  # an inference cache: stored K/V never carry gradients
+    def view(self, key_states, value_states, fetch=None) -> KVView:
+        """Store the new k, v (B, G, T, d); the prompt attends over itself, a decode step over all the layer holds.
+        fetch: unused here (what a pool layer's previous layer chose)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.dense_view(key_states, value_states, fetch)
+
+    def dense_view(self, key_states, value_states, hint) -> KVView:
+        past, T = self.seen, key_states.shape[2]
+        self.store(key_states, value_states, hint)
+        self.seen += T
+        if past == 0:
+            return KVView(key_states, value_states)  # prefill: attend over the prompt itself
+        if T == 1:
+            self.spec.counters.count_dense(self, self.spec.window)
+        k, v = self.transfer.dense(self)
+        return KVView(k, v, offset=self.offset, buffers=(self.k.data, self.v.data))
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, hint=None):
+        """The new rows k, v (B, G, T, d) into the layer's buffers (a window's: slid). Returns the last row's slot."""
+        k, v = self.slide(k, v)
+        self.transfer.write(self, k, v)
+        return self.k.length - 1
+
+    def get_seq_length(self) -> int:
+        return self.seen if self.is_initialized else 0
+
+    def restore(self, parts: list[list[torch.Tensor]], tokens: int) -> None:
+        super().restore(parts, tokens)
+        self.seen = tokens
+
+    def buffers(self) -> list:
+        """The layer's RowBuffers."""
+        return [self.k, self.v]
+
+    def row_buffers(self) -> list:
+        return self.buffers()
+
+    def join(self, other, at_self: int, at_other: int, room: int) -> None:
+        super().join(other, at_self, at_other, room)
+        self.seen += at_self
+        self.mirror = None
+        self.prepare_transfer()  # staging for the new batch size
+
+    def retain(self, rows, trim: int, room: int) -> None:
+        super().retain(rows, trim, room)
+        self.seen -= trim
+        self.mirror = None
+        self.prepare_transfer()
+
+    def reset(self) -> None:
+        self.seen = self.offset = 0
+        if self.is_initialized:
+            for buf in self.buffers():
+                buf.reset()
+        self.mirror = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
+
+
+class PoolLayer(DeviceLayer):
+    """K/V in the host pool (on a GPU: pinned host memory; on CPU: where attention runs) and, when calibrated, the
+    partial key cache: k A_P of every stored key, (B, G, n, p), or int8 rows (B, G, n, p + 4)."""
+
+    dense = False
+
+    def pool_device(self, dev: torch.device) -> torch.device:
+        return torch.device("cpu") if dev.type == "cuda" else dev
+
+    def make_buffers(self, B, G, d, dv, dtype, dev, pool_dev, pin, max_rows=None) -> None:
+        super().make_buffers(B, G, d, dv, dtype, dev, pool_dev, pin, max_rows)
+        s = self.spec
+        self.skew_p = self.partial = self.key_channels = None
+        if s.skew_p is None:  # not calibrated (offload): nothing is scored
+            return
+        self.skew_p = s.skew_p.to(dev, dtype)  # (G, d, p)
+        if s.key_channels is not None:
+            self.key_channels = s.key_channels.to(dev).contiguous()  # (G, p)
+        pdt = partial_dtype(s.config.partial_dtype, dtype, dev)
+        width = self.skew_p.shape[-1] + (4 if pdt == torch.int8 else 0)  # int8 rows end with their scale
+        self.partial = RowBuffer(B, G, width, pdt, dev, max_rows=max_rows)
+        if s.pq.rows is not None and not self.backend.kernels:
+            s.pq.rows_on(self.layer_idx, dev)  # its partial query's q_proj rows, made now, not in decode
+
+    def max_fetch(self, tokens: int) -> int:
+        c = self.spec.config
+        return tokens if self.spec.whole else fetch_cap(tokens, self.budget, c.max_num_kv, c.min_budget)
+
+    @torch.no_grad()
+    def view(self, key_states, value_states, fetch=None) -> KVView:
+        """fetch: the rows the previous layer's selection chose for this decode step, its prefetch started (None:
+        a prefill, or a dense step)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if fetch is None or key_states.shape[2] > 1 or not self.selected(fetch):
+            return self.dense_view(key_states, value_states, fetch)
+        fetch = self.transfer.ready(self, fetch)  # the prefetch of this layer is complete
+        # A decode step over the rows chosen one layer ahead: fetch them from the pool as the last step left
+        # it, then store the new token (on a full pool it may overwrite one of the chosen: read in place
+        # only when it is appended).
+        got = self.transfer.fetch(self, fetch, key_states, value_states,
+                                  in_place=self.spec.in_place and not self.evicts_next())
+        new = self.store(key_states, value_states)
+        self.seen += 1
+        if got is None:  # the CPU kernel reads [new token, chosen rows] where they lie in the pool
+            return KVView(self.k.data, self.v.data, selected=True, chosen=(fetch.idx, fetch.count, new),
+                          rows=fetch.idx)
+        K, V, mask = got
+        return KVView(K, V, selected=True, mask=mask, rows=fetch.idx)
+
+    @staticmethod
+    def selected(hint) -> bool:
+        """Whether a view's hint is a decode step's fetch (not an evicting pool's prefill query)."""
+        return isinstance(hint, Fetch)
 
     def evicts_next(self) -> bool:
         """Whether one more token makes the pool overwrite an entry."""
-        limit = self.limit(self.seen + 1)
-        return limit is not None and self.k.length + 1 > limit
+        return False
 
-    def store(self, k: torch.Tensor, v: torch.Tensor):
-        """The new rows k, v (B, G, T, d) into the pool and their skewed channels into the partial key
-        cache; a full pool overwrites the slot its eviction policy names (one per new token), and a
-        prefill larger than the pool keeps its most recent tokens. Returns where the last row went: its slot
-        (an int: appended) or the slots (B, G) it overwrote."""
-        transfer, past, T = self.transfer, self.seen, k.shape[2]
-        limit = self.limit(past + T)
-        if limit is not None and T == 1 and self.k.length + 1 > limit:
-            slot = self.slots.victim()  # (B, G)
-            transfer.write(self, k, v, slot)
-            self.partial.put(slot, self.partial_rows(k))
-            self.slots.replace(slot, past)
-            return slot
-        k, v = self.slide(k, v)
-        pos = None
-        if limit is not None and self.k.length + T > limit:  # only a first prefill gets here (see update)
-            drop = self.k.length + T - limit
-            if self.slots.policy == "fifo" or self.prefill_query is None:
-                k, v, past, T = k[:, :, drop:], v[:, :, drop:], past + drop, T - drop  # the most recent
-            else:
-                pos = self.prefill_keep(k, T - drop)  # (B, G, kept) positions within the prompt, in order
-                k, v = (t.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])) for t in (k, v))
-                pos, T = pos + past, T - drop
-            self.slots.evicted += drop
-        self.prefill_query = None
-        if not (T == 1 and self.append_token(k, v)):
-            transfer.write(self, k, v)
+    def store(self, k: torch.Tensor, v: torch.Tensor, hint=None):
+        """The new rows k, v (B, G, T, d) into the pool and their partial keys into the partial key cache. Returns
+        the last row's slot (an int)."""
+        if not (k.shape[2] == 1 and self.append_token(k, v)):
+            self.transfer.write(self, k, v)
             if self.partial is not None:
                 self.partial.append(self.partial_rows(k))  # (B, G, T, p), or int8 (B, G, T, p + 4)
-        if self.slots is not None:
-            self.slots.append(past, T, pos)
         return self.k.length - 1
 
     def append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A decode token's k, v (B, G, 1, d) into the pool and its int8 partial key row into the partial key cache
         in one kernel call (`store_token`: the same bytes as transfer.write and partial.append, without their ~8
         ops). False where that does not serve: no kernel, a GPU's transfer, a skewed or non-int8 partial cache."""
-        kern = kernels.cpu()
+        kern = self.backend.ops
         if (kern is None or self.partial is None or self.key_channels is None or self.partial.dtype != torch.int8
                 or not self.transfer.host_compute or self.k.dtype != torch.float32 or k.dtype != torch.float32
-                or k.device.type != "cpu" or not self.v.length == self.partial.length == self.k.length):
+                or not self.v.length == self.partial.length == self.k.length):
             return False
         at = self.k.length
         for buf in (self.k, self.v, self.partial):
@@ -194,57 +273,5 @@ class InfiniGenLayer(LogicalLayer):
         kp = self.partial_keys(k)
         return int8.pack(kp) if self.partial.dtype == torch.int8 else kp.to(self.partial.dtype)
 
-    def prefill_keep(self, k: torch.Tensor, n: int) -> torch.Tensor:
-        """The n prompt tokens a pool too small for its prompt keeps under lru/counter, which have no
-        fetch statistics yet: those the prompt's last query attends most by the speculation's own partial
-        scores (the tokens the first decode steps will fetch; attention sinks among them). k (B, G, T, d)
-        -> positions (B, G, n), ascending."""
-        x, rope, keep = self.prefill_query
-        q = self.cache.partial_query(self.layer_idx, x, rope)  # (B, G, r, p)
-        kp = self.partial_rows(k)  # as the partial key cache would store them
-        scores = approx_scores(q, kp, self.cache.arch.score_scale)  # (B, G, r, T)
-        rel = relative(scores, keep, self.cache.config.gqa_combine)  # (B, G, T), padding at -inf
-        rel[..., -1] = float("inf")  # the last token is always kept (it is the next step's neighbour)
-        return rel.topk(n, dim=-1, sorted=False).indices.sort(dim=-1).values
-
-    def get_seq_length(self) -> int:
-        return self.seen if self.is_initialized else 0
-
-    def restore(self, parts: list[list[torch.Tensor]], tokens: int) -> None:
-        super().restore(parts, tokens)
-        self.seen = tokens
-
-    def row_buffers(self) -> list:
-        if self.slots is not None:  # slots are not positions once a pool may evict
-            raise NotImplementedError("continuous batching needs a pool without a capacity (capacity, capacity_bytes)")
+    def buffers(self) -> list:
         return [b for b in (self.k, self.v, self.partial) if b is not None]
-
-    def join(self, other, at_self: int, at_other: int, room: int) -> None:
-        super().join(other, at_self, at_other, room)
-        self.seen += at_self
-        self._clear_step()
-        self.prepare_transfer()  # staging for the new batch size
-
-    def retain(self, rows, trim: int, room: int) -> None:
-        super().retain(rows, trim, room)
-        self.seen -= trim
-        self._clear_step()
-        self.prepare_transfer()
-
-    def _clear_step(self) -> None:
-        """Forget the last step's fetch (sized for the batch it ran with)."""
-        self.prefill_query = self.mirror = None
-
-    def reset(self) -> None:
-        self.seen = self.offset = 0
-        if self.slots is not None:
-            self.slots.reset()
-        if self.is_initialized:
-            for buf in (self.k, self.v, self.partial):
-                if buf is not None:
-                    buf.reset()
-        self._clear_step()
-
-    @property
-    def nbytes(self) -> int:
-        return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0

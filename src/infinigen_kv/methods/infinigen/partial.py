@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...model import kernels
+from ...model import backend as backends
 
 
 def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ class PartialQuery:
         the step's (arch.StepInputs.memo), where what every layer of a step shares is made once."""
         a = self.arch
         B = x.shape[0]
-        kern = kernels.cpu() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        kern = backends.for_device(x.device).ops if x.dtype == torch.float32 else None
         if self.weight is not None:  # no RoPE: A_P folded into the partial query weights
             if kern is not None:
                 q = kern.linear(x.reshape(B, -1), self.weight[layer], self.bias[layer])

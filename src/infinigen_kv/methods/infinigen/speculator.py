@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import torch
 
-from ...model import kernels
 from ..budget import budget_caps
 from ..keep import keep_source, layer_keep
 from . import int8
@@ -207,7 +206,7 @@ class Speculate:
         keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted, budget)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
-        kern = kernels.cpu() if dev.type == "cpu" else None
+        kern = target.backend.ops
         if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
             if keep is not None and caps is None:  # per row: budget x its valid length
                 keep = keep.contiguous()

@@ -115,7 +115,7 @@ class Counters:
         row_bytes = (first.k.width + first.v.width) * first.k.data.element_size() if first.is_initialized else 0
         # bytes moved: what the CUDA transfers copied to the device (they trim each fetch to its real rows), else
         # the rows gathered
-        moved = [t.bytes_moved for t in transfers if hasattr(t, "bytes_moved")]
+        moved = [t.bytes_moved for t in transfers if t.bytes_moved is not None]
         return {
             "fetched_fraction": sum(frac[i] for i in active) / len(active) if active else 0.0,
             "fetched_fraction_per_layer": frac,

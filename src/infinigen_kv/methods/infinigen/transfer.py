@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from ...model import kernels
 from .fetch import Fetch, Scratch, work_mask
 
 
@@ -25,9 +24,13 @@ class DirectTransfer:
     """CPU: nothing in flight. `fetch` answers None where the kernel may read the chosen rows in place."""
 
     host_compute = True  # attention runs where the pool lies: a dense step reads it in place, at no copy
+    bytes_moved = None  # nothing crosses to another device
 
     def __init__(self):
         self.scratch = Scratch("cpu")  # the gathered working set, shared by all layers (sequential)
+
+    def init_layer(self, layer, B: int, G: int, rows: int, staged: bool = True) -> None:
+        """Nothing to prepare: no events, no staging."""
 
     def prefetch(self, layer, fetch: Fetch) -> None:
         """Nothing to start: the layer's view reads the chosen rows when it runs."""
@@ -49,7 +52,7 @@ class DirectTransfer:
         """-> None when attention may read [new token, chosen rows] where they lie (in_place: the new token
         will be appended, not written over a slot that may be chosen, and the CPU kernel is built); else
         the working set K, V (B, G, m + 1, d) and its mask (B, G, 1, m + 1)."""
-        if in_place and (fetch.count is not None or fetch.real is None) and kernels.cpu() is not None:
+        if in_place and (fetch.count is not None or fetch.real is None) and layer.backend.kernels:
             return None
         B, G, m = fetch.idx.shape
         K = self.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)

@@ -1,0 +1,63 @@
+"""The backend of a compute device: which implementation of the decode step's operations runs there, chosen once
+per device (and per INFINIGEN_KERNELS setting) and asked by every call site.
+
+- "cpu-kernels": the compiled CPU kernels (kernels/cpu.cpp): `linear`, `rms_norm`, `rope_`, `silu_mul`,
+  `speculate`, `partial_query`, `quantize_rows`, `store_token`, `attend` (reading the pool in place);
+- "reference": PyTorch's ops on CPU (INFINIGEN_KERNELS=0, or no compiler): what the kernels are tested against;
+- "cuda": PyTorch's ops on a GPU.
+
+A call site asks `for_device(device)` (or takes the backend its layer was made with) and runs `backend.ops.X` where
+`backend.ops` is not None, its PyTorch twin otherwise; nothing else looks the kernels up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import kernels
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str  # "cpu-kernels" | "reference" | "cuda" | the device type
+    device_type: str
+    ops: Any = None  # the compiled kernels (kernels/cpu.cpp), or None: PyTorch ops
+    silu_lanes: int | None = None  # silu_mul's vector width where it gives F.silu's bits; None: PyTorch's silu
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the compiled kernels run here (int8 partial keys, attention over the pool in place, the fused
+        decode layer)."""
+        return self.ops is not None
+
+    def __deepcopy__(self, memo) -> Backend:
+        return self  # one per device for the process: a copied cache (a fork) runs the same operations
+
+
+_chosen: dict = {}
+
+
+def for_device(device: torch.device | str) -> Backend:
+    """The backend of `device` (its type: every GPU of a machine runs the same ops)."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    key = (kind, kernels.enabled())
+    if key not in _chosen:
+        _chosen[key] = _choose(kind)
+    return _chosen[key]
+
+
+def cpu() -> Backend:
+    """The CPU's backend (asked ~200 times a decode step by the linears: one dict lookup)."""
+    return _chosen.get(("cpu", kernels.enabled())) or for_device("cpu")
+
+
+def _choose(kind: str) -> Backend:
+    if kind != "cpu":
+        return Backend(kind, kind)
+    ops = kernels.cpu()
+    if ops is None:
+        return Backend("reference", kind)
+    return Backend("cpu-kernels", kind, ops, kernels.silu_lanes() if kernels.silu_mul_exact() else None)
