@@ -1,0 +1,84 @@
+"""A decode step's ops as data (a TorchDispatchMode under the step): each op's name, its tensors' shapes and dtypes,
+its other arguments, and, for tensors not made inside the step, their data pointers. What a CUDA graph needs of a
+step is then checkable on CPU: two consecutive steps give the same records (the same ops on the same buffers), the
+step reads nothing back to the host (`.item()`, `.tolist()`, `bool(t)`: aten._local_scalar_dense), and how many ops
+each speculated layer runs."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+HOST_READS = {"aten::_local_scalar_dense"}  # .item(), bool(t), int(t)
+UNDISPATCHED = ("tolist", "numpy")  # host reads of a CPU tensor that bypass the dispatcher: wrapped while tracing
+
+
+class StepTrace(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []  # (name, args) per op, in order
+        self.kernels = 0  # ops that compute (not views: a view launches nothing)
+        self.host_reads: list[str] = []
+        self.made: set[int] = set()  # data pointers of tensors the step made
+        self.marks: list[int] = []  # op counts at marks (mark())
+
+    def __enter__(self):
+        self._saved = {name: getattr(torch.Tensor, name) for name in UNDISPATCHED}
+        for name, method in self._saved.items():
+            def read(t, *a, _name=name, _method=method, **k):
+                self.host_reads.append(f"Tensor.{_name}")
+                return _method(t, *a, **k)
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def mark(self) -> None:
+        self.marks.append((len(self.ops), self.kernels))
+
+    def _arg(self, a):
+        if isinstance(a, torch.Tensor):
+            ptr = a.untyped_storage().data_ptr() if a.device.type != "meta" else 0
+            where = "step" if ptr in self.made else ptr
+            return ("T", tuple(a.shape), str(a.dtype), a.device.type, where)
+        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+            return a
+        return type(a).__name__
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name if hasattr(func, "_schema") else str(func)
+        flat, _ = tree_flatten((args, kwargs))
+        record = (name, tuple(self._arg(a) for a in flat))
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name in HOST_READS or (any(t.device.type == "cpu" for t in outs) and any(
+                isinstance(a, torch.Tensor) and a.device.type not in ("cpu", "meta") for a in flat)):
+            self.host_reads.append(name)  # a scalar read, or a device tensor copied to the host
+        for t in outs:
+            if t.device.type != "meta":
+                self.made.add(t.untyped_storage().data_ptr())
+        self.ops.append(record)
+        self.kernels += not func.is_view
+        return out
+
+
+def trace(fn, *args, **kwargs) -> tuple[StepTrace, object]:
+    """Run fn under a StepTrace: (the trace, fn's result)."""
+    with StepTrace() as t:
+        out = fn(*args, **kwargs)
+    return t, out
+
+
+def first_difference(a: StepTrace, b: StepTrace) -> str | None:
+    """Where two steps' records part (None: identical)."""
+    for i, (x, y) in enumerate(zip(a.ops, b.ops)):
+        if x != y:
+            return f"op {i}: {x} != {y}"
+    if len(a.ops) != len(b.ops):
+        return f"{len(a.ops)} ops != {len(b.ops)} ops"
+    return None
