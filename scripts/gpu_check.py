@@ -22,6 +22,7 @@ import collections
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -276,10 +277,12 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                         opts = {**opts, "calibration": str(cal_path)}
                     os.environ["INFINIGEN_CUDA_FETCH"] = "worker" if name.endswith("worker") else "uva"
                     cache = c.cache(method, model, **opts)
-                    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False)
+                    timer = StepTimer(c.device.type == "cuda")
+                    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
+                                   on_step=timer)
                     if hasattr(cache, "transfer"):
                         row["fetch"] = "uva" if getattr(cache.transfer, "uva", False) else "worker"
-                    step = res.decode_s / max(res.decode_steps, 1)
+                    step = statistics.median(timer.steps_ms()) / 1e3  # CUDA events between steps
                     stats = getattr(cache, "stats", {})
                     row.update(decode_tok_s=round(B / step, 2), step_ms=round(step * 1e3, 2),
                                prefill_s=round(res.prefill_s, 2))
@@ -314,9 +317,48 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
     return {"ok": ok, "h2d_gb_s": round(h2d / 1e9, 2) if h2d else None, "rows": rows}
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+class StepTimer:
+    """on_step for generate: a mark before each decode step (a CUDA event on the current stream; the clock on a dry
+    run), so a step's time is the device's time between two marks, not the host's guess around a loop."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def __call__(self, i, *_):
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def steps_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def profile_rows(events, steps: int) -> dict:
+    """Per step, from torch.profiler's key_averages: device time from the device's rows only (kernels, copies, sets:
+    an aten op's row repeats the device time of the kernels it launched, so summing every row counts each twice),
+    kernels run and launches made (every launch API, and graph launches)."""
+    from torch.autograd import DeviceType
+
+    device = [e for e in events if e.device_type != DeviceType.CPU]
+    return {"device_ms_per_step": round(sum(e.self_device_time_total for e in device) / steps / 1e3, 2),
+            "kernels_per_step": round(sum(e.count for e in device) / steps, 1),
+            "launches_per_step": round(sum(e.count for e in events if e.key in LAUNCHES) / steps, 1),
+            "top_device": [(e.key, round(e.self_device_time_total / steps / 1e3, 2))
+                           for e in sorted(device, key=lambda e: -e.self_device_time_total)[:8]]}
+
+
 def step_profile(c: Check, n: int, B: int) -> dict:
-    """Where a decode step's time goes (torch.profiler over 6 steps after a warm-up): host time per step, device
-    kernel time per step, and the top host and device ops, for transformers' own cache, full and infinigen."""
+    """Where a decode step's time goes (torch.profiler over 6 steps after a warm-up): the step's time by CUDA events,
+    device time from the kernel rows, kernels and launches per step, and the top host and device rows, for
+    transformers' own cache, full and infinigen."""
     from torch.profiler import ProfilerActivity, profile
 
     model = big_model(c)
@@ -331,32 +373,26 @@ def step_profile(c: Check, n: int, B: int) -> dict:
         generate(model, ids, cache=c.cache(method, model, **opts), max_new_tokens=4, stop_at_eos=False)
         cache = c.cache(method, model, **opts)
         steps = 6
-        state = {}
+        state, timer = {}, StepTimer(c.device.type == "cuda")
 
         def on_step(i, *_):
             if i == 0:
                 state["prof"] = profile(activities=acts)
                 state["prof"].__enter__()
-                c.sync()
-                state["t"] = time.perf_counter()
+            timer(i)
             if i == steps:
                 c.sync()
-                state["wall"] = time.perf_counter() - state["t"]
                 state["prof"].__exit__(None, None, None)
 
         generate(model, ids, cache=cache, max_new_tokens=steps + 1, stop_at_eos=False, on_step=on_step)
-        prof = state["prof"]
-        events = prof.key_averages()
-        dev_us = sum(e.self_device_time_total for e in events) if c.device.type == "cuda" else 0
+        events = state["prof"].key_averages()
         top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
-        top_dev = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:8]
-        rows[name] = {
-            "wall_ms_per_step": round(state["wall"] / steps * 1e3, 2),
-            "device_ms_per_step": round(dev_us / steps / 1e3, 2),
-            "top_host": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 2), e.count // steps) for e in top_cpu],
-            "top_device": [(e.key, round(getattr(e, "self_device_time_total", 0) / steps / 1e3, 2)) for e in top_dev],
-        }
-        log(f"  profile {name}: {rows[name]['wall_ms_per_step']} ms/step, device {rows[name]['device_ms_per_step']}")
+        rows[name] = {"step_ms": round(statistics.median(timer.steps_ms()), 2), **profile_rows(events, steps),
+                      "top_host": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 2), e.count // steps)
+                                   for e in top_cpu]}
+        r = rows[name]
+        log(f"  profile {name}: {r['step_ms']} ms/step, device {r['device_ms_per_step']} ms, "
+            f"{r['kernels_per_step']} kernels, {r['launches_per_step']} launches")
         for k, ms, cnt in rows[name]["top_host"]:
             log(f"     host {ms:8.2f} ms  x{cnt:5d}  {k}")
         for k, ms in rows[name]["top_device"]:
@@ -364,11 +400,29 @@ def step_profile(c: Check, n: int, B: int) -> dict:
     return {"ok": True, "batch": B, "context": n, "rows": rows}
 
 
+def step_trace(c: Check) -> dict:
+    """The decode step's ops through the PyTorch path (scripts/step_trace.py): kernels per step and per layer for
+    full, offload and infinigen, the extra kernels of a speculated layer, host reads, two steps alike or not."""
+    import statistics as st
+
+    from step_trace import run
+
+    model = tiny("llama-gqa", c, torch.float32)
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0)).to(c.device)
+    rows = {m: run(model, m, ids, 0.1) for m in ("full", "offload", "infinigen")}
+    full = st.median(rows["full"]["per_layer"][1:-1])
+    for m, r in rows.items():
+        r["extra_per_layer"] = st.median(r["per_layer"][1:-1]) - full
+        log(f"  trace {m}: {r['ops']} kernels/step, +{r['extra_per_layer']} a layer over full, "
+            f"{r['host_reads']} host reads, two steps {'identical' if r['same'] is None else 'differ'}")
+    return {"ok": all(r["host_reads"] == 0 for r in rows.values()), "rows": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="every step on CPU at tiny sizes (tests the script)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu-check")
-    ap.add_argument("--steps", default="tests,exact,race,syncs,batching,speed")
+    ap.add_argument("--steps", default="tests,exact,race,syncs,batching,speed,profile,trace")
     ap.add_argument("--contexts", default=None, help="speed: prompt lengths (default 16384,32768; dry: 256,512)")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
@@ -397,7 +451,7 @@ def main() -> int:
     steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
              "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),
              "speed": lambda: step_speed(c, contexts, batches, new_tokens),
-             "profile": lambda: step_profile(c, contexts[0], batches[0])}
+             "profile": lambda: step_profile(c, contexts[0], batches[0]), "trace": lambda: step_trace(c)}
     for name in args.steps.split(","):
         t0 = time.perf_counter()
         log(f"gpu_check: {name} ...")

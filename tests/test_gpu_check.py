@@ -16,10 +16,15 @@ def test_gpu_check_dry_run(tmp_path):
                         "--batches", "1,2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
-    assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "batching", "speed"}
+    assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "batching", "speed", "profile",
+                                     "trace"}
     assert all(step["ok"] for step in report["steps"].values())
     speed = report["steps"]["speed"]["rows"]
     assert {r["method"] for r in speed} >= {"full", "offload", "infinigen-0.1", "infinigen-0.05"}
     assert all(r["decode_tok_s"] > 0 for r in speed)
     assert {r.get("fetch") for r in speed if r["method"].startswith("infinigen")} == {"uva", "worker"}
     assert "| method | B | context |" in (tmp_path / "summary.md").read_text()
+    profile = report["steps"]["profile"]["rows"]
+    assert all(r["step_ms"] > 0 and r["launches_per_step"] == 0 for r in profile.values())  # no GPU: no launches
+    trace = report["steps"]["trace"]["rows"]
+    assert all(r["host_reads"] == 0 for r in trace.values()) and trace["infinigen"]["extra_per_layer"] > 0
