@@ -18,10 +18,11 @@ class StepTrace(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: list[tuple] = []  # (name, args) per op, in order
-        self.kernels = 0  # ops that compute (not views: a view launches nothing)
+        self.kernels = 0  # ops that compute (not views, not an input handed back: those launch nothing)
         self.host_reads: list[str] = []
         self.made: set[int] = set()  # data pointers of tensors the step made
-        self.marks: list[int] = []  # op counts at marks (mark())
+        self.marks: list[tuple[int, int]] = []  # (ops, kernels) at each mark()
+        self.kernel_names: list[str | None] = []  # per op: its name where it runs a kernel
 
     def __enter__(self):
         self._saved = {name: getattr(torch.Tensor, name) for name in UNDISPATCHED}
@@ -49,6 +50,16 @@ class StepTrace(TorchDispatchMode):
             return a
         return type(a).__name__
 
+    @staticmethod
+    def _returns_input(flat, outs) -> bool:
+        """An op that hands back one of its inputs untouched (`.to` of a tensor already so, `.contiguous()` of a
+        contiguous one): no kernel. (In-place and out= ops, which return an input too and do run one, are not
+        asked.)"""
+        if not outs:
+            return False
+        ins = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor) and a.device.type != "meta"}
+        return all(t.device.type != "meta" and t.untyped_storage().data_ptr() in ins for t in outs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name if hasattr(func, "_schema") else str(func)
@@ -63,7 +74,9 @@ class StepTrace(TorchDispatchMode):
             if t.device.type != "meta":
                 self.made.add(t.untyped_storage().data_ptr())
         self.ops.append(record)
-        self.kernels += not func.is_view
+        kernel = not (func.is_view or (not func._schema.is_mutable and self._returns_input(flat, outs)))
+        self.kernels += kernel
+        self.kernel_names.append(name if kernel else None)
         return out
 
 

@@ -47,3 +47,31 @@ def test_a_decode_step_reads_nothing_back(tiny_models, method, monkeypatch):
             tok = decode(model, cache, tok, positions + i, mask).argmax(-1)
         assert t.host_reads == [], (method, i)
         assert t.kernels > 0
+
+
+def test_kernels_per_layer_on_the_gpu_path(tiny_models, monkeypatch):
+    """The ops a decode step's layer runs on the GPU path (CudaTransfer on CPU stand-ins, the reference backend),
+    counted: a speculated layer's extra over the full cache's layer stays at most what it is today (a ceiling that
+    only comes down: each op is a launch on a GPU, where the eager step is bound by launches)."""
+    from conftest import on_fake_cuda
+
+    monkeypatch.setattr(kernels, "_enabled", False)
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    per_layer = {}
+    for method in ("full", "offload", "infinigen"):
+        cache = ig.make_cache(method, model, **({"budget": 0.1, "min_budget": 0} if method == "infinigen" else {}))
+        if method != "full":
+            on_fake_cuda(cache)
+        tok = prefill(model, ids, None, cache, 4).argmax(-1)
+        for i in range(3):
+            t = StepTrace()
+            before = cache.before_attention
+            monkeypatch.setattr(cache, "before_attention", lambda *a, t=t, before=before: (t.mark(), before(*a))[1])
+            with t:
+                tok = decode(model, cache, tok, torch.full((1, 1), 300 + i), None).argmax(-1)
+            monkeypatch.delattr(cache, "before_attention")
+        assert t.host_reads == []
+        per_layer[method] = t.marks[3][1] - t.marks[2][1]  # layer 2: speculated, and speculating layer 3
+    assert per_layer["infinigen"] - per_layer["full"] <= 23, per_layer
+    assert per_layer["offload"] - per_layer["full"] <= 5, per_layer

@@ -155,13 +155,15 @@ class CudaTransfer:
             self.stream.wait_event(selected)
             if ring.used[slot]:
                 self.stream.wait_event(ring.consumed[slot])  # attention has read the slot's last rows
+            flat = None
             for buf, name, out in ((layer.k, "k", dk), (layer.v, "v", dv)):
                 view = self._view(layer, name, buf)
                 if fetch.whole:
                     out.copy_(view.view(buf.store.shape)[: buf.batch, :, :m])
-                else:
+                    continue
+                if flat is None or buf.capacity != layer.k.capacity:  # V's rows at K's flat index, sizes alike
                     flat = (fetch.idx + buf.row_base(fetch.idx.device)).view(-1)
-                    torch.index_select(view, 0, flat, out=out.view(-1, buf.width))
+                torch.index_select(view, 0, flat, out=out.view(-1, buf.width))
             done = self._record(ring.copied[slot], self.stream)
         for t in (dk, dv):
             record_stream(t, self.stream)
@@ -234,9 +236,11 @@ class CudaTransfer:
             self.init_layer(layer, k.shape[0], k.shape[1], 0)
         if self.uva:  # one row per (sequence, head), written by the compute stream through the pool's view
             start = self._claim(layer, 1) if slot is None else None
+            rows = None
             for buf, name, x in ((layer.k, "k", k), (layer.v, "v", v)):
-                base = buf.row_base(self.device)  # (B, G, 1)
-                rows = (base + start if slot is None else base + slot.unsqueeze(-1)).view(-1)
+                if rows is None or buf.capacity != layer.k.capacity:  # V's rows at K's flat index, sizes alike
+                    base = buf.row_base(self.device)  # (B, G, 1)
+                    rows = (base + start if slot is None else base + slot.unsqueeze(-1)).view(-1)
                 self._view(layer, name, buf).index_copy_(0, rows, x.reshape(-1, buf.width).to(buf.dtype))
             self.unflushed[layer.layer_idx] = self._record(self.events[layer.layer_idx]["written"])
             return
