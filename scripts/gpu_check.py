@@ -253,7 +253,7 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
     cal_path = c.out / "calibration.safetensors"
     cal.save(cal_path)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
-    methods = [("full", "full", {}), ("offload", "offload", {})] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
+    methods = [("full", "full", {}), ("full-eager", "full", {"cuda_graph": False}), ("offload", "offload", {})] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
                ("infinigen-0.1", "infinigen", {"budget": 0.1}), ("infinigen-0.05", "infinigen", {"budget": 0.05}),
                ("infinigen-0.1-worker", "infinigen", {"budget": 0.1})]
     rows, kv_row = [], None
@@ -261,7 +261,9 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
     warm = torch.randint(10, model.config.vocab_size, (1, 2048), generator=gen).to(c.device)
     for name, method, opts in methods:  # kernels, plans and pinned blocks made outside the timings
         opts = {**opts, "calibration": str(cal_path)} if method == "infinigen" else opts
-        generate(model, warm, cache=c.cache(method, model, **opts), max_new_tokens=4, stop_at_eos=False)
+        cache_opts = {k: v for k, v in opts.items() if k != "cuda_graph"}
+        generate(model, warm, cache=c.cache(method, model, **cache_opts), max_new_tokens=4, stop_at_eos=False,
+                 cuda_graph=opts.get("cuda_graph"))
     for B in batches:
         for n in contexts:
             ids = torch.randint(10, model.config.vocab_size, (B, n), generator=gen).to(c.device)
@@ -276,10 +278,11 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                     if method == "infinigen":
                         opts = {**opts, "calibration": str(cal_path)}
                     os.environ["INFINIGEN_CUDA_FETCH"] = "worker" if name.endswith("worker") else "uva"
-                    cache = c.cache(method, model, **opts)
+                    graph = opts.get("cuda_graph")
+                    cache = c.cache(method, model, **{k: v for k, v in opts.items() if k != "cuda_graph"})
                     timer = StepTimer(c.device.type == "cuda")
                     res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
-                                   on_step=timer)
+                                   on_step=timer, cuda_graph=graph)
                     if hasattr(cache, "transfer"):
                         row["fetch"] = "uva" if getattr(cache.transfer, "uva", False) else "worker"
                     step = statistics.median(timer.steps_ms()) / 1e3  # CUDA events between steps
@@ -297,7 +300,7 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                                                        * kv_row / 1e6, 2)
                     if c.device.type == "cuda":
                         row["peak_gib"] = round(torch.cuda.max_memory_allocated(c.device) / 2**30, 2)
-                    if method == "full":
+                    if name == "full":
                         full_step = step
                     if h2d and row.get("h2d_mb_per_step") and full_step:
                         # transfer time at the measured H2D bandwidth; what the step took beyond the full cache's
@@ -400,6 +403,25 @@ def step_profile(c: Check, n: int, B: int) -> dict:
     return {"ok": True, "batch": B, "context": n, "rows": rows}
 
 
+def step_graph(c: Check) -> dict:
+    """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens (greedy, 24 new
+    tokens; float32 and bf16; unpadded and a left-padded batch)."""
+    from conftest import left_padded_batch
+
+    rows, ok = [], True
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny("llama-gqa", c, dtype)
+        for lengths in ((300,), (300, 210, 120)):
+            ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
+            out = {g: generate(model, ids, mask, cache=c.cache("full", model), max_new_tokens=24, stop_at_eos=False,
+                               cuda_graph=g).tokens for g in (True, False)}
+            same = bool(torch.equal(out[True], out[False]))
+            rows.append({"dtype": str(dtype), "batch": len(lengths), "same_tokens": same})
+            ok &= same
+    log(f"  graph: {rows}")
+    return {"ok": ok, "rows": rows}
+
+
 def step_trace(c: Check) -> dict:
     """The decode step's ops through the PyTorch path (scripts/step_trace.py): kernels per step and per layer for
     full, offload and infinigen, the extra kernels of a speculated layer, host reads, two steps alike or not."""
@@ -422,7 +444,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="every step on CPU at tiny sizes (tests the script)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu-check")
-    ap.add_argument("--steps", default="tests,exact,race,syncs,batching,speed,profile,trace")
+    ap.add_argument("--steps", default="tests,exact,race,syncs,graph,batching,speed,profile,trace")
     ap.add_argument("--contexts", default=None, help="speed: prompt lengths (default 16384,32768; dry: 256,512)")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
@@ -451,7 +473,8 @@ def main() -> int:
     steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
              "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),
              "speed": lambda: step_speed(c, contexts, batches, new_tokens),
-             "profile": lambda: step_profile(c, contexts[0], batches[0]), "trace": lambda: step_trace(c)}
+             "profile": lambda: step_profile(c, contexts[0], batches[0]), "trace": lambda: step_trace(c),
+             "graph": lambda: step_graph(c)}
     for name in args.steps.split(","):
         t0 = time.perf_counter()
         log(f"gpu_check: {name} ...")

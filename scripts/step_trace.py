@@ -62,6 +62,38 @@ def run(model, method: str, ids, budget: float) -> dict:
             "same": first_difference(a, b)}
 
 
+def run_static(model, method: str, ids) -> dict:
+    """The same, through static steps (model/static.py: what a CUDA graph replays)."""
+    from steptrace import StepTrace, first_difference
+
+    from infinigen_kv.model.static import StaticDecoder
+
+    cache = ig.make_cache(method, model)
+    B, n = ids.shape
+    tok = prefill(model, ids, None, cache, 8).argmax(-1)
+    dec = StaticDecoder(model, cache, None, torch.full((B, 1), n, device=ids.device))
+    traces = []
+    for _ in range(4):
+        dec.refill(tok)
+        t = StepTrace()
+        before = cache.before_attention
+
+        def marked(*a, t=t, before=before):
+            t.mark()
+            return before(*a)
+
+        cache.before_attention = marked
+        with t:
+            logits = dec.forward()
+        del cache.before_attention
+        dec.advance()
+        tok = logits.argmax(-1)
+        traces.append(t)
+    a, b = traces[2:]
+    per_layer = [y[1] - x[1] for x, y in zip(a.marks, a.marks[1:])]
+    return {"ops": a.kernels, "per_layer": per_layer, "host_reads": len(a.host_reads), "same": first_difference(a, b)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-gqa")
@@ -75,6 +107,7 @@ def main() -> int:
     model = tiny_model(args.model)
     ids = torch.randint(3, 200, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     rows = {m: run(model, m, ids, args.budget) for m in ("full", "offload", "infinigen")}
+    rows["full, static"] = run_static(model, "full", ids)
     full_layer = statistics.median(rows["full"]["per_layer"][2:])
     print(f"{args.model}, B{args.batch} x {args.prompt_len}, budget {args.budget}, reference backend, torch {torch.__version__}")
     print("| method | ops/step | ops/layer (median, layers 2+) | extra ops/layer vs full | host reads/step | two steps |")

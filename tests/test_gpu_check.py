@@ -16,8 +16,8 @@ def test_gpu_check_dry_run(tmp_path):
                         "--batches", "1,2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
-    assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "batching", "speed", "profile",
-                                     "trace"}
+    assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "graph", "batching", "speed",
+                                     "profile", "trace"}
     assert all(step["ok"] for step in report["steps"].values())
     speed = report["steps"]["speed"]["rows"]
     assert {r["method"] for r in speed} >= {"full", "offload", "infinigen-0.1", "infinigen-0.05"}

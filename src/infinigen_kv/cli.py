@@ -59,6 +59,8 @@ def _add_model_args(p):
                    help="CPU threads, fixed (default: all cores, fewer while measured faster on a busy machine; "
                    "see the README, 'CPU decode path')")
     p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs (default: none, one device)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="CUDA: decode eagerly, not as one replayed CUDA graph a step (the same as INFINIGEN_CUDA_GRAPH=0)")
 
 
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):
@@ -278,6 +280,8 @@ def main(argv=None) -> int:
     else:
         handler = handlers[args.command]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "no_cuda_graph", False):
+        os.environ["INFINIGEN_CUDA_GRAPH"] = "0"  # every decode loop of this process (generate, bench, serve)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

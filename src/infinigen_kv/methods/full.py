@@ -33,9 +33,15 @@ class FullLayer(LogicalLayer):
         self.is_initialized = True
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def view(self, key_states, value_states, fetch=None) -> KVView:
+    def view(self, key_states, value_states, fetch=None, at: torch.Tensor | None = None) -> KVView:
+        """at (1,) on the device: a static decode step (model/static.py) writes its row at that column and attends
+        over the whole buffers, its mask marking what is valid: the same ops on the same buffers every step."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if at is not None:
+            self.k.data.index_copy_(2, at, key_states)  # (B, G, capacity, d) <- (B, G, 1, d)
+            self.v.data.index_copy_(2, at, value_states)
+            return KVView(self.k.data, self.v.data)
         first = self.k.length == 0
         k, v = self.slide(key_states, value_states)
         self.k.append(k)
@@ -71,6 +77,7 @@ class FullCache(Rebatch, Cache):
     """The efficient full cache. `FullCache(model)`; works with `model.generate(past_key_values=...)`."""
 
     method = "full"
+    static = True  # decodes in static steps (model/static.py): whole buffers, rows written at a device column
 
     def __init__(self, model=None, **_):
         n = model.config.num_hidden_layers if model is not None else 0
@@ -87,6 +94,24 @@ class FullCache(Rebatch, Cache):
         """Make the buffers for `tokens` tokens per sequence (prompt + new tokens): no copy inside decode."""
         for layer in self.layers:
             layer.reserved = max(layer.reserved, int(tokens))
+
+    @torch.inference_mode()  # the buffers were made under it (a prefill)
+    def static_capacity(self) -> int:
+        """Columns every layer's buffers hold (a static step attends over all of them), its rows past the valid ones
+        zeroed (they are masked, and masked garbage could be NaN)."""
+        for layer in self.layers:
+            for buf in (layer.k, layer.v):
+                buf.data[:, :, buf.length :].zero_()
+        return self.layers[0].k.capacity
+
+    def advanced(self, tokens: int = 1) -> None:
+        """Static steps wrote `tokens` rows into every layer at the device column: the host's lengths follow."""
+        for layer in self.layers:
+            layer.k.length += tokens
+            layer.v.length += tokens
+            layer.steps += tokens
+            k = layer.k
+            layer.bytes_read += tokens * k.batch * k.heads * (k.width + layer.v.width) * k.length * k.data.element_size()
 
     @property
     def stats(self) -> dict:

@@ -30,10 +30,11 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     return attend(module, query, KVView(key, value), attention_mask, scaling, dropout, **kwargs)
 
 
-def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask) -> torch.Tensor:
+def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask, at=None) -> torch.Tensor:
     """Layer i's self-attention with one of our caches, the same operations as the model's self_attn forward, the
     cache's speculation first: normed input h (B, T, D), RoPE (cos, sin) (None: OPT), the layer's mask ->
-    (B, T, D) after the output projection. The model's forward (install.py) and the decode step both run it."""
+    (B, T, D) after the output projection. The model's forward (install.py) and the decode step both run it; at:
+    a static step's device column (model/static.py)."""
     a = arch.attns[i]
     B, T, _ = h.shape
     arch.step.fetches.update(cache.before_attention(i, h, rope, mask))  # the next layer's fetch, started now
@@ -45,16 +46,17 @@ def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask) -> torch.T
     if arch.rope:
         q, k = apply_rope(q, rope), apply_rope(k, rope)  # transformers' apply_rotary_pos_emb
     out = attend_layer(a, cache, i, q, k, v, mask, arch.score_scale, arch.windows[i],
-                       arch.step.fetches.pop(i, None))  # (B, T, H, d)
+                       arch.step.fetches.pop(i, None), at)  # (B, T, H, d)
     o = a.out_proj if arch.model_type == "opt" else a.o_proj
     return o(out.reshape(B, T, -1).contiguous())
 
 
-def attend_layer(module, cache, i: int, q, k, v, mask, scaling: float, window, fetch) -> torch.Tensor:
+def attend_layer(module, cache, i: int, q, k, v, mask, scaling: float, window, fetch, at=None) -> torch.Tensor:
     """Layer i's new q (B, H, T, d), k, v (B, G, T, d) through the cache: its layer's view (which stores k, v;
-    fetch: what an earlier layer's before_attention started for it), attention over it, and the recall diagnostic
-    where the cache tracks it. -> (B, T, H, d)"""
-    view = cache.layers[i].view(k, v, fetch)
+    fetch: what an earlier layer's before_attention started for it; at: a static step's device column), attention
+    over it, and the recall diagnostic where the cache tracks it. -> (B, T, H, d)"""
+    layer = cache.layers[i]
+    view = layer.view(k, v, fetch) if at is None else layer.view(k, v, fetch, at)
     out, _ = attend(module, q, view, mask, scaling, 0.0, sliding_window=window)
     if view.selected and cache.track_recall:
         B, H, _, d = q.shape

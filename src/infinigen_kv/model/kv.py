@@ -16,6 +16,7 @@ class StepCache:
     class, never by probing for an attribute. The defaults are a method that selects nothing."""
 
     track_recall = False  # attention reports each step's true attention on its working set (a diagnostic)
+    static = False  # its layers' views take `at`, the device column of a static step (model/static.py)
 
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
         """Called by layer l's attention block with its input x (B, T, D) (model/attention.py): a method that

@@ -60,9 +60,11 @@ def decode(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch
 
 
 @torch.inference_mode()
-def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                at: torch.Tensor | None = None) -> torch.Tensor:
     """ids (B,) at positions (B, 1), mask (B, n + 1) of the padded past and this token (None: nothing padded)
-    -> logits (B, V), the cache appended to, as model(input_ids=ids[:, None], ...) would."""
+    -> logits (B, V), the cache appended to, as model(input_ids=ids[:, None], ...) would. A static step
+    (model/static.py): mask (B, capacity) marks the valid columns and at (1,) is the column the new rows go to."""
     _prefilling.set(False)  # the linears' decode path (a forward's pre-hook would set it)
     arch = install(model)  # (installed: supports)
     base, B = arch.base, ids.shape[0]
@@ -85,8 +87,8 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
         plans = _merged(model) if kernel_path and B <= KERNEL_ROWS_BF16 else None
         if plans is not None and None not in plans:
             rope = tuple(t.contiguous() for t in ropes[None])
-            return _kernel_layers(model, arch, cache, backend, x, rope, masks, plans)
-        return _logits(model, arch, _layers(arch, cache, x, ropes, masks))
+            return _kernel_layers(model, arch, cache, backend, x, rope, masks, plans, at)
+        return _logits(model, arch, _layers(arch, cache, x, ropes, masks, at))
     finally:
         inputs.clear()
 
@@ -106,12 +108,12 @@ def _masks(arch, mask: torch.Tensor | None, B: int, N: int) -> dict:
     return out
 
 
-def _layers(arch, cache, x: torch.Tensor, ropes: dict | None, masks: dict) -> torch.Tensor:
+def _layers(arch, cache, x: torch.Tensor, ropes: dict | None, masks: dict, at=None) -> torch.Tensor:
     """The decoder layers in PyTorch ops and the model's own modules, each by its architecture's layout: x (B, 1, D)."""
     layout = LAYOUTS[arch.model_type]
     for i, layer in enumerate(arch.base.layers):
         rope = None if ropes is None else ropes[arch.rope_types[i] if arch.rope_types is not None else None]
-        x = layout(layer, x, lambda h: attention_block(arch, cache, i, h, rope, masks[arch.windows[i]]))
+        x = layout(layer, x, lambda h: attention_block(arch, cache, i, h, rope, masks[arch.windows[i]], at))
     return x
 
 
@@ -162,7 +164,7 @@ def _logits(model, arch, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
-def _kernel_layers(model, arch, cache, backend, x, rope, masks, plans) -> torch.Tensor:
+def _kernel_layers(model, arch, cache, backend, x, rope, masks, plans, at=None) -> torch.Tensor:
     """The decoder layers of a few rows through the kernels, ~10 calls a layer: RMSNorm, q k v in one linear, RoPE
     of q and k in place, the cache and attention, o with the residual added, RMSNorm, gate and up in one linear,
     silu(gate) * up, down with the residual added. x (B, 1, D) -> logits (B, V); the same bits as `_layers`
@@ -182,7 +184,7 @@ def _kernel_layers(model, arch, cache, backend, x, rope, masks, plans) -> torch.
         kern.rope_(qkv, cos, sin, nq + nk)  # q and k rotated in place, as apply_rope
         qkv = qkv.view(B, 1, -1, d).transpose(1, 2)  # (B, H + 2G, 1, d)
         out = attend_layer(a, cache, i, qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :], mask4, a.scaling,
-                           arch.windows[i], arch.step.fetches.pop(i, None))  # (B, 1, H, d)
+                           arch.windows[i], arch.step.fetches.pop(i, None), at)  # (B, 1, H, d)
         x = kern.linear(out.reshape(B, -1).contiguous(), wo, bo, x)  # x + o_proj(out)
         h = _norm(layer.post_attention_layernorm, x)
         gu = kern.linear(h, wgu, None)  # (B, 2F): gate, up

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..model import step
+from ..model import static, step
 from ..model.kv import StepCache
 from . import threads
 from .batching import prefill_prefix
@@ -63,6 +63,15 @@ def _first_logits(model, input_ids, attention_mask, cache, max_new_tokens: int, 
     if prefix is not None:
         return prefill_prefix(model, input_ids, cache, max_new_tokens, prefix)
     return prefill(model, input_ids, attention_mask, cache, max_new_tokens), 0
+
+
+def _static_decoder(model, cache, attention_mask, positions, max_new_tokens: int, cuda_graph):
+    """A StaticDecoder for this run's decode steps where graphs are on (CUDA) and the model, cache and run allow
+    static steps (the run's tokens fit the cache's buffers); else None: the eager step."""
+    if max_new_tokens < 2 or not static.graphs_on(positions.device, cuda_graph) or not static.serves(model, cache):
+        return None
+    fixed = static.StaticDecoder(model, cache, attention_mask, positions, graph=positions.device.type == "cuda")
+    return fixed if fixed.n + max_new_tokens - 1 <= fixed.capacity else None
 
 
 def _run_mask(attention_mask: torch.Tensor, max_new_tokens: int):
@@ -119,6 +128,7 @@ def generate(
     logit_bias: dict | list[dict] | None = None,
     ignore_eos: bool = False,
     prefix=None,
+    cuda_graph: bool | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens for input_ids (B, n) (left-padded, with attention_mask (B, n)).
 
@@ -132,7 +142,8 @@ def generate(
     max_new_tokens). prefilled: the prefill's last logits (B, V) when `cache` already holds input_ids (a `fork`
     of a cache prefilled by `prefill`): decoding starts from them. prefix: a PrefixStore (runtime/prefix.py) for a
     batch of one: the prompt's longest stored prefix is restored, not prefilled (`cached_tokens`; prefill_prefix).
-    """
+    cuda_graph: on CUDA, one CUDA graph a step where model and cache allow it (model/static.py; None: on, unless
+    INFINIGEN_CUDA_GRAPH=0)."""
     device = input_ids.device
     B, n = input_ids.shape
     if attention_mask is None:
@@ -155,6 +166,7 @@ def generate(
     logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix)
     next_pos = positions[:, -1:] + 1  # (B, 1)
     own_step = step.supports(model, cache)
+    fixed = _static_decoder(model, cache, None if unpadded else attention_mask, next_pos, max_new_tokens, cuda_graph)
     _sync(device)
     t1 = time.perf_counter()
     steps = 0
@@ -173,7 +185,8 @@ def generate(
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break
-        logits = step.decode(model, cache, ids, next_pos + i, None if unpadded else mask[:, : n + i + 1], own_step)
+        logits = fixed.step(ids) if fixed is not None else step.decode(
+            model, cache, ids, next_pos + i, None if unpadded else mask[:, : n + i + 1], own_step)
         threads.decode_step(device)  # on CPU: the thread count of the next steps, from the machine's load
         steps += 1
     _sync(device)

@@ -1,0 +1,129 @@
+"""A decode step with static shapes: what one CUDA graph a step replays. Its inputs live in device buffers refilled in
+place before each step (`StaticInputs`: the tokens, their positions, the valid columns over the cache's capacity and
+the column this step's rows go to); every layer writes its new row at that column and attends over its whole
+buffers under the valid mask. Two steps then run the same ops on the same buffers with the same shapes
+(tests/test_static.py checks it on CPU, op by op); the host's own bookkeeping (lengths) follows after each step
+(`cache.advanced`). Caches that decode so declare `static` (model/kv.StepCache).
+
+On CUDA the step is captured once as a CUDA graph (after a warm-up on a side stream) and replayed at every step:
+one launch a step where eager mode launches hundreds of kernels. On by default; `INFINIGEN_CUDA_GRAPH=0` (or
+`cuda_graph=False`, the CLI's `--no-cuda-graph`) keeps the eager step, the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .install import install
+from .kv import StepCache
+from .step import decode_step, supports
+
+
+class StaticError(ValueError):
+    """A model or cache a static step does not serve, or a step past the capacity."""
+
+
+def graphs_on(device, cuda_graph: bool | None = None) -> bool:
+    """Whether decode steps on `device` replay a CUDA graph: on CUDA unless turned off (cuda_graph=False, or
+    INFINIGEN_CUDA_GRAPH=0 when cuda_graph is None)."""
+    if torch.device(device).type != "cuda":
+        return False
+    return cuda_graph if cuda_graph is not None else os.environ.get("INFINIGEN_CUDA_GRAPH", "1") != "0"
+
+
+def serves(model, cache) -> bool:
+    """Whether static steps serve this model and cache (one of ours that declares `static`, no sliding window,
+    the decode step's own path)."""
+    return (isinstance(cache, StepCache) and cache.static and supports(model, cache)
+            and all(w is None for w in install(model).windows))
+
+
+@dataclass(frozen=True)
+class StaticInputs:
+    ids: torch.Tensor  # (B,) int64: this step's tokens
+    positions: torch.Tensor  # (B, 1) int64: their positions
+    valid: torch.Tensor  # (B, capacity) bool: the columns holding real tokens, this step's included
+    column: torch.Tensor  # (1,) int64: the column this step's rows are written to
+
+
+class StaticDecoder:
+    """Decode steps of `cache` (prefilled, `reserve`d for the run) with static shapes. mask (B, n): the prompt's
+    attention mask (None: nothing padded); positions (B, 1): the first decode step's positions."""
+
+    @torch.inference_mode()
+    def __init__(self, model, cache, mask: torch.Tensor | None, positions: torch.Tensor, graph: bool = False):
+        arch = install(model)
+        if not cache.static:
+            raise StaticError(f"{type(cache).__name__} does not decode in static steps")
+        if any(w is not None for w in arch.windows):
+            raise StaticError("a static step serves models without sliding windows")
+        self.model, self.cache = model, cache
+        self.n = cache.get_seq_length()  # the column of the next step's rows
+        self.capacity = cache.static_capacity()
+        B, dev = positions.shape[0], positions.device
+        valid = torch.zeros(B, self.capacity, dtype=torch.bool, device=dev)
+        valid[:, : self.n] = True if mask is None else mask.bool()
+        self.inputs = StaticInputs(torch.zeros(B, dtype=torch.long, device=dev), positions.clone(), valid,
+                                   torch.tensor([self.n], device=dev))
+        self.graph = graph  # replay a CUDA graph (captured at the first step)
+        self._captured = None  # (CUDAGraph, its logits buffer)
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """The next logits (B, V) after ids (B,)."""
+        self.refill(ids)
+        logits = self._replay() if self.graph else self.forward()
+        self.advance()
+        return logits
+
+    def _replay(self) -> torch.Tensor:
+        """The captured step, replayed: its logits buffer (B, V), overwritten by the next replay."""
+        if self._captured is None:
+            try:
+                self._captured = self._capture()
+            except Exception as e:  # a step that cannot be captured still decodes, eagerly
+                warnings.warn(f"infinigen: CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); decoding "
+                              "eagerly (INFINIGEN_CUDA_GRAPH=0 skips the attempt)", stacklevel=3)
+                self.graph = False
+                return self.forward()
+        graph, logits = self._captured
+        graph.replay()
+        return logits
+
+    def _capture(self):
+        """Warm up on a side stream (lazy allocations, library handles), then capture one step. Both write this
+        step's rows at its column, as the replay that follows does again: the same values, the same place."""
+        side = torch.cuda.Stream(self.inputs.ids.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.forward()
+        return graph, logits
+
+    @torch.inference_mode()
+    def refill(self, ids: torch.Tensor) -> None:
+        """This step's inputs into their buffers, in place (outside a graph: its replay reads them there)."""
+        if self.n >= self.capacity:
+            raise StaticError(f"the cache holds {self.capacity} tokens: reserve more for the run")
+        s = self.inputs
+        s.ids.copy_(ids)
+        s.valid[:, self.n] = True
+        s.column.fill_(self.n)
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """After a step: the host's lengths follow the rows it wrote; the next step's positions."""
+        self.cache.advanced(1)
+        self.inputs.positions.add_(1)
+        self.n += 1
+
+    def forward(self) -> torch.Tensor:
+        """The step itself over the inputs as they are (what a CUDA graph captures): logits (B, V)."""
+        s = self.inputs
+        return decode_step(self.model, self.cache, s.ids, s.positions, s.valid, s.column)

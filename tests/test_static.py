@@ -1,0 +1,89 @@
+"""Static decode steps (model/static.py), what one CUDA graph a step replays, checked on CPU through the PyTorch path
+a GPU runs: the same tokens as the eager step, the same ops on the same buffers at every step (a TorchDispatchMode
+record of each op: name, shapes, arguments, the data pointers of tensors not made inside the step), no host read."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from conftest import left_padded_batch
+from infinigen_kv.model import kernels
+from infinigen_kv.model.static import StaticDecoder, StaticError
+from infinigen_kv.runtime.generation import prefill
+from steptrace import StepTrace, first_difference
+
+NEW = 6
+
+
+def static_run(model, method, ids, mask, trace=False):
+    """Greedy tokens (B, NEW) through a StaticDecoder after a prefill, and each step's trace (the step itself)."""
+    cache = ig.make_cache(method, model)
+    tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
+    dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
+    tokens, traces = [], []
+    for _ in range(NEW):
+        tokens.append(tok)
+        if not trace:
+            tok = dec.step(tok).argmax(-1)
+            continue
+        dec.refill(tok)  # the step's inputs, outside what is traced (outside a graph)
+        with StepTrace() as t:
+            logits = dec.forward()
+        dec.advance()
+        traces.append(t)
+        tok = logits.argmax(-1)
+    return torch.stack(tokens, 1), traces, cache
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "qwen3", "opt"])
+def test_static_steps_give_the_eager_tokens(tiny_models, kind, monkeypatch):
+    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend: what a GPU runs
+    model = tiny_models[kind]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    eager = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
+    tokens, traces, cache = static_run(model, "full", ids, mask, trace=True)
+    assert torch.equal(tokens, eager.tokens)
+    assert cache.get_seq_length() == ids.shape[1] + NEW  # the host's lengths followed the device's writes
+    for a, b in zip(traces[1:], traces[2:]):
+        assert first_difference(a, b) is None
+        assert a.host_reads == []
+
+
+def test_static_steps_refuse_what_they_do_not_serve(tiny_models):
+    ids, mask = left_padded_batch(lengths=(20, 12))
+    model = tiny_models["llama-gqa"]
+    cache = ig.make_cache("h2o", model, budget=0.5)
+    prefill(model, ids, mask, cache, 2)
+    with pytest.raises(StaticError, match="does not decode in static steps"):
+        StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
+    gemma = tiny_models["gemma3"]
+    cache = ig.make_cache("full", gemma)
+    prefill(gemma, ids, mask, cache, 2)
+    with pytest.raises(StaticError, match="sliding windows"):
+        StaticDecoder(gemma, cache, mask, mask.long().sum(-1, keepdim=True))
+    cache = ig.make_cache("full", model)
+    tok = prefill(model, ids, mask, cache, 1).argmax(-1)
+    dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
+    for _ in range(dec.capacity - ids.shape[1]):
+        tok = dec.step(tok).argmax(-1)
+    with pytest.raises(StaticError, match="reserve more"):
+        dec.step(tok)
+
+
+def test_generate_runs_static_steps_where_graphs_are_on(tiny_models, monkeypatch):
+    """generate's decode loop through a StaticDecoder (on CUDA it replays a graph; here the same steps, eager):
+    the eager loop's tokens, and the decoder ran every step."""
+    from infinigen_kv.model import static
+
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(30, 22))
+    eager = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
+    steps = []
+    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)
+    monkeypatch.setattr(static.StaticDecoder, "forward",
+                        lambda self, f=static.StaticDecoder.forward: steps.append(1) or f(self))
+    got = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
+    assert torch.equal(got.tokens, eager.tokens) and len(steps) == NEW - 1
+    ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False,
+                cuda_graph=False)
+    assert len(steps) == NEW - 1  # turned off: the eager step
