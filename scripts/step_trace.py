@@ -62,13 +62,14 @@ def run(model, method: str, ids, budget: float) -> dict:
             "same": first_difference(a, b)}
 
 
-def run_static(model, method: str, ids) -> dict:
-    """The same, through static steps (model/static.py: what a CUDA graph replays)."""
+def run_static(model, method: str, ids, budget: float) -> dict:
+    """The same, through static steps (model/static.py: what a CUDA graph replays; InfiniGen's on the direct
+    transfer, which its static steps need for now)."""
     from steptrace import StepTrace, first_difference
 
     from infinigen_kv.model.static import StaticDecoder
 
-    cache = ig.make_cache(method, model)
+    cache = ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
     B, n = ids.shape
     tok = prefill(model, ids, None, cache, 8).argmax(-1)
     dec = StaticDecoder(model, cache, None, torch.full((B, 1), n, device=ids.device))
@@ -107,7 +108,8 @@ def main() -> int:
     model = tiny_model(args.model)
     ids = torch.randint(3, 200, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     rows = {m: run(model, m, ids, args.budget) for m in ("full", "offload", "infinigen")}
-    rows["full, static"] = run_static(model, "full", ids)
+    rows["full, static"] = run_static(model, "full", ids, args.budget)
+    rows["infinigen, static (direct transfer)"] = run_static(model, "infinigen", ids, args.budget)
     full_layer = statistics.median(rows["full"]["per_layer"][2:])
     print(f"{args.model}, B{args.batch} x {args.prompt_len}, budget {args.budget}, reference backend, torch {torch.__version__}")
     print("| method | ops/step | ops/layer (median, layers 2+) | extra ops/layer vs full | host reads/step | two steps |")

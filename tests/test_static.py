@@ -15,16 +15,16 @@ from steptrace import StepTrace, first_difference
 NEW = 6
 
 
-def static_run(model, method, ids, mask, trace=False):
+def static_run(model, method, ids, mask, trace=False, **options):
     """Greedy tokens (B, NEW) through a StaticDecoder after a prefill, and each step's trace (the step itself)."""
-    cache = ig.make_cache(method, model)
+    cache = ig.make_cache(method, model, **options)
     tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
     dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
-    tokens, traces = [], []
-    for _ in range(NEW):
-        tokens.append(tok)
+    tokens, traces = [tok], []
+    for _ in range(NEW - 1):  # as generate: the last token is sampled, not decoded
         if not trace:
             tok = dec.step(tok).argmax(-1)
+            tokens.append(tok)
             continue
         dec.refill(tok)  # the step's inputs, outside what is traced (outside a graph)
         with StepTrace() as t:
@@ -32,6 +32,7 @@ def static_run(model, method, ids, mask, trace=False):
         dec.advance()
         traces.append(t)
         tok = logits.argmax(-1)
+        tokens.append(tok)
     return torch.stack(tokens, 1), traces, cache
 
 
@@ -43,19 +44,40 @@ def test_static_steps_give_the_eager_tokens(tiny_models, kind, monkeypatch):
     eager = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
     tokens, traces, cache = static_run(model, "full", ids, mask, trace=True)
     assert torch.equal(tokens, eager.tokens)
-    assert cache.get_seq_length() == ids.shape[1] + NEW  # the host's lengths followed the device's writes
+    assert cache.get_seq_length() == ids.shape[1] + NEW - 1  # the host lengths followed the device writes
     for a, b in zip(traces[1:], traces[2:]):
         assert first_difference(a, b) is None
         assert a.host_reads == []
 
 
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "opt"])
+@pytest.mark.parametrize("budget", [0.1, 1.0])
+def test_static_infinigen_steps_choose_as_the_eager_ones(tiny_models, kind, budget, monkeypatch):
+    """InfiniGen in static steps (a fixed number of slots over the pool's capacity, the first `count` real; the
+    new rows stored at the device column): the eager steps' tokens and fetched shares, the same ops every step."""
+    monkeypatch.setattr(kernels, "_enabled", False)
+    model = tiny_models[kind]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    opts = dict(budget=budget, min_budget=0)
+    eager_cache = ig.make_cache("infinigen", model, **opts)
+    eager = ig.generate(model, ids, mask, cache=eager_cache, max_new_tokens=NEW, stop_at_eos=False)
+    tokens, traces, cache = static_run(model, "infinigen", ids, mask, trace=True, **opts)
+    assert torch.equal(tokens, eager.tokens)
+    frac = cache.stats["fetched_fraction_per_layer"]
+    assert frac == pytest.approx(eager_cache.stats["fetched_fraction_per_layer"])
+    assert (min(frac[1:]) < 0.5) == (budget < 1.0)
+    for a, b in zip(traces[1:], traces[2:]):
+        assert first_difference(a, b) is None and a.host_reads == []
+
+
 def test_static_steps_refuse_what_they_do_not_serve(tiny_models):
     ids, mask = left_padded_batch(lengths=(20, 12))
     model = tiny_models["llama-gqa"]
-    cache = ig.make_cache("h2o", model, budget=0.5)
-    prefill(model, ids, mask, cache, 2)
-    with pytest.raises(StaticError, match="does not decode in static steps"):
-        StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
+    for method, opts in (("h2o", {"budget": 0.5}), ("offload", {}), ("infinigen", {"capacity": 0.5})):
+        cache = ig.make_cache(method, model, **opts)
+        prefill(model, ids, mask, cache, 2)
+        with pytest.raises(StaticError, match="does not decode in static steps"):
+            StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
     gemma = tiny_models["gemma3"]
     cache = ig.make_cache("full", gemma)
     prefill(gemma, ids, mask, cache, 2)

@@ -30,6 +30,7 @@ class FetchAll:
     calibrated = False
     in_place = False  # the point of the baseline is the copy (on CPU: one copy of the whole cache per step)
     whole = True  # every fetch is a whole past, rows as they lie (no indices to send, nothing to gather)
+    static = False  # its fetch spans the past's length, not the pool's capacity
 
     def __init__(self):
         self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device

@@ -99,6 +99,7 @@ class StepInputs:
         self.ropes = {}
         self.memo = {}  # what a cache computes once for all layers of this forward (speculation's keep and caps)
         self.fetches = {}  # layer -> what an earlier layer's before_attention started for it (a Fetch), until its view
+        self.column = None  # a static step's device column (1,) (model/static.py): shapes span the capacity
 
     def note_mask(self, module, args, kwargs) -> None:
         self.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -108,7 +109,7 @@ class StepInputs:
         self.ropes[layer_type] = output
 
     def clear(self, *_) -> None:
-        self.mask, self.ropes, self.memo, self.fetches = None, {}, {}, {}
+        self.mask, self.ropes, self.memo, self.fetches, self.column = None, {}, {}, {}, None
 
 
 def step_inputs(model: nn.Module, base: nn.Module) -> StepInputs:

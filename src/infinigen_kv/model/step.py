@@ -70,7 +70,7 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
     base, B = arch.base, ids.shape[0]
     masks = _masks(arch, mask, B, cache.get_seq_length() + 1)
     inputs = arch.step  # what speculation reads of the step (StepInputs): the model's mask, each layer type's RoPE
-    inputs.mask = mask
+    inputs.mask, inputs.column = mask, at
     try:
         x = base.embed_tokens(ids[:, None])  # (B, 1, D)
         if arch.model_type == "opt":

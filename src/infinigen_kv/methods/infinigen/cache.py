@@ -220,6 +220,36 @@ class InfiniGenCache(Rebatch, Cache):
         self.counters.fold()
         self.selection.reset()
 
+    # --- static steps (model/static.py) -------------------------------------------------------------------
+
+    @property
+    def static(self) -> bool:
+        """Static steps serve the selection where it declares them, on the direct transfer (the CUDA transfer's
+        ring and events do not yet keep fixed buffers), in a pool without a capacity."""
+        return self.selection.static and not self.limited and all(
+            t.host_compute for t in self.transfers.by_device.values())
+
+    @torch.inference_mode()  # the buffers were made under it (a prefill)
+    def static_capacity(self) -> int:
+        """Columns every layer's buffers hold (a static step's shapes span them), rows past the valid ones zeroed
+        (masked, and masked garbage could be NaN)."""
+        capacity = {buf.capacity for layer in self.layers for buf in layer.buffers()}
+        if len(capacity) != 1:
+            raise ValueError(f"layers of different capacities {sorted(capacity)}: reserve the run's tokens first")
+        for layer in self.layers:
+            for buf in layer.buffers():
+                buf.data[:, :, buf.length :].zero_()
+        return capacity.pop()
+
+    def advanced(self, tokens: int = 1) -> None:
+        """Static steps wrote `tokens` rows into every layer at the device column: the host's lengths follow."""
+        for layer in self.layers:
+            layer.seen += tokens
+            for buf in layer.buffers():
+                buf.length += tokens
+            if layer.dense:  # attended whole: its read counted as the eager step counts it
+                self.counters.count_dense(layer, layer.spec.window)
+
     def reset(self):
         for transfer in self.transfers.by_device.values():
             transfer.reset()  # nothing in flight touches a pool from here on

@@ -15,6 +15,7 @@ class Selection(Protocol):
     calibrated: bool  # needs the offline calibration and a partial key cache per pool layer
     in_place: bool  # on CPU, attention may read the chosen rows where they lie in the pool
     whole: bool  # fetches whole pasts (rows as they lie), not chosen rows
+    static: bool  # chooses in static steps (model/static.py): shapes over the pool's capacity
 
     def dense(self, cache, layer_idx: int) -> bool:
         """Whether layer `layer_idx` stays on the compute device and is attended whole (a DeviceLayer)."""

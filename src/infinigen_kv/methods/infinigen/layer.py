@@ -114,12 +114,21 @@ class DeviceLayer(LogicalLayer):
         self.transfer.init_layer(self, self.k.batch, self.k.heads, self.max_fetch(tokens), not self.spec.whole)
 
     @torch.no_grad()  # an inference cache: stored K/V never carry gradients
-    def view(self, key_states, value_states, fetch=None) -> KVView:
+    def view(self, key_states, value_states, fetch=None, at: torch.Tensor | None = None) -> KVView:
         """Store the new k, v (B, G, T, d); the prompt attends over itself, a decode step over all the layer holds.
-        fetch: unused here (what a pool layer's previous layer chose)."""
+        fetch: unused here (what a pool layer's previous layer chose); at (1,): a static step's device column."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if at is not None:
+            self.store_at(key_states, value_states, at)
+            return KVView(self.k.data, self.v.data)  # the whole buffers: the step's mask marks what is valid
         return self.dense_view(key_states, value_states, fetch)
+
+    def store_at(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+        """A static step's row k, v (B, G, 1, d) at column `at` (1,) of buffers on the compute device (the host's
+        lengths follow after the step: InfiniGenCache.advanced)."""
+        self.k.data.index_copy_(2, at, k)
+        self.v.data.index_copy_(2, at, v)
 
     def dense_view(self, key_states, value_states, hint) -> KVView:
         past, T = self.seen, key_states.shape[2]
@@ -205,11 +214,13 @@ class PoolLayer(DeviceLayer):
         return tokens if self.spec.whole else fetch_cap(tokens, self.budget, c.max_num_kv, c.min_budget)
 
     @torch.no_grad()
-    def view(self, key_states, value_states, fetch=None) -> KVView:
+    def view(self, key_states, value_states, fetch=None, at: torch.Tensor | None = None) -> KVView:
         """fetch: the rows the previous layer's selection chose for this decode step, its prefetch started (None:
-        a prefill, or a dense step)."""
+        a prefill, or a dense step); at (1,): a static step's device column (the working set's shapes are fixed)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if at is not None:
+            return self.static_view(key_states, value_states, fetch, at)
         if fetch is None or key_states.shape[2] > 1 or not self.selected(fetch):
             return self.dense_view(key_states, value_states, fetch)
         fetch = self.transfer.ready(self, fetch)  # the prefetch of this layer is complete
@@ -225,6 +236,21 @@ class PoolLayer(DeviceLayer):
                           rows=fetch.idx)
         K, V, mask = got
         return KVView(K, V, selected=True, mask=mask, rows=fetch.idx)
+
+    def static_view(self, key_states, value_states, fetch, at: torch.Tensor) -> KVView:
+        """A static step: the chosen rows (a fixed number of slots, the first `count` real) as the working set, then
+        the new row stored at column `at`; without a fetch (a layer not yet scored), the whole buffers."""
+        if fetch is None:
+            return super().view(key_states, value_states, None, at)
+        fetch = self.transfer.ready(self, fetch)
+        K, V, mask = self.transfer.fetch(self, fetch, key_states, value_states, in_place=False)
+        self.store_at(key_states, value_states, at)
+        return KVView(K, V, selected=True, mask=mask, rows=fetch.idx)
+
+    def store_at(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+        super().store_at(k, v, at)
+        if self.partial is not None:
+            self.partial.data.index_copy_(2, at, self.partial_rows(k))
 
     @staticmethod
     def selected(hint) -> bool:

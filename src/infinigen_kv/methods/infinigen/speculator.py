@@ -136,6 +136,7 @@ class Speculate:
     calibrated = True  # needs the offline calibration and a partial key cache per layer
     in_place = True  # on CPU, attention may read the chosen rows where they lie in the pool
     whole = False  # fetches chosen rows (by index), not whole pasts
+    static = True  # selects in static steps (model/static.py): a fixed number of slots over the pool's capacity
 
     def __init__(self):
         self._dense_step = False  # this decode step's past is under every layer's cap (_under_floor)
@@ -153,8 +154,8 @@ class Speculate:
         recall 0.1-0.4 where later layers get 0.9+): layer 0 speculates nothing and layer 1 speculates
         itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
         """
-        if layer_idx == 0:  # layer 0: see above
-            self._dense_step = self._under_floor(cache)
+        if layer_idx == 0:  # layer 0: see above (a static step always selects: its shapes do not follow the past)
+            self._dense_step = cache.arch.step.column is None and self._under_floor(cache)
             return
         if self._dense_step:
             return
@@ -190,20 +191,23 @@ class Speculate:
         if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
             x = x.to(dev, non_blocking=True)
             rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
-        n = target.partial.length  # slots
+        static = cache.arch.step.column is not None  # a static step: every shape spans the pool's capacity
+        n = target.partial.capacity if static else target.partial.length  # slots
         c = cache.config
         budget = cache.budget_of(nxt)
         k = fetch_cap(n, budget, c.max_num_kv, c.min_budget)  # known on the host: the step's fetch size
         partial_row = target.partial.width * target.partial.data.element_size()
         row = (target.k.width + target.v.width) * target.k.data.element_size()
-        if target.slots is None and target.transfer.host_compute and not saves_bytes(n, k, row, partial_row):
+        if not static and target.slots is None and target.transfer.host_compute and not saves_bytes(
+                n, k, row, partial_row):
             # the cap leaves nothing to save (a short past under the floor): the layer attends densely, in place
             # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
             return None
         q = cache.partial_query(nxt, x, rope)  # (B, G, r, p)
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self.step_keep(cache, nxt, attention_mask, target.seen, dev, B, G, not evicted, budget)
+        keep, caps = self.step_keep(cache, nxt, attention_mask, n if static else target.seen, dev, B, G, not evicted,
+                                    budget)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
         kern = target.backend.ops
@@ -214,7 +218,8 @@ class Speculate:
             idx, count, total = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
                                                cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
             return Fetch(idx, count=count, keep=keep, scored=partial_row, total=total)
-        scores = approx_scores(q, target.partial.valid(), cache.arch.score_scale)  # (B, G, r, slots)
+        keys = target.partial.data if static else target.partial.valid()
+        scores = approx_scores(q, keys, cache.arch.score_scale)  # (B, G, r, slots)
         idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
         return Fetch(idx, count=count, keep=keep, scored=partial_row)
 
@@ -233,6 +238,10 @@ class Speculate:
         key = ("keep", cache.arch.windows[layer], seen, dev, B, G)
         if key not in memo:
             keep = layer_keep(cache.arch, layer, keep_source(cache.arch, attention_mask), seen, B, dev)
+            column = cache.arch.step.column
+            if column is not None:  # a static step's mask spans the capacity: its past ends before its column
+                past = torch.arange(seen, device=dev) < column
+                keep = past.view(1, 1, seen).expand(B, 1, seen) if keep is None else keep & past
             memo[key] = (None if keep is None else keep.contiguous(), {})
         keep, caps = memo[key]
         if keep is None or not with_caps:
