@@ -155,7 +155,6 @@ def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch, uva):
     moved = []
     rows_to = transfer_mod.rows_to
     monkeypatch.setattr(transfer_mod, "rows_to", lambda buf, n, out: (moved.append(n), rows_to(buf, n, out)))
-    gather = pool.RowBuffer.gather
 
     def no_gather(self, idx, out=None):
         raise AssertionError("offload gathered rows by index")

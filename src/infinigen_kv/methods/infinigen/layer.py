@@ -33,7 +33,7 @@ class LayerConfig:
 
     layer_idx: int
     config: InfiniGenConfig
-    transfers: "Transfers"  # the transfer engine of each compute device (cache.py)
+    transfers: object  # cache.Transfers: the transfer engine of each compute device
     counters: Counters  # the cache's fetch statistics
     window: int | None  # the layer's attention window (None: global)
     whole: bool = False  # the selection fetches whole pasts (offload), not chosen rows
