@@ -25,74 +25,68 @@ from infinigen_kv.model.step import decode  # noqa: E402
 from infinigen_kv.runtime.generation import prefill  # noqa: E402
 
 
-def run(model, method: str, ids, budget: float) -> dict:
-    """Trace the 3rd and 4th decode steps of `method` after a prefill of ids (B, n): kernels (non-view ops) a step
-    and per layer, host reads, and where the two steps' records first differ (None: identical)."""
-    from steptrace import StepTrace, first_difference
+def traced(cache, fn):
+    """(a StepTrace of fn(), its result), marked at each layer's before_attention (the layers' boundaries)."""
+    from steptrace import StepTrace
 
-    opts = {"budget": budget, "min_budget": 0} if method == "infinigen" else {}
-    cache = ig.make_cache(method, model, **opts)
+    t, before = StepTrace(), cache.before_attention
+    cache.before_attention = lambda *a: (t.mark(), before(*a))[1]
+    try:
+        with t:
+            out = fn()
+    finally:
+        del cache.before_attention
+    return t, out
+
+
+def summary(a, b) -> dict:
+    """Two consecutive steps' traces: kernels a step and per layer, host reads, where they part (None: nowhere)."""
+    from steptrace import first_difference
+
+    per_layer = [y[1] - x[1] for x, y in zip(a.marks, a.marks[1:])]
+    return {"ops": a.kernels, "per_layer": per_layer, "host_reads": len(a.host_reads), "same": first_difference(a, b)}
+
+
+def _cache(model, method: str, budget: float):
+    return ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
+
+
+def run(model, method: str, ids, budget: float) -> dict:
+    """Trace the 3rd and 4th decode steps of `method` after a prefill of ids (B, n) (summary)."""
+    cache = _cache(model, method, budget)
     if ids.device.type == "cpu" and method != "full":
         from conftest import on_fake_cuda
 
         on_fake_cuda(cache)  # the GPU's transfer (CudaTransfer on CPU stand-ins): the ops a GPU step runs
     B, n = ids.shape
-    logits = prefill(model, ids, None, cache, 8)
-    tok = logits.argmax(-1)  # the step's inputs in buffers of their own, refilled in place (as a graph replays)
-    pos = torch.full((B, 1), n, device=ids.device)
+    tok = prefill(model, ids, None, cache, 8).argmax(-1)  # the step's inputs in buffers of their own, refilled
+    pos = torch.full((B, 1), n, device=ids.device)  # in place (as a graph replays them)
     traces = []
     for i in range(4):  # two warm-up steps, two traced
         pos.fill_(n + i)
-        t = StepTrace()
-        before = cache.before_attention
-
-        def marked(*a, t=t, before=before):
-            t.mark()
-            return before(*a)
-
-        cache.before_attention = marked
-        with t:
-            logits = decode(model, cache, tok, pos, None)
-        del cache.before_attention
+        t, logits = traced(cache, lambda: decode(model, cache, tok, pos, None))
         tok.copy_(logits.argmax(-1))
         traces.append(t)
-    a, b = traces[2:]
-    per_layer = [y[1] - x[1] for x, y in zip(a.marks, a.marks[1:])]
-    return {"ops": a.kernels, "per_layer": per_layer, "host_reads": len(a.host_reads),
-            "same": first_difference(a, b)}
+    return summary(*traces[2:])
 
 
 def run_static(model, method: str, ids, budget: float) -> dict:
     """The same, through static steps (model/static.py: what a CUDA graph replays; InfiniGen's on the direct
     transfer, which its static steps need for now)."""
-    from steptrace import StepTrace, first_difference
-
     from infinigen_kv.model.static import StaticDecoder
 
-    cache = ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
+    cache = _cache(model, method, budget)
     B, n = ids.shape
     tok = prefill(model, ids, None, cache, 8).argmax(-1)
     dec = StaticDecoder(model, cache, None, torch.full((B, 1), n, device=ids.device))
     traces = []
     for _ in range(4):
         dec.refill(tok)
-        t = StepTrace()
-        before = cache.before_attention
-
-        def marked(*a, t=t, before=before):
-            t.mark()
-            return before(*a)
-
-        cache.before_attention = marked
-        with t:
-            logits = dec.forward()
-        del cache.before_attention
+        t, logits = traced(cache, dec.forward)
         dec.advance()
         tok = logits.argmax(-1)
         traces.append(t)
-    a, b = traces[2:]
-    per_layer = [y[1] - x[1] for x, y in zip(a.marks, a.marks[1:])]
-    return {"ops": a.kernels, "per_layer": per_layer, "host_reads": len(a.host_reads), "same": first_difference(a, b)}
+    return summary(*traces[2:])
 
 
 def main() -> int:
