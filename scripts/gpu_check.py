@@ -404,20 +404,26 @@ def step_profile(c: Check, n: int, B: int) -> dict:
 
 
 def step_graph(c: Check) -> dict:
-    """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens (greedy, 24 new
-    tokens; float32 and bf16; unpadded and a left-padded batch)."""
+    """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens and fetched
+    shares (full, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16; unpadded and a left-padded batch)."""
     from conftest import left_padded_batch
 
     rows, ok = [], True
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny("llama-gqa", c, dtype)
-        for lengths in ((300,), (300, 210, 120)):
-            ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
-            out = {g: generate(model, ids, mask, cache=c.cache("full", model), max_new_tokens=24, stop_at_eos=False,
-                               cuda_graph=g).tokens for g in (True, False)}
-            same = bool(torch.equal(out[True], out[False]))
-            rows.append({"dtype": str(dtype), "batch": len(lengths), "same_tokens": same})
-            ok &= same
+        for method, opts in (("full", {}), ("infinigen", {"budget": 0.2, "min_budget": 0})):
+            for lengths in ((300,), (300, 210, 120)):
+                ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
+                out = {}
+                for g in (True, False):
+                    cache = c.cache(method, model, **opts)
+                    res = generate(model, ids, mask, cache=cache, max_new_tokens=24, stop_at_eos=False, cuda_graph=g)
+                    out[g] = (res.tokens, cache.stats.get("fetched_fraction"))
+                same = bool(torch.equal(out[True][0], out[False][0]))
+                frac = out[True][1] == out[False][1] or abs(out[True][1] - out[False][1]) < 1e-6
+                rows.append({"method": method, "dtype": str(dtype), "batch": len(lengths), "same_tokens": same,
+                             "same_fetched": frac})
+                ok &= same and frac
     log(f"  graph: {rows}")
     return {"ok": ok, "rows": rows}
 

@@ -47,17 +47,18 @@ def summary(a, b) -> dict:
     return {"ops": a.kernels, "per_layer": per_layer, "host_reads": len(a.host_reads), "same": first_difference(a, b)}
 
 
-def _cache(model, method: str, budget: float):
-    return ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
-
-
-def run(model, method: str, ids, budget: float) -> dict:
-    """Trace the 3rd and 4th decode steps of `method` after a prefill of ids (B, n) (summary)."""
-    cache = _cache(model, method, budget)
+def _cache(model, method: str, budget: float, ids):
+    cache = ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
     if ids.device.type == "cpu" and method != "full":
         from conftest import on_fake_cuda
 
         on_fake_cuda(cache)  # the GPU's transfer (CudaTransfer on CPU stand-ins): the ops a GPU step runs
+    return cache
+
+
+def run(model, method: str, ids, budget: float) -> dict:
+    """Trace the 3rd and 4th decode steps of `method` after a prefill of ids (B, n) (summary)."""
+    cache = _cache(model, method, budget, ids)
     B, n = ids.shape
     tok = prefill(model, ids, None, cache, 8).argmax(-1)  # the step's inputs in buffers of their own, refilled
     pos = torch.full((B, 1), n, device=ids.device)  # in place (as a graph replays them)
@@ -71,11 +72,10 @@ def run(model, method: str, ids, budget: float) -> dict:
 
 
 def run_static(model, method: str, ids, budget: float) -> dict:
-    """The same, through static steps (model/static.py: what a CUDA graph replays; InfiniGen's on the direct
-    transfer, which its static steps need for now)."""
+    """The same, through static steps (model/static.py: what a CUDA graph replays)."""
     from infinigen_kv.model.static import StaticDecoder
 
-    cache = _cache(model, method, budget)
+    cache = _cache(model, method, budget, ids)
     B, n = ids.shape
     tok = prefill(model, ids, None, cache, 8).argmax(-1)
     dec = StaticDecoder(model, cache, None, torch.full((B, 1), n, device=ids.device))
@@ -103,7 +103,7 @@ def main() -> int:
     ids = torch.randint(3, 200, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     rows = {m: run(model, m, ids, args.budget) for m in ("full", "offload", "infinigen")}
     rows["full, static"] = run_static(model, "full", ids, args.budget)
-    rows["infinigen, static (direct transfer)"] = run_static(model, "infinigen", ids, args.budget)
+    rows["infinigen, static"] = run_static(model, "infinigen", ids, args.budget)
     full_layer = statistics.median(rows["full"]["per_layer"][2:])
     print(f"{args.model}, B{args.batch} x {args.prompt_len}, budget {args.budget}, reference backend, torch {torch.__version__}")
     print("| method | ops/step | ops/layer (median, layers 2+) | extra ops/layer vs full | host reads/step | two steps |")

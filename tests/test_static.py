@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from conftest import left_padded_batch
+from conftest import left_padded_batch, on_fake_cuda
 from infinigen_kv.model import kernels
 from infinigen_kv.model.static import StaticDecoder, StaticError
 from infinigen_kv.runtime.generation import prefill
@@ -15,9 +15,12 @@ from steptrace import StepTrace, first_difference
 NEW = 6
 
 
-def static_run(model, method, ids, mask, trace=False, **options):
-    """Greedy tokens (B, NEW) through a StaticDecoder after a prefill, and each step's trace (the step itself)."""
+def static_run(model, method, ids, mask, trace=False, fake_cuda=False, **options):
+    """Greedy tokens (B, NEW) through a StaticDecoder after a prefill, and each step's trace (the step itself).
+    fake_cuda: the CUDA transfer on CPU stand-ins (conftest.on_fake_cuda)."""
     cache = ig.make_cache(method, model, **options)
+    if fake_cuda:
+        on_fake_cuda(cache)
     tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
     dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
     tokens, traces = [tok], []
@@ -27,8 +30,11 @@ def static_run(model, method, ids, mask, trace=False, **options):
             tokens.append(tok)
             continue
         dec.refill(tok)  # the step's inputs, outside what is traced (outside a graph)
-        with StepTrace() as t:
+        t, before = StepTrace(), cache.before_attention
+        cache.before_attention = lambda *a: (t.mark(), before(*a))[1]  # a mark where each layer begins
+        with t:
             logits = dec.forward()
+        del cache.before_attention
         dec.advance()
         traces.append(t)
         tok = logits.argmax(-1)
@@ -50,31 +56,41 @@ def test_static_steps_give_the_eager_tokens(tiny_models, kind, monkeypatch):
         assert a.host_reads == []
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "opt"])
+@pytest.mark.parametrize("kind,fake_cuda", [("llama-gqa", False), ("qwen3", False), ("opt", False),
+                                            ("llama-gqa", True), ("qwen3", True)])
 @pytest.mark.parametrize("budget", [0.1, 1.0])
-def test_static_infinigen_steps_choose_as_the_eager_ones(tiny_models, kind, budget, monkeypatch):
+def test_static_infinigen_steps_choose_as_the_eager_ones(tiny_models, kind, fake_cuda, budget, monkeypatch):
     """InfiniGen in static steps (a fixed number of slots over the pool's capacity, the first `count` real; the
-    new rows stored at the device column): the eager steps' tokens and fetched shares, the same ops every step."""
+    new rows stored at the device column), on the direct transfer and on the CUDA one (gathered on its side stream
+    into each layer's own buffers): the eager steps' tokens and fetched shares, the same ops every step."""
     monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models[kind]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     opts = dict(budget=budget, min_budget=0)
     eager_cache = ig.make_cache("infinigen", model, **opts)
+    if fake_cuda:
+        on_fake_cuda(eager_cache)
     eager = ig.generate(model, ids, mask, cache=eager_cache, max_new_tokens=NEW, stop_at_eos=False)
-    tokens, traces, cache = static_run(model, "infinigen", ids, mask, trace=True, **opts)
+    tokens, traces, cache = static_run(model, "infinigen", ids, mask, trace=True, fake_cuda=fake_cuda, **opts)
     assert torch.equal(tokens, eager.tokens)
     frac = cache.stats["fetched_fraction_per_layer"]
     assert frac == pytest.approx(eager_cache.stats["fetched_fraction_per_layer"])
     assert (min(frac[1:]) < 0.5) == (budget < 1.0)
     for a, b in zip(traces[1:], traces[2:]):
         assert first_difference(a, b) is None and a.host_reads == []
+    if fake_cuda and kind == "llama-gqa":  # a speculated layer's ops (layer 2), a ceiling that only comes down
+        kernels_of = [y[1] - x[1] for x, y in zip(traces[-1].marks, traces[-1].marks[1:])]
+        assert kernels_of[2] - kernels_of[0] <= 26, kernels_of  # over layer 0 (a device layer: full's ops)
 
 
 def test_static_steps_refuse_what_they_do_not_serve(tiny_models):
     ids, mask = left_padded_batch(lengths=(20, 12))
     model = tiny_models["llama-gqa"]
-    for method, opts in (("h2o", {"budget": 0.5}), ("offload", {}), ("infinigen", {"capacity": 0.5})):
-        cache = ig.make_cache(method, model, **opts)
+    for method, opts in (("h2o", {"budget": 0.5}), ("offload", {}), ("infinigen", {"capacity": 0.5}),
+                         ("infinigen", {"worker": True})):
+        cache = ig.make_cache(method, model, **{k: v for k, v in opts.items() if k != "worker"})
+        if opts.get("worker"):
+            on_fake_cuda(cache, uva=False)  # the CUDA transfer's worker (host gathers): not static
         prefill(model, ids, mask, cache, 2)
         with pytest.raises(StaticError, match="does not decode in static steps"):
             StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))

@@ -27,6 +27,17 @@ class StepCache:
     def reserve(self, tokens: int) -> None:
         """Size buffers for `tokens` tokens per sequence when they are made (none grows inside decode)."""
 
+    def bookkeeping(self):
+        """The host counts a decode step adds (a static step replayed as a CUDA graph runs no Python: the graph's
+        owner takes them around its warm-up and adds them after every replay, model/static.py)."""
+        return None
+
+    def restore_bookkeeping(self, state) -> None:
+        """Back to `state` (bookkeeping()), device accumulators in place."""
+
+    def replayed(self, before, after) -> None:
+        """A replayed step: add the host counts one step added between two bookkeeping() states."""
+
     def prefix_facts(self) -> dict | None:
         """What changes the rows this cache stores beyond the model and the method (runtime/prefix.py); None: it
         does not continue from stored blocks."""

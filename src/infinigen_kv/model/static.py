@@ -70,7 +70,7 @@ class StaticDecoder:
         self.inputs = StaticInputs(torch.zeros(B, dtype=torch.long, device=dev), positions.clone(), valid,
                                    torch.tensor([self.n], device=dev))
         self.graph = graph  # replay a CUDA graph (captured at the first step)
-        self._captured = None  # (CUDAGraph, its logits buffer)
+        self._captured = None  # (CUDAGraph, its logits buffer, the cache's bookkeeping before and after one step)
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """The next logits (B, V) after ids (B,)."""
@@ -89,22 +89,28 @@ class StaticDecoder:
                               "eagerly (INFINIGEN_CUDA_GRAPH=0 skips the attempt)", stacklevel=3)
                 self.graph = False
                 return self.forward()
-        graph, logits = self._captured
+        graph, logits, before, after = self._captured
         graph.replay()
+        self.cache.replayed(before, after)  # the host counts the replay's Python would have added
         return logits
 
     def _capture(self):
         """Warm up on a side stream (lazy allocations, library handles), then capture one step. Both write this
-        step's rows at its column, as the replay that follows does again: the same values, the same place."""
+        step's rows at its column, as the replay that follows does again: the same values, the same place. The
+        cache's counts go back to where they were (the replay counts the step: on the device, and on the host
+        through `replayed`)."""
+        before = self.cache.bookkeeping()
         side = torch.cuda.Stream(self.inputs.ids.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.forward()
         torch.cuda.current_stream().wait_stream(side)
+        after = self.cache.bookkeeping()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self.forward()
-        return graph, logits
+        self.cache.restore_bookkeeping(before)
+        return graph, logits, before, after
 
     @torch.inference_mode()
     def refill(self, ids: torch.Tensor) -> None:

@@ -224,22 +224,36 @@ class InfiniGenCache(Rebatch, Cache):
 
     @property
     def static(self) -> bool:
-        """Static steps serve the selection where it declares them, on the direct transfer (the CUDA transfer's
-        ring and events do not yet keep fixed buffers), in a pool without a capacity."""
-        return self.selection.static and not self.limited and all(
-            t.host_compute for t in self.transfers.by_device.values())
+        """Static steps serve the selection where it declares them, on transfers that serve them (the direct one;
+        the CUDA one gathering through the pool's view), in a pool without a capacity."""
+        return self.selection.static and not self.limited and all(t.static for t in self.transfers.by_device.values())
 
     @torch.inference_mode()  # the buffers were made under it (a prefill)
     def static_capacity(self) -> int:
         """Columns every layer's buffers hold (a static step's shapes span them), rows past the valid ones zeroed
         (masked, and masked garbage could be NaN)."""
-        capacity = {buf.capacity for layer in self.layers for buf in layer.buffers()}
-        if len(capacity) != 1:
+        whole = [b for layer in self.layers for b in ((layer.k, layer.v) if layer.dense else (layer.partial,))]
+        capacity = {b.capacity for b in whole}  # what is attended or scored whole (a pinned pool may round up)
+        if len(capacity) != 1 or any(b.capacity < min(capacity) for layer in self.layers for b in layer.buffers()):
             raise ValueError(f"layers of different capacities {sorted(capacity)}: reserve the run's tokens first")
         for layer in self.layers:
             for buf in layer.buffers():
                 buf.data[:, :, buf.length :].zero_()
         return capacity.pop()
+
+    def bookkeeping(self):
+        return self.counters.snapshot(), {d: t.bytes_moved for d, t in self.transfers.by_device.items()}
+
+    def restore_bookkeeping(self, state) -> None:
+        self.counters.restore(state[0])
+        for d, moved in state[1].items():
+            self.transfers.by_device[d].bytes_moved = moved
+
+    def replayed(self, before, after) -> None:
+        self.counters.add_host(before[0], after[0])
+        for d, t in self.transfers.by_device.items():
+            if t.bytes_moved is not None:
+                t.bytes_moved += after[1][d] - before[1][d]
 
     def advanced(self, tokens: int = 1) -> None:
         """Static steps wrote `tokens` rows into every layer at the device column: the host's lengths follow."""

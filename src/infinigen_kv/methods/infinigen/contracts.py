@@ -30,6 +30,7 @@ class Selection(Protocol):
 class Transfer(Protocol):
     host_compute: bool  # attention runs where the pool lies (CPU): a dense step reads it in place
     bytes_moved: int | None  # host -> device bytes of decode fetches (None: nothing crosses)
+    static: bool  # serves static steps (model/static.py): write_at, and fixed fetches
 
     def init_layer(self, layer, B: int, G: int, rows: int, staged: bool = True) -> None:
         """Events and staging for a layer's decode steps (rows: its largest fetch per (sequence, KV head))."""
@@ -42,6 +43,9 @@ class Transfer(Protocol):
 
     def write(self, layer, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """New rows into the pool: appended, or one decode row over slots slot (B, G) of a full pool."""
+
+    def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+        """A static step's row at the device column `at` (1,)."""
 
     def fetch(self, layer, fetch: Fetch, k_new: torch.Tensor, v_new: torch.Tensor, in_place: bool):
         """The working set [new token, fetched rows]: K, V and its mask, or None where attention reads it in place."""

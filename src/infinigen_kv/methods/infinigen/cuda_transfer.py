@@ -56,6 +56,7 @@ class CudaTransfer:
         self.prefill_jobs = [None, None]
         self.prefill_next = 0
         self.bytes_moved = 0  # host -> device bytes of decode fetches (the worker adds them)
+        self.fixed = {}  # layer index -> (K, V, event) of its static steps' fetch: one buffer a layer, no ring
         self.arange = None  # 0..n-1 on the device, for the working-set masks (_positions)
 
     def compute_stream(self):
@@ -88,7 +89,15 @@ class CudaTransfer:
                         host.get(name, (B, G, rows, w), dt)
                     dev.get(name, (B, G, rows, w), dt)  # on the compute stream, before any side-stream use
 
+    @property
+    def static(self) -> bool:
+        """Static steps (model/static.py) gather on the device through the pool's view (uva), not on the worker."""
+        return self.uva
+
     def prefetch(self, layer, fetch: Fetch) -> None:
+        if fetch.fixed:
+            self._prefetch_fixed(layer, fetch)
+            return
         if self.uva:
             self._prefetch_view(layer, fetch)
             return
@@ -171,6 +180,40 @@ class CudaTransfer:
         self.bytes_moved += dk.nbytes + dv.nbytes
         fetch.rows = (slot, dk, dv, done)  # the fetch carries what is in flight to the layer's view
 
+    def _prefetch_fixed(self, layer, fetch: Fetch) -> None:
+        """A static step's fetch: the chosen slots (a fixed number) gathered on the side stream into the layer's own
+        buffers, joined by events recorded in the same step: within a CUDA graph, a fork and a join of the capture.
+        The buffers are the layer's alone, and steps follow one another on the compute stream, so no wait on an
+        earlier step is needed."""
+        self._land_prompt(layer)  # a prompt the worker is landing is in the pool (before the first step only)
+        B, G, m = fetch.idx.shape
+        fixed = self.fixed.get(layer.layer_idx)
+        if fixed is None or fixed[0].shape != (B, G, m, layer.k.width):
+            fixed = self.fixed[layer.layer_idx] = (
+                torch.empty(B, G, m, layer.k.width, dtype=layer.k.dtype, device=self.device),
+                torch.empty(B, G, m, layer.v.width, dtype=layer.v.dtype, device=self.device), self.cuda.Event())
+        dk, dv, copied = fixed
+        selected = self._record(self.events[layer.layer_idx]["selected"])
+        with self.cuda.stream(self.stream):
+            self.stream.wait_event(selected)
+            flat = (fetch.idx + layer.k.row_base(fetch.idx.device)).view(-1)  # V's rows at K's (same capacity)
+            torch.index_select(self._view(layer, "k", layer.k), 0, flat, out=dk.view(-1, layer.k.width))
+            torch.index_select(self._view(layer, "v", layer.v), 0, flat, out=dv.view(-1, layer.v.width))
+            self._record(copied, self.stream)
+        self.bytes_moved += dk.nbytes + dv.nbytes
+        fetch.rows = (None, dk, dv, copied)
+
+    def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+        """A static step's row k, v (B, G, 1, d) into the pool at column `at` (1,), through the pool's device view
+        (dense layers: their device buffers)."""
+        if layer.dense:
+            DirectTransfer.write_at(self, layer, k, v, at)
+            return
+        self._land_prompt(layer)
+        rows = (layer.k.row_base(self.device) + at).view(-1)  # (B G,): V's rows at K's (same capacity)
+        for buf, name, x in ((layer.k, "k", k), (layer.v, "v", v)):
+            self._view(layer, name, buf).index_copy_(0, rows, x.reshape(-1, buf.width).to(buf.dtype))
+
     def _view(self, layer, name: str, buf):
         """A device view (B * G * capacity, width) of a pinned pool buffer's store, made again when the store
         changes (growth, join, retain). On CPU stand-ins, the store itself."""
@@ -198,7 +241,8 @@ class CudaTransfer:
         slot, dk, dv = fetch.rows
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows]: the slot is free once this is done
         V = torch.cat([v_new, dv], dim=2)
-        self.ring.release(slot, self.compute_stream())
+        if slot is not None:  # (a static step's buffers are the layer's own)
+            self.ring.release(slot, self.compute_stream())
         fetch.rows = None
         m = dk.shape[2]
         if fetch.count is not None:  # [new token, m slots]: the new token and the first count slots (one op)

@@ -248,7 +248,7 @@ class PoolLayer(DeviceLayer):
         return KVView(K, V, selected=True, mask=mask, rows=fetch.idx)
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
-        super().store_at(k, v, at)
+        self.transfer.write_at(self, k, v, at)  # the pool: on a GPU, pinned host memory
         if self.partial is not None:
             self.partial.data.index_copy_(2, at, self.partial_rows(k))
 

@@ -106,6 +106,7 @@ def select(
     max_num_kv: int | None = None,
     combine: str = "max",
     floor: int = 0,
+    caps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens to fetch per (sequence, KV head), with no host sync: the step's fetch size is known on the host.
 
@@ -118,14 +119,15 @@ def select(
     least `floor` (and at most `max_num_kv`), keeping the highest, and keeps at least its best token.
     Returns idx (B, G, k), best first, k = the cap of n (fetch_cap: a host integer, as the CPU kernel sizes
     its fetch), and count (B, G) on the device: the first count slots of each row are the selected ones (the
-    rest hold real pool positions, masked; a transfer may leave them out once the count is on the host).
+    rest hold real pool positions, masked; a transfer may leave them out once the count is on the host). caps
+    (B, G): the rows' caps from keep where the caller has them (row_caps, made once a step), else made here.
     """
     n = scores.shape[-1]
     k = fetch_cap(n, budget, max_num_kv, floor)
     rel = relative(scores, keep, combine)  # (B, G, n)
     count = (rel > -alpha).sum(-1)  # (B, G)
     if keep is not None:  # per sequence: budget x its valid (unpadded) length
-        count = torch.minimum(count, row_caps(keep, budget, max_num_kv, floor))
+        count = torch.minimum(count, caps if caps is not None else row_caps(keep, budget, max_num_kv, floor))
     idx = rel.topk(min(k, n), dim=-1, sorted=True).indices  # (B, G, k), best first
     return idx, count.clamp_(min=1, max=idx.shape[-1])
 
@@ -217,11 +219,11 @@ class Speculate:
                 caps = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()  # (B, G)
             idx, count, total = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
                                                cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
-            return Fetch(idx, count=count, keep=keep, scored=partial_row, total=total)
+            return Fetch(idx, count=count, keep=keep, scored=partial_row, total=total, fixed=static)
         keys = target.partial.data if static else target.partial.valid()
         scores = approx_scores(q, keys, cache.arch.score_scale)  # (B, G, r, slots)
-        idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget)
-        return Fetch(idx, count=count, keep=keep, scored=partial_row)
+        idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget, caps)
+        return Fetch(idx, count=count, keep=keep, scored=partial_row, fixed=static)
 
     @staticmethod
     def max_fetch(cache, layer_idx: int, tokens: int) -> int:

@@ -94,6 +94,34 @@ class Counters:
         self.recall[layer.layer_idx] += mass.mean().to(self.recall.device)
         self.recall_steps[layer.layer_idx] += 1
 
+    # A CUDA graph replays a step's device work, not its Python: the host counts of the step it captured are taken
+    # once (snapshot around its warm-up), and added after every replay (model/static.py).
+    HOST = ("fetched", "possible", "rows", "steps", "recall_steps")  # per layer
+    TOTALS = ("rows_moved", "kv_bytes")
+
+    def snapshot(self) -> tuple:
+        """The counters as they are: host values, and copies of the device accumulators."""
+        host = {k: list(getattr(self, k)) for k in self.HOST} | {k: getattr(self, k) for k in self.TOTALS}
+        return host, [[None if t is None else t.clone() for t in ts] for ts in (self.fetched_t, self.possible_t)]
+
+    def restore(self, snap: tuple) -> None:
+        """Back to `snap`; device accumulators in place (a captured graph adds to these very tensors)."""
+        host, device = snap
+        for k, v in host.items():
+            setattr(self, k, list(v) if isinstance(v, list) else v)
+        for now, then in zip((self.fetched_t, self.possible_t), device):
+            for t, was in zip(now, then):
+                if t is not None:
+                    t.copy_(was) if was is not None else t.zero_()
+        self.keep_total = (None, None)
+
+    def add_host(self, before: tuple, after: tuple) -> None:
+        """The host counts one step added (after - before), added again (a replayed step's)."""
+        for k in self.HOST:
+            setattr(self, k, [x + b - a for x, a, b in zip(getattr(self, k), before[0][k], after[0][k])])
+        for k in self.TOTALS:
+            setattr(self, k, getattr(self, k) + after[0][k] - before[0][k])
+
     def fold(self) -> None:
         """Per-row accumulators into the host counters (a sync: between steps, when the batch changes)."""
         for counts, tensors in ((self.fetched, self.fetched_t), (self.possible, self.possible_t)):

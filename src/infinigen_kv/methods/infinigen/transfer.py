@@ -25,6 +25,7 @@ class DirectTransfer:
 
     host_compute = True  # attention runs where the pool lies: a dense step reads it in place, at no copy
     bytes_moved = None  # nothing crosses to another device
+    static = True  # static steps (model/static.py): rows written at a device column, chosen rows gathered
 
     def __init__(self):
         self.scratch = Scratch("cpu")  # the gathered working set, shared by all layers (sequential)
@@ -47,6 +48,11 @@ class DirectTransfer:
         else:
             layer.k.put(slot, k)
             layer.v.put(slot, v)
+
+    def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+        """A static step's row k, v (B, G, 1, d) at column `at` (1,) of the pool (the host's lengths follow after)."""
+        layer.k.data.index_copy_(2, at, k)
+        layer.v.data.index_copy_(2, at, v)
 
     def fetch(self, layer, fetch: Fetch, k_new: torch.Tensor, v_new: torch.Tensor, in_place: bool):
         """-> None when attention may read [new token, chosen rows] where they lie (in_place: the new token
