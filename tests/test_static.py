@@ -87,10 +87,11 @@ def test_static_steps_refuse_what_they_do_not_serve(tiny_models):
     ids, mask = left_padded_batch(lengths=(20, 12))
     model = tiny_models["llama-gqa"]
     for method, opts in (("h2o", {"budget": 0.5}), ("offload", {}), ("infinigen", {"capacity": 0.5}),
-                         ("infinigen", {"worker": True})):
-        cache = ig.make_cache(method, model, **{k: v for k, v in opts.items() if k != "worker"})
+                         ("infinigen", {"worker": True}), ("infinigen", {"recall": True})):
+        cache = ig.make_cache(method, model, **{k: v for k, v in opts.items() if k not in ("worker", "recall")})
         if opts.get("worker"):
             on_fake_cuda(cache, uva=False)  # the CUDA transfer's worker (host gathers): not static
+        cache.track_recall = bool(opts.get("recall"))
         prefill(model, ids, mask, cache, 2)
         with pytest.raises(StaticError, match="does not decode in static steps"):
             StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))

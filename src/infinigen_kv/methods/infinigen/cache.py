@@ -225,8 +225,10 @@ class InfiniGenCache(Rebatch, Cache):
     @property
     def static(self) -> bool:
         """Static steps serve the selection where it declares them, on transfers that serve them (the direct one;
-        the CUDA one gathering through the pool's view), in a pool without a capacity."""
-        return self.selection.static and not self.limited and all(t.static for t in self.transfers.by_device.values())
+        the CUDA one gathering through the pool's view), in a pool without a capacity, without the recall
+        diagnostic (its true attention reads the valid rows: a shape that follows the past)."""
+        return (self.selection.static and not self.limited and not self.track_recall
+                and all(t.static for t in self.transfers.by_device.values()))
 
     @torch.inference_mode()  # the buffers were made under it (a prefill)
     def static_capacity(self) -> int:
