@@ -431,16 +431,14 @@ def step_graph(c: Check) -> dict:
 def step_trace(c: Check) -> dict:
     """The decode step's ops through the PyTorch path (scripts/step_trace.py): kernels per step and per layer for
     full, offload and infinigen, the extra kernels of a speculated layer, host reads, two steps alike or not."""
-    import statistics as st
-
     from step_trace import run
 
     model = tiny("llama-gqa", c, torch.float32)
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0)).to(c.device)
     rows = {m: run(model, m, ids, 0.1) for m in ("full", "offload", "infinigen")}
-    full = st.median(rows["full"]["per_layer"][2:])  # layers 2 and on (layer 1 also speculates itself)
+    full = statistics.median(rows["full"]["per_layer"][2:])  # layers 2 and on (layer 1 also speculates itself)
     for m, r in rows.items():
-        r["extra_per_layer"] = st.median(r["per_layer"][2:]) - full
+        r["extra_per_layer"] = statistics.median(r["per_layer"][2:]) - full
         log(f"  trace {m}: {r['ops']} kernels/step, +{r['extra_per_layer']} a layer over full, "
             f"{r['host_reads']} host reads, two steps {'identical' if r['same'] is None else 'differ'}")
     return {"ok": all(r["host_reads"] == 0 for r in rows.values()), "rows": rows}

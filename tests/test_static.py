@@ -126,3 +126,47 @@ def test_generate_runs_static_steps_where_graphs_are_on(tiny_models, monkeypatch
     ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False,
                 cuda_graph=False)
     assert len(steps) == NEW - 1  # turned off: the eager step
+
+
+def test_a_capture_that_fails_decodes_eagerly(tiny_models):
+    """A step that cannot be captured as a CUDA graph (here: no CUDA at all) warns once and decodes eagerly: the
+    same tokens."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(30, 22))
+    eager, _, _ = static_run(model, "full", ids, mask)
+    cache = ig.make_cache("full", model)
+    tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
+    dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True), graph=True)
+    tokens = [tok]
+    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+        tokens.append(dec.step(tok).argmax(-1))
+    assert not dec.graph
+    for _ in range(NEW - 2):
+        tokens.append(dec.step(tokens[-1]).argmax(-1))
+    assert torch.equal(torch.stack(tokens, 1), eager)
+
+
+def test_a_replayed_steps_counts(tiny_models, monkeypatch):
+    """What a graph's owner does with the cache's counts (a replay runs no Python): back to where they were before
+    the capture's warm-up, device accumulators in place, then one step's host counts added per replay."""
+    monkeypatch.setattr(kernels, "_enabled", False)
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0)
+    tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
+    dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
+    tok = dec.step(tok).argmax(-1)  # a first step: the device accumulators exist
+    before = cache.bookkeeping()
+    dec.refill(tok)
+    dec.forward()  # the warm-up's counts
+    after = cache.bookkeeping()
+    accumulators = [t for t in cache.counters.fetched_t if t is not None]
+    assert after[0][0]["steps"] != before[0][0]["steps"] and accumulators
+    cache.restore_bookkeeping(before)
+    host, device = cache.counters.snapshot()
+    assert host == before[0][0]
+    assert all(torch.equal(t, was) for t, was in zip(cache.counters.fetched_t, before[0][1][0]) if t is not None)
+    now = [t for t in cache.counters.fetched_t if t is not None]
+    assert all(a is b for a, b in zip(now, accumulators))  # in place: the very tensors a graph adds to
+    cache.replayed(before, after)
+    assert cache.counters.snapshot()[0] == after[0][0]

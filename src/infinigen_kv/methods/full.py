@@ -97,11 +97,11 @@ class FullCache(Rebatch, Cache):
 
     @torch.inference_mode()  # the buffers were made under it (a prefill)
     def static_capacity(self) -> int:
-        """Columns every layer's buffers hold (a static step attends over all of them), its rows past the valid ones
-        zeroed (they are masked, and masked garbage could be NaN)."""
+        """Columns every layer's buffers hold (a static step attends over all of them), rows past the valid ones
+        zeroed."""
         for layer in self.layers:
-            for buf in (layer.k, layer.v):
-                buf.data[:, :, buf.length :].zero_()
+            layer.k.zero_past_valid()
+            layer.v.zero_past_valid()
         return self.layers[0].k.capacity
 
     def advanced(self, tokens: int = 1) -> None:

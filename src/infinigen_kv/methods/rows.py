@@ -131,6 +131,10 @@ class RowBuffer:
         self.data[:, :, self.length : self.length + T].copy_(x)
         self.length += T
 
+    def zero_past_valid(self) -> None:
+        """Zero the rows past the valid ones (a static step reads them, masked: masked garbage could be NaN)."""
+        self.data[:, :, self.length :].zero_()
+
     def valid(self) -> torch.Tensor:
         """View of the valid rows: (B, G, length, width)."""
         return self.data[:, :, : self.length]

@@ -65,13 +65,17 @@ def _first_logits(model, input_ids, attention_mask, cache, max_new_tokens: int, 
     return prefill(model, input_ids, attention_mask, cache, max_new_tokens), 0
 
 
-def _static_decoder(model, cache, attention_mask, positions, max_new_tokens: int, cuda_graph):
-    """A StaticDecoder for this run's decode steps where graphs are on (CUDA) and the model, cache and run allow
-    static steps (the run's tokens fit the cache's buffers); else None: the eager step."""
-    if max_new_tokens < 2 or not static.graphs_on(positions.device, cuda_graph) or not static.serves(model, cache):
-        return None
-    fixed = static.StaticDecoder(model, cache, attention_mask, positions, graph=positions.device.type == "cuda")
-    return fixed if fixed.n + max_new_tokens - 1 <= fixed.capacity else None
+def _decoder(model, cache, attention_mask, mask, unpadded: bool, positions, max_new_tokens: int, cuda_graph):
+    """The run's decode step, (ids (B,), step i) -> the next logits (B, V), from positions (B, 1) of the first: static
+    steps (one CUDA graph a step on CUDA) where graphs are on and the model, cache and run allow them (the run's
+    tokens fit the cache's buffers), else the eager step over the run's mask (B, n + new)."""
+    if max_new_tokens > 1 and static.graphs_on(positions.device, cuda_graph) and static.serves(model, cache):
+        fixed = static.StaticDecoder(model, cache, None if unpadded else attention_mask, positions,
+                                     graph=positions.device.type == "cuda")
+        if fixed.n + max_new_tokens - 1 <= fixed.capacity:
+            return lambda ids, i: fixed.step(ids)
+    own, n = step.supports(model, cache), attention_mask.shape[1]
+    return lambda ids, i: step.decode(model, cache, ids, positions + i, None if unpadded else mask[:, : n + i + 1], own)
 
 
 def _run_mask(attention_mask: torch.Tensor, max_new_tokens: int):
@@ -145,7 +149,7 @@ def generate(
     cuda_graph: on CUDA, one CUDA graph a step where model and cache allow it (model/static.py; None: on, unless
     INFINIGEN_CUDA_GRAPH=0)."""
     device = input_ids.device
-    B, n = input_ids.shape
+    B = input_ids.shape[0]
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     mask, positions, unpadded = _run_mask(attention_mask, max_new_tokens)
@@ -164,9 +168,7 @@ def generate(
     _sync(device)
     t0 = time.perf_counter()
     logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix)
-    next_pos = positions[:, -1:] + 1  # (B, 1)
-    own_step = step.supports(model, cache)
-    fixed = _static_decoder(model, cache, None if unpadded else attention_mask, next_pos, max_new_tokens, cuda_graph)
+    decode = _decoder(model, cache, attention_mask, mask, unpadded, positions[:, -1:] + 1, max_new_tokens, cuda_graph)
     _sync(device)
     t1 = time.perf_counter()
     steps = 0
@@ -185,8 +187,7 @@ def generate(
         if stop or i == max_new_tokens - 1 or (stop_at_eos and eos.numel() and bool(done.all())):
             out = out[:, : i + 1]
             break
-        logits = fixed.step(ids) if fixed is not None else step.decode(
-            model, cache, ids, next_pos + i, None if unpadded else mask[:, : n + i + 1], own_step)
+        logits = decode(ids, i)
         threads.decode_step(device)  # on CPU: the thread count of the next steps, from the machine's load
         steps += 1
     _sync(device)

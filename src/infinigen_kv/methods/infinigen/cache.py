@@ -232,20 +232,20 @@ class InfiniGenCache(Rebatch, Cache):
 
     @torch.inference_mode()  # the buffers were made under it (a prefill)
     def static_capacity(self) -> int:
-        """Columns every layer's buffers hold (a static step's shapes span them), rows past the valid ones zeroed
-        (masked, and masked garbage could be NaN)."""
+        """Columns every layer's buffers hold (a static step's shapes span them), rows past the valid ones zeroed."""
         whole = [b for layer in self.layers for b in ((layer.k, layer.v) if layer.dense else (layer.partial,))]
         capacity = {b.capacity for b in whole}  # what is attended or scored whole (a pinned pool may round up)
         if len(capacity) != 1 or any(b.capacity < min(capacity) for layer in self.layers for b in layer.buffers()):
             raise ValueError(f"layers of different capacities {sorted(capacity)}: reserve the run's tokens first")
         for layer in self.layers:
             for buf in layer.buffers():
-                buf.data[:, :, buf.length :].zero_()
+                buf.zero_past_valid()
         return capacity.pop()
 
     def bookkeeping(self):
         return self.counters.snapshot(), {d: t.bytes_moved for d, t in self.transfers.by_device.items()}
 
+    @torch.inference_mode()  # the accumulators were made under it (decode steps)
     def restore_bookkeeping(self, state) -> None:
         self.counters.restore(state[0])
         for d, moved in state[1].items():

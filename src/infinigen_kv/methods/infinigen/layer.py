@@ -125,10 +125,9 @@ class DeviceLayer(LogicalLayer):
         return self.dense_view(key_states, value_states, fetch)
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
-        """A static step's row k, v (B, G, 1, d) at column `at` (1,) of buffers on the compute device (the host's
+        """A static step's row k, v (B, G, 1, d) at column `at` (1,), through the layer's transfer (the host's
         lengths follow after the step: InfiniGenCache.advanced)."""
-        self.k.data.index_copy_(2, at, k)
-        self.v.data.index_copy_(2, at, v)
+        self.transfer.write_at(self, k, v, at)
 
     def dense_view(self, key_states, value_states, hint) -> KVView:
         past, T = self.seen, key_states.shape[2]
@@ -248,7 +247,7 @@ class PoolLayer(DeviceLayer):
         return KVView(K, V, selected=True, mask=mask, rows=fetch.idx)
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
-        self.transfer.write_at(self, k, v, at)  # the pool: on a GPU, pinned host memory
+        super().store_at(k, v, at)  # the pool: on a GPU, pinned host memory
         if self.partial is not None:
             self.partial.data.index_copy_(2, at, self.partial_rows(k))
 
