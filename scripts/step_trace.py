@@ -102,8 +102,8 @@ def main() -> int:
     model = tiny_model(args.model)
     ids = torch.randint(3, 200, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     rows = {m: run(model, m, ids, args.budget) for m in ("full", "offload", "infinigen")}
-    rows["full, static"] = run_static(model, "full", ids, args.budget)
-    rows["infinigen, static"] = run_static(model, "infinigen", ids, args.budget)
+    for m in ("full", "offload", "infinigen"):
+        rows[f"{m}, static"] = run_static(model, m, ids, args.budget)
     full_layer = statistics.median(rows["full"]["per_layer"][2:])
     print(f"{args.model}, B{args.batch} x {args.prompt_len}, budget {args.budget}, reference backend, torch {torch.__version__}")
     print("| method | ops/step | ops/layer (median, layers 2+) | extra ops/layer vs full | host reads/step | two steps |")

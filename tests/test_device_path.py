@@ -214,7 +214,7 @@ def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypat
 
 def test_partial_query_from_only_the_rows_it_needs(device_path, model):
     """The PyTorch partial query of a RoPE model with raw channels (a GPU's) computes only the q_proj rows of
-    the partial channels and their rotate-half partners, and equals the whole query's channels."""
+    the partial channels and their rotate-half partners (2p a head), and equals the whole query's channels."""
     cache = ig.make_cache("infinigen", model, budget=0.3)
     a = cache.arch
     x = torch.randn(3, 1, a.hidden_size if hasattr(a, "hidden_size") else model.config.hidden_size)
@@ -222,7 +222,7 @@ def test_partial_query_from_only_the_rows_it_needs(device_path, model):
     rope = model.model.rotary_emb(x, pos)
     for layer in range(1, a.num_layers):
         W = cache.pq.rows_on(layer, "cpu")[0]
-        assert W.shape[0] < a.num_heads * a.head_dim  # fewer rows than the whole q_proj
+        assert W.shape[0] == a.num_heads * 2 * cache.pq.channels[layer].shape[-1]  # P and their partners
         got = cache.partial_query(layer, x, rope)
         q = a.query(layer, x, rope).view(3, a.num_kv_heads, a.group, a.head_dim)
         ref = q.gather(-1, cache.pq.channels[layer].view(1, a.num_kv_heads, 1, -1).expand(3, -1, a.group, -1))

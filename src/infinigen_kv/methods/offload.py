@@ -30,7 +30,7 @@ class FetchAll:
     calibrated = False
     in_place = False  # the point of the baseline is the copy (on CPU: one copy of the whole cache per step)
     whole = True  # every fetch is a whole past, rows as they lie (no indices to send, nothing to gather)
-    static = False  # its fetch spans the past's length, not the pool's capacity
+    static = True  # in a static step (model/static.py) a fetch spans the pool's capacity, the columns past masked
 
     def __init__(self):
         self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device
@@ -53,16 +53,22 @@ class FetchAll:
 
     def fetch_all(self, cache, nxt: int, attention_mask) -> Fetch:
         target = cache.layers[nxt]
-        B, G, n = target.k.batch, target.k.heads, target.k.length
+        column = cache.arch.step.column  # a static step's: its fetch spans the capacity
         device = target.device
         window = cache.arch.windows[nxt]
         if (device, window) not in self._all:  # layers with the same past, mask and window: order once
+            B, G = target.k.batch, target.k.heads
+            n = target.k.length if column is None else cache.static_columns()
             keep = layer_keep(cache.arch, nxt, keep_source(cache.arch, attention_mask), n, B, device)
-            idx = torch.arange(n, device=device).expand(B, G, n).contiguous()
-            real = None if keep is None else keep.expand(B, G, n).contiguous()  # padding fetched, masked
-            self._all[(device, window)] = (keep, idx, real)
+            if column is not None:  # the past ends before the step's column
+                past = (torch.arange(n, device=device) < column).view(1, 1, n)
+                keep = past.expand(B, 1, n) if keep is None else keep & past
+            idx = torch.arange(n, device=device).expand(B, G, n)
+            real = None if keep is None else keep.expand(B, G, n)  # padding fetched, masked
+            self._all[(device, window)] = (keep, idx if column is not None else idx.contiguous(),
+                                           real if real is None or column is not None else real.contiguous())
         keep, idx, real = self._all[(device, window)]
-        return Fetch(idx, real, whole=True, keep=keep)
+        return Fetch(idx, real, whole=True, keep=keep, fixed=column is not None)
 
     def reset(self) -> None:
         self._all = {}

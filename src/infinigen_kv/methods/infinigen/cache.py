@@ -167,9 +167,9 @@ class InfiniGenCache(Rebatch, Cache):
 
     # --- one decode step: speculation at layer l's attention pre-hook, then the fetch it starts -------------
 
-    def partial_query(self, layer: int, x: torch.Tensor, rope) -> torch.Tensor:
-        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p) (partial.py)."""
-        return self.pq(layer, x, rope, self.layers[layer].skew_p, self.arch.step.memo)
+    def partial_query(self, layer: int, x: torch.Tensor, rope, scale: float = 1.0) -> torch.Tensor:
+        """Skewed partial query of `layer` from x (B, 1, D), times scale: (B, G, r, p) (partial.py)."""
+        return self.pq(layer, x, rope, self.layers[layer].skew_p, self.arch.step.memo, scale)
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
@@ -232,15 +232,22 @@ class InfiniGenCache(Rebatch, Cache):
 
     @torch.inference_mode()  # the buffers were made under it (a prefill)
     def static_capacity(self) -> int:
-        """Columns every layer's buffers hold (a static step's shapes span them), rows past the valid ones zeroed."""
-        whole = [b for layer in self.layers for b in ((layer.k, layer.v) if layer.dense else (layer.partial,))]
-        capacity = {b.capacity for b in whole}  # what is attended or scored whole (a pinned pool may round up)
-        if len(capacity) != 1 or any(b.capacity < min(capacity) for layer in self.layers for b in layer.buffers()):
-            raise ValueError(f"layers of different capacities {sorted(capacity)}: reserve the run's tokens first")
+        """Columns a static step spans (what is attended or scored whole: a dense layer's K/V, a pool layer's
+        partial keys, or with a whole-past selection its pool up to the tokens reserved: a pinned pool rounds its
+        capacity up), rows past the valid ones zeroed."""
+        capacity = self.static_columns()
         for layer in self.layers:
             for buf in layer.buffers():
                 buf.zero_past_valid()
-        return capacity.pop()
+        return capacity
+
+    def static_columns(self) -> int:
+        """A static step's columns (static_capacity), the same for every layer."""
+        whole = {layer.k.capacity if layer.dense else min(layer.k.capacity, layer.reserved or layer.k.capacity)
+                 if self.selection.whole else layer.partial.capacity for layer in self.layers}
+        if len(whole) != 1 or any(b.capacity < min(whole) for layer in self.layers for b in layer.buffers()):
+            raise ValueError(f"layers of different capacities {sorted(whole)}: reserve the run's tokens first")
+        return whole.pop()
 
     def bookkeeping(self):
         return self.counters.snapshot(), {d: t.bytes_moved for d, t in self.transfers.by_device.items()}

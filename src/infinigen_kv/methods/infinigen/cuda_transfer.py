@@ -56,7 +56,10 @@ class CudaTransfer:
         self.prefill_jobs = [None, None]
         self.prefill_next = 0
         self.bytes_moved = 0  # host -> device bytes of decode fetches (the worker adds them)
-        self.fixed = {}  # layer index -> (K, V, event) of its static steps' fetch: one buffer a layer, no ring
+        # a static step's working sets, one buffer per layer parity (layer j's fetch starts at layer j - 1, after
+        # layer j - 2's attention read the same buffer), and each layer's gather event
+        self.fixed = [Scratch(self.device), Scratch(self.device)]
+        self.fixed_events = {}
         self.arange = None  # 0..n-1 on the device, for the working-set masks (_positions)
 
     def compute_stream(self):
@@ -181,27 +184,38 @@ class CudaTransfer:
         fetch.rows = (slot, dk, dv, done)  # the fetch carries what is in flight to the layer's view
 
     def _prefetch_fixed(self, layer, fetch: Fetch) -> None:
-        """A static step's fetch: the chosen slots (a fixed number) gathered on the side stream into the layer's own
-        buffers, joined by events recorded in the same step: within a CUDA graph, a fork and a join of the capture.
-        The buffers are the layer's alone, and steps follow one another on the compute stream, so no wait on an
-        earlier step is needed."""
+        """A static step's fetch, on the side stream, straight into the working set [new token | m slots] of the
+        layer's parity (slot 0 is the new row's: store_row): the chosen slots gathered, one op for K and one for V,
+        or a whole past copied as it lies (offload). It waits for the selection (and so for the attention two
+        layers back, which read the same buffer) and is joined by the layer's event: within a CUDA graph a fork
+        and a join of the capture; from one step to the next the compute stream orders the buffers' use."""
         self._land_prompt(layer)  # a prompt the worker is landing is in the pool (before the first step only)
         B, G, m = fetch.idx.shape
-        fixed = self.fixed.get(layer.layer_idx)
-        if fixed is None or fixed[0].shape != (B, G, m, layer.k.width):
-            fixed = self.fixed[layer.layer_idx] = (
-                torch.empty(B, G, m, layer.k.width, dtype=layer.k.dtype, device=self.device),
-                torch.empty(B, G, m, layer.v.width, dtype=layer.v.dtype, device=self.device), self.cuda.Event())
-        dk, dv, copied = fixed
+        work = self.fixed[layer.layer_idx % 2]
+        wk = work.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
+        wv = work.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
+        copied = self.fixed_events.setdefault(layer.layer_idx, self.cuda.Event())
+        if fetch.whole:  # every slot real where the step's keep says: the mask, on the compute stream
+            layer.static_mask(B, G, m)[:, :, 0, 1:].copy_(fetch.real)
         selected = self._record(self.events[layer.layer_idx]["selected"])
+        idx = fetch.idx.view(B * G, m, 1)
         with self.cuda.stream(self.stream):
             self.stream.wait_event(selected)
-            flat = (fetch.idx + layer.k.row_base(fetch.idx.device)).view(-1)  # V's rows at K's (same capacity)
-            torch.index_select(self._view(layer, "k", layer.k), 0, flat, out=dk.view(-1, layer.k.width))
-            torch.index_select(self._view(layer, "v", layer.v), 0, flat, out=dv.view(-1, layer.v.width))
+            for pool, ws in zip(self.device_pool(layer), (wk, wv)):
+                d = pool.shape[-1]
+                out = ws.view(B * G, m + 1, d)[:, 1:]
+                if fetch.whole:
+                    out.view(B, G, m, d).copy_(pool[:, :, :m])
+                else:
+                    torch.gather(pool.reshape(B * G, -1, d), 1, idx.expand(B * G, m, d), out=out)
             self._record(copied, self.stream)
-        self.bytes_moved += dk.nbytes + dv.nbytes
-        fetch.rows = (None, dk, dv, copied)
+        self.bytes_moved += (wk.nbytes + wv.nbytes) * m // (m + 1)
+        fetch.rows = (None, wk, wv, copied)
+
+    def device_pool(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's K, V (B, G, capacity, d) as the GPU addresses them: device views of the pinned stores."""
+        return tuple(self._view(layer, name, buf).view(buf.store.shape)[: buf.batch]
+                     for name, buf in (("k", layer.k), ("v", layer.v)))
 
     def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
         """A static step's row k, v (B, G, 1, d) into the pool at column `at` (1,), through the pool's device view
@@ -239,6 +253,12 @@ class CudaTransfer:
 
     def fetch(self, layer, fetch: Fetch, k_new, v_new, in_place: bool):
         slot, dk, dv = fetch.rows
+        if fetch.fixed and self.uva:  # a static step's working set, slot 0 the new row's (the layer stores it)
+            fetch.rows = None
+            B, G, m = fetch.idx.shape
+            if fetch.count is None:
+                return dk, dv, layer.static_mask(B, G, m)  # the speculation wrote which slots are real
+            return dk, dv, (self._positions(m + 1) <= fetch.count.unsqueeze(-1)).unsqueeze(2)
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows]: the slot is free once this is done
         V = torch.cat([v_new, dv], dim=2)
         if slot is not None:  # (a static step's buffers are the layer's own)

@@ -25,6 +25,7 @@ from .contracts import Transfer
 from .fetch import Fetch
 from .speculator import fetch_cap
 from .stats import Counters
+from .store_row import store_row
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class DeviceLayer(LogicalLayer):
         self.reserved = 0  # rows the buffers are made with (InfiniGenCache.reserve)
         self.mirror = None  # (k, v) RowBuffers on the device of a prompt being prefilled in chunks (CudaTransfer)
         self.transfer: Transfer | None = None
+        self._static_mask = None  # (B, G, 1, m + 1) bool: a static step's working-set mask (PoolLayer.static_mask)
         # A dense layer with a sliding window (Gemma's local layers) keeps only the window (LogicalLayer.slide).
         self.window = spec.window if self.dense else None
 
@@ -243,8 +245,28 @@ class PoolLayer(DeviceLayer):
             return super().view(key_states, value_states, None, at)
         fetch = self.transfer.ready(self, fetch)
         K, V, mask = self.transfer.fetch(self, fetch, key_states, value_states, in_place=False)
-        self.store_at(key_states, value_states, at)
+        self.store_fixed(key_states, value_states, at, K, V)
         return KVView(K, V, selected=True, mask=mask, rows=fetch.idx)
+
+    def static_mask(self, B: int, G: int, m: int) -> torch.Tensor:
+        """(B, G, 1, m + 1) bool, the mask of a static step's working set [new token, m chosen slots]: column 0
+        True, the rest written by the speculation (which slots are real). One buffer a layer, made at its first
+        static step (before a CUDA graph captures one)."""
+        mask = self._static_mask
+        if mask is None or mask.shape != (B, G, 1, m + 1):
+            mask = self._static_mask = torch.ones(B, G, 1, m + 1, dtype=torch.bool, device=self.device)
+        return mask
+
+    def store_fixed(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor, K: torch.Tensor, V: torch.Tensor):
+        """A static step's new row k, v (B, G, 1, d): into the pool at column `at` (1,), into slot 0 of the working
+        set K, V (B, G, m + 1, d), and its partial key into the partial key cache, in one op (store_row.py) where
+        the partial keys are raw channels stored as floats; else the partial key by its own ops."""
+        pool_k, pool_v = self.transfer.device_pool(self)
+        fused = self.key_channels is not None and self.partial.dtype != torch.int8
+        store_row(k, v, pool_k, pool_v, at, K, V, self.partial.data if fused else None,
+                  self.key_channels if fused else None)
+        if self.partial is not None and not fused:
+            self.partial.data.index_copy_(2, at, self.partial_rows(k))
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
         super().store_at(k, v, at)  # the pool: on a GPU, pinned host memory

@@ -23,6 +23,10 @@ def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
     return torch.tensor([[s + s[:1] * (c - len(s)) for s in layer] for layer in need], dtype=torch.long)
 
 
+def _times(q: torch.Tensor, scale: float) -> torch.Tensor:
+    return q * scale if scale != 1.0 else q
+
+
 class PartialQuery:
     """Layer l+1's skewed partial query (B, G, r, p) from layer l's input x (B, 1, D), for every layer of one
     calibrated model; shared by a cache and its forks (what it memoizes is keyed by identity or device)."""
@@ -44,9 +48,11 @@ class PartialQuery:
         self._gathered = {}  # layer -> the kernel's contiguous copy of its q_proj rows (gathered)
         self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
 
-    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None, memo: dict) -> torch.Tensor:
-        """Skewed partial query of `layer` from x (B, 1, D): (B, G, r, p); skew_p (G, d, p): the layer's A_P; memo:
-        the step's (arch.StepInputs.memo), where what every layer of a step shares is made once."""
+    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None, memo: dict,
+                 scale: float = 1.0) -> torch.Tensor:
+        """Skewed partial query of `layer` from x (B, 1, D), times `scale` (the scores' scale, folded in where the
+        path allows: no op of its own): (B, G, r, p); skew_p (G, d, p): the layer's A_P; memo: the step's
+        (arch.StepInputs.memo), where what every layer of a step shares is made once."""
         a = self.arch
         B = x.shape[0]
         kern = backends.for_device(x.device).ops if x.dtype == torch.float32 else None
@@ -55,34 +61,31 @@ class PartialQuery:
                 q = kern.linear(x.reshape(B, -1), self.weight[layer], self.bias[layer])
             else:
                 q = F.linear(x, self.weight[layer], self.bias[layer])  # (B, 1, H*p)
-            return q.view(B, a.num_kv_heads, a.group, -1)
+            return _times(q.view(B, a.num_kv_heads, a.group, -1), scale)
         if self.rows is not None and rope is not None:  # raw channels: only their q_proj rows
             kind = a.rope_types[layer] if a.rope_types is not None else None  # layers of one RoPE share it
             cos, sin = self._step_rope(rope, B, memo, kind)
             if kern is None:
-                return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin, memo, kind)
+                return self._partial_query_rows(layer, x.reshape(B, -1), cos, sin, memo, kind, scale)
             proj = a.attns[layer].q_proj
             x = x.contiguous()
-            return kern.partial_query(x.reshape(B, -1), self.gathered(layer), proj.bias, self.rows[layer],
-                                      self.channels[layer], cos, sin, a.group, a.head_dim)
+            return _times(kern.partial_query(x.reshape(B, -1), self.gathered(layer), proj.bias, self.rows[layer],
+                                             self.channels[layer], cos, sin, a.group, a.head_dim), scale)
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
-        return torch.matmul(q, skew_p.unsqueeze(0))  # (B, G, r, p)
+        return _times(torch.matmul(q, skew_p.unsqueeze(0)), scale)  # (B, G, r, p)
 
     def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, memo: dict,
-                            kind) -> torch.Tensor:
-        """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels): x (B, D) times only the
-        q_proj rows of the partial channels P and their rotate-half partners S (a copy of those rows made once per
-        layer, on its device), then RoPE of P in float32, from cos and the signed sin of every layer's P gathered
-        once a step (_step_rope_channels): (B, G, r, p). Five small ops a layer (a GPU step is host-bound)."""
-        W, b, both = self.rows_on(layer, x.device)
+                            kind, scale: float) -> torch.Tensor:
+        """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels), times `scale`: x (B, D) times
+        only the q_proj rows of the partial channels P and then of their rotate-half partners (a copy of those rows
+        made once per layer, on its device: rows_on), then RoPE of P in float32 from cos and the signed sin of every
+        layer's P, gathered and scaled once a step (_step_rope_channels): (B, G, r, p). Three ops a layer."""
+        W, b = self.rows_on(layer, x.device)
         a = self.arch
-        B, (G, p2) = x.shape[0], both.shape
-        y = F.linear(x.to(W.dtype), W, b).float().view(B, G, a.group, -1)  # (B, G, r, c)
-        if a.q_scale != 1.0:
-            y = y * a.q_scale
-        y = y.gather(-1, both.view(1, G, 1, p2).expand(B, G, a.group, p2))  # (B, G, r, 2p): [P, partners of P]
-        cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device, memo, kind)
-        p = p2 // 2
+        B = x.shape[0]
+        y = F.linear(x.to(W.dtype), W, b).float().view(B, a.num_kv_heads, a.group, -1)  # (B, G, r, 2p): [P, partners]
+        cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device, memo, kind, scale * a.q_scale)
+        p = y.shape[-1] // 2
         return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
 
     def q_rows(self, layer: int) -> torch.Tensor:
@@ -110,30 +113,28 @@ class PartialQuery:
         return W
 
     def rows_on(self, layer: int, device) -> tuple:
-        """(W (H c, D), bias or None, both (G, 2p)) of `layer` on `device`: the q_proj rows h d + S[g] of every query
-        head h of group g, and where P[g, t] and then its rotate-half partner (t +- d/2) sit in S[g]."""
+        """(W (H 2p, D), bias or None) of `layer` on `device`: per query head h of group g, the q_proj rows h d + P[g]
+        and then h d + (P[g] +- d/2), their rotate-half partners (a channel whose partner is in P too is read twice:
+        the linear's output is then the rotation's two operands as they lie, with no gather after it)."""
         memo = self._rows_memo.get(layer)
         if memo is not None and memo[0].device == torch.device(device):
             return memo
         a = self.arch
-        S, P = self.rows[layer], self.channels[layer]  # (G, c), (G, p)
-        G = S.shape[0]
-        d, half = a.head_dim, a.head_dim // 2
-        rows = self.q_rows(layer)  # (H c,)
+        P = self.channels[layer]  # (G, p)
+        G = P.shape[0]
+        both = torch.cat([P, (P + a.head_dim // 2) % a.head_dim], dim=1)  # (G, 2p)
+        heads = torch.arange(G * a.group).view(G, a.group, 1)
+        rows = (heads * a.head_dim + both.view(G, 1, -1)).reshape(-1)  # (H 2p,)
         proj = a.attns[layer].q_proj
         W = proj.weight.detach()[rows.to(proj.weight.device)].to(device)
         b = proj.bias.detach()[rows.to(proj.bias.device)].to(device) if proj.bias is not None else None
-        where = [{ch: i for i, ch in enumerate(S[g].tolist())} for g in range(G)]
-        both = torch.tensor([[where[g][ch] for ch in P[g].tolist()] + [where[g][(ch + half) % d] for ch in P[g].tolist()]
-                             for g in range(G)])
-        memo = (W, b, both.to(device))
-        self._rows_memo[layer] = memo
+        memo = self._rows_memo[layer] = (W, b)
         return memo
 
-    def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device, memo: dict, kind):
-        """cos and the rotate-half-signed sin (B, L, G, 1, p) at every layer's partial channels P, of a decode step's
-        cos, sin (B, d) of RoPE `kind`: gathered once a step for all layers (in the step's memo)."""
-        key = ("rope at P", kind, cos.shape[0], torch.device(device))
+    def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device, memo: dict, kind, scale: float):
+        """cos and the rotate-half-signed sin (B, L, G, 1, p) at every layer's partial channels P, times `scale`, of a
+        decode step's cos, sin (B, d) of RoPE `kind`: gathered once a step for all layers (in the step's memo)."""
+        key = ("rope at P", kind, cos.shape[0], torch.device(device), scale)
         if key in memo:
             return memo[key]
         if self._channels_all is None or self._channels_all[0].device != torch.device(device):
@@ -145,6 +146,8 @@ class PartialQuery:
         B = cos.shape[0]
         cos_p = cos.index_select(1, P.view(-1)).view(B, L, G, 1, p)
         ssin_p = (sin.index_select(1, P.view(-1)).view(B, L, G, p) * sign).view(B, L, G, 1, p)
+        if scale != 1.0:
+            cos_p, ssin_p = cos_p * scale, ssin_p * scale
         memo[key] = cos_p, ssin_p
         return cos_p, ssin_p
 

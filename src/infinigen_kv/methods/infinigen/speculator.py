@@ -19,18 +19,33 @@ from . import int8
 from .fetch import Fetch
 
 
-def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float) -> torch.Tensor:
+def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """Approximate attention logits of each past token for each query head, in float32 on every device (alpha
     and the budgets were tuned on float32 scores; bf16 ones tie).
 
     q_partial (B, G, r, p): the skewed partial queries of the r query heads sharing a KV head.
     k_partial (B, G, n, p): the partial key cache (float32, or bfloat16 / the model's dtype), or its int8 rows
-    (B, G, n, p + 4) (int8.py). Returns (B, G, r, n).
+    (B, G, n, p + 4) (int8.py). bias (B G, 1, n) or None: added (-inf where a position may not be attended:
+    `keep_bias`), in the product's own op. Returns (B, G, r, n).
     """
     if k_partial.dtype == torch.int8:
-        return int8.scores(q_partial, k_partial, scale)
-    s = torch.matmul(q_partial.float(), k_partial.float().transpose(-1, -2))  # (B, G, r, n)
-    return s * scale if scale != 1.0 else s
+        s = int8.scores(q_partial, k_partial, scale)
+        return s if bias is None else s + bias.view(s.shape[0], s.shape[1], 1, -1)
+    q, k = q_partial.float(), k_partial.float()
+    if bias is None:
+        s = torch.matmul(q, k.transpose(-1, -2))  # (B, G, r, n)
+        return s * scale if scale != 1.0 else s
+    B, G, r, p = q.shape
+    q = q * scale if scale != 1.0 else q
+    return torch.baddbmm(bias, q.reshape(B * G, r, p), k.reshape(B * G, -1, p).transpose(1, 2)).view(B, G, r, -1)
+
+
+def keep_bias(keep: torch.Tensor, G: int) -> torch.Tensor:
+    """keep (B, 1, n) bool -> the scores' additive mask (B G, 1, n): 0 where True, -inf where False."""
+    B, _, n = keep.shape
+    bias = torch.zeros(B, 1, n, device=keep.device).masked_fill_(~keep, float("-inf"))
+    return bias.expand(B, G, n).reshape(B * G, 1, n)
 
 
 def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "max") -> torch.Tensor:
@@ -39,6 +54,8 @@ def relative(scores: torch.Tensor, keep: torch.Tensor | None, combine: str = "ma
     if keep is not None:
         scores = scores.masked_fill(~keep.unsqueeze(2), float("-inf"))
     rel = scores - scores.amax(dim=-1, keepdim=True)  # (B, G, r, n), each head's max at 0
+    if rel.shape[2] == 1:  # one head a group (multi-head attention): nothing to combine
+        return rel[:, :, 0]
     return rel.amax(dim=2) if combine == "max" else rel.mean(dim=2)
 
 
@@ -107,6 +124,7 @@ def select(
     combine: str = "max",
     floor: int = 0,
     caps: torch.Tensor | None = None,
+    masked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens to fetch per (sequence, KV head), with no host sync: the step's fetch size is known on the host.
 
@@ -121,15 +139,35 @@ def select(
     its fetch), and count (B, G) on the device: the first count slots of each row are the selected ones (the
     rest hold real pool positions, masked; a transfer may leave them out once the count is on the host). caps
     (B, G): the rows' caps from keep where the caller has them (row_caps, made once a step), else made here.
+    masked: the scores hold -inf where keep is False already (approx_scores' bias).
     """
     n = scores.shape[-1]
     k = fetch_cap(n, budget, max_num_kv, floor)
-    rel = relative(scores, keep, combine)  # (B, G, n)
+    rel = relative(scores, None if masked else keep, combine)  # (B, G, n)
     count = (rel > -alpha).sum(-1)  # (B, G)
     if keep is not None:  # per sequence: budget x its valid (unpadded) length
         count = torch.minimum(count, caps if caps is not None else row_caps(keep, budget, max_num_kv, floor))
     idx = rel.topk(min(k, n), dim=-1, sorted=True).indices  # (B, G, k), best first
     return idx, count.clamp_(min=1, max=idx.shape[-1])
+
+
+def select_fixed(scores: torch.Tensor, floor: torch.Tensor, k: int, combine: str, real: torch.Tensor) -> torch.Tensor:
+    """`select` for a static step, in fixed shapes: the k slots of each row best first (idx (B, G, k), returned),
+    and which of them are real written into real (B, G, k) bool (in place: the layer's working-set mask) as
+    slot value > floor (B, G, k) (`fixed_floor`: the same rows as select's count and caps, in one op).
+    scores (B, G, r, n) hold -inf where a position may not be attended."""
+    vals, idx = relative(scores, None, combine).topk(k, dim=-1, sorted=True)  # (B, G, k), best first
+    torch.gt(vals, floor, out=real)
+    return idx
+
+
+def fixed_floor(caps: torch.Tensor, k: int, alpha: float) -> torch.Tensor:
+    """(B, G, k) float: what a static step's slot value must exceed to be real: -inf at slot 0 (each row keeps its
+    best), -alpha below the row's cap (within alpha of the best), +inf from the cap on. caps (B, G)."""
+    beyond = torch.arange(k, device=caps.device) >= caps.unsqueeze(-1)  # (B, G, k)
+    floor = torch.full(beyond.shape, -alpha, device=caps.device).masked_fill_(beyond, float("inf"))
+    floor.select(-1, 0).fill_(float("-inf"))
+    return floor
 
 
 class Speculate:
@@ -205,14 +243,14 @@ class Speculate:
             # the cap leaves nothing to save (a short past under the floor): the layer attends densely, in place
             # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
             return None
-        q = cache.partial_query(nxt, x, rope)  # (B, G, r, p)
+        kern = target.backend.ops
+        q = cache.partial_query(nxt, x, rope, 1.0 if kern is not None else cache.arch.score_scale)  # (B, G, r, p)
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self.step_keep(cache, nxt, attention_mask, n if static else target.seen, dev, B, G, not evicted,
-                                    budget)
+        keep, caps = self.step_keep(cache, nxt, attention_mask, n if static else target.seen, dev, B, G,
+                                    not evicted, budget)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
-        kern = target.backend.ops
         if kern is not None:  # one pass: scores, relative, combine, count, cap, chosen slots; no host sync
             if keep is not None and caps is None:  # per row: budget x its valid length
                 keep = keep.contiguous()
@@ -220,10 +258,17 @@ class Speculate:
             idx, count, total = kern.speculate(q.float().contiguous(), target.partial.data, n, keep, caps,
                                                cache.arch.score_scale, c.alpha, k, c.gqa_combine == "mean")
             return Fetch(idx, count=count, keep=keep, scored=partial_row, total=total, fixed=static)
+        # PyTorch (a GPU): the scale is in q; the mask in the scores' own op (bias, made once a step)
         keys = target.partial.data if static else target.partial.valid()
-        scores = approx_scores(q, keys, cache.arch.score_scale)  # (B, G, r, slots)
-        idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget, caps)
-        return Fetch(idx, count=count, keep=keep, scored=partial_row, fixed=static)
+        bias = None if keep is None or evicted else self.step_bias(cache, keep, G)
+        scores = approx_scores(q, keys, 1.0, bias)  # (B, G, r, slots)
+        if static:  # fixed shapes: which of the k slots are real is written into the layer's working-set mask
+            real = target.static_mask(B, G, k)[:, :, 0, 1:]
+            idx = select_fixed(scores, self.step_floor(cache, caps, k, budget), k, c.gqa_combine, real)
+            return Fetch(idx, real=real, keep=keep, scored=partial_row, fixed=True)
+        idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget, caps,
+                            masked=bias is not None)
+        return Fetch(idx, count=count, keep=keep, scored=partial_row)
 
     @staticmethod
     def max_fetch(cache, layer_idx: int, tokens: int) -> int:
@@ -252,6 +297,24 @@ class Speculate:
             c = cache.config
             caps[budget] = row_caps(keep, budget, c.max_num_kv, c.min_budget).expand(B, G).contiguous()
         return keep, caps[budget]
+
+    @staticmethod
+    def step_bias(cache, keep: torch.Tensor, G: int) -> torch.Tensor:
+        """The scores' bias from a step's keep (keep_bias): once a step (the step's memo)."""
+        memo = cache.arch.step.memo
+        key = ("bias", keep.data_ptr(), tuple(keep.shape), G)
+        if key not in memo:
+            memo[key] = keep_bias(keep, G)
+        return memo[key]
+
+    @staticmethod
+    def step_floor(cache, caps: torch.Tensor, k: int, budget: float) -> torch.Tensor:
+        """A static step's slot floor (fixed_floor) at `budget`: once a step (the step's memo)."""
+        memo = cache.arch.step.memo
+        key = ("floor", caps.data_ptr(), k)
+        if key not in memo:
+            memo[key] = fixed_floor(caps, k, cache.config.alpha)
+        return memo[key]
 
     def reset(self) -> None:
         """Nothing kept across steps."""

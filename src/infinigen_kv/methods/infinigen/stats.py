@@ -30,6 +30,12 @@ class Counters:
         self.fetched, self.possible = [0] * L, [0] * L
         self.fetched_t, self.possible_t = [None] * L, [None] * L
         self.keep_total = (None, None)  # (keep, its valid entries over all rows) of the current step
+        # static steps (fixed shapes; every pool layer fetches at every one): each layer's real slots, added as the
+        # mask (B, G, k) they are (one op a layer), and the valid past entries, once a step for all layers
+        self.fetched_fixed = [None] * L
+        self.possible_fixed = None  # (valid entries of one layer, summed over the static steps)
+        self.fixed_steps = [0] * L  # static steps per layer, and in all (possible_fixed's)
+        self.fixed_total = 0
         self.rows, self.steps = [0] * L, [0] * L
         self.rows_moved = 0  # padded rows gathered (what the transfer actually moves)
         self.kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
@@ -41,6 +47,14 @@ class Counters:
         idx, keep = fetch.idx, fetch.keep
         B, G, m = idx.shape
         n, nxt = target.k.length, target.layer_idx
+        self.rows[nxt] += B * G
+        self.steps[nxt] += 1
+        self.rows_moved += idx.numel()
+        row = (target.k.width + target.v.width) * target.k.data.element_size()
+        self.kv_bytes += B * G * (n * fetch.scored + (m + 1) * row)
+        if fetch.fixed and fetch.count is None and keep is not None:
+            self.count_fixed(nxt, fetch.real, keep, G)
+            return
         got = fetch.count if fetch.count is not None else fetch.real.sum(-1) if fetch.real is not None else None
         if fetch.total is not None:  # the host knows it (CPU): no tensor op
             self.fetched[nxt] += fetch.total
@@ -58,11 +72,15 @@ class Counters:
                 self.possible[nxt] += self.keep_total[1]
             else:
                 self.possible_t[nxt] = _accumulate(self.possible_t[nxt], self.keep_total[1])
-        self.rows[nxt] += B * G
-        self.steps[nxt] += 1
-        self.rows_moved += idx.numel()
-        row = (target.k.width + target.v.width) * target.k.data.element_size()
-        self.kv_bytes += B * G * (n * fetch.scored + (m + 1) * row)
+
+    def count_fixed(self, nxt: int, real: torch.Tensor, keep: torch.Tensor, G: int) -> None:
+        """A static step's fetch of layer nxt: real (B, G, k) its real slots, keep (B, 1, n) the step's valid past."""
+        self.fetched_fixed[nxt] = _accumulate(self.fetched_fixed[nxt], real)
+        if self.keep_total[0] is not keep:  # the step's first layer: its valid entries, for every layer
+            self.keep_total = (keep, None)
+            self.possible_fixed = _accumulate(self.possible_fixed, keep.sum() * (G // keep.shape[1]))
+            self.fixed_total += 1
+        self.fixed_steps[nxt] += 1
 
     def count_dense(self, layer, window: int | None) -> None:
         """A dense decode step: every past entry it may attend counts as fetched (a local layer's window)."""
@@ -96,20 +114,21 @@ class Counters:
 
     # A CUDA graph replays a step's device work, not its Python: the host counts of the step it captured are taken
     # once (snapshot around its warm-up), and added after every replay (model/static.py).
-    HOST = ("fetched", "possible", "rows", "steps", "recall_steps")  # per layer
-    TOTALS = ("rows_moved", "kv_bytes")
+    HOST = ("fetched", "possible", "rows", "steps", "recall_steps", "fixed_steps")  # per layer
+    TOTALS = ("rows_moved", "kv_bytes", "fixed_total")
 
     def snapshot(self) -> tuple:
         """The counters as they are: host values, and copies of the device accumulators."""
         host = {k: list(getattr(self, k)) for k in self.HOST} | {k: getattr(self, k) for k in self.TOTALS}
-        return host, [[None if t is None else t.clone() for t in ts] for ts in (self.fetched_t, self.possible_t)]
+        tensors = (self.fetched_t, self.possible_t, self.fetched_fixed, [self.possible_fixed])
+        return host, [[None if t is None else t.clone() for t in ts] for ts in tensors]
 
     def restore(self, snap: tuple) -> None:
         """Back to `snap`; device accumulators in place (a captured graph adds to these very tensors)."""
         host, device = snap
         for k, v in host.items():
             setattr(self, k, list(v) if isinstance(v, list) else v)
-        for now, then in zip((self.fetched_t, self.possible_t), device):
+        for now, then in zip((self.fetched_t, self.possible_t, self.fetched_fixed, [self.possible_fixed]), device):
             for t, was in zip(now, then):
                 if t is not None:
                     t.copy_(was) if was is not None else t.zero_()
@@ -122,20 +141,29 @@ class Counters:
         for k in self.TOTALS:
             setattr(self, k, getattr(self, k) + after[0][k] - before[0][k])
 
+    def totals(self) -> tuple[list, list]:
+        """Per layer, past entries fetched and fetchable so far (host counts and device accumulators, read: a sync;
+        the accumulators stay, as a captured graph adds to them)."""
+        def summed(t):
+            return float(t.sum()) if t is not None else 0.0
+
+        fixed = float(self.possible_fixed) / self.fixed_total if self.possible_fixed is not None else 0.0
+        fetched = [n + summed(t) + summed(f) for n, t, f in zip(self.fetched, self.fetched_t, self.fetched_fixed)]
+        possible = [n + summed(t) + fixed * s for n, t, s in zip(self.possible, self.possible_t, self.fixed_steps)]
+        return fetched, possible
+
     def fold(self) -> None:
-        """Per-row accumulators into the host counters (a sync: between steps, when the batch changes)."""
-        for counts, tensors in ((self.fetched, self.fetched_t), (self.possible, self.possible_t)):
-            for i, t in enumerate(tensors):
-                if t is not None:
-                    counts[i] += float(t.sum())
-                    tensors[i] = None
+        """Per-row accumulators into the host counters (a sync: between steps, when the batch changes, a report)."""
+        self.fetched, self.possible = self.totals()
+        L = len(self.fetched)
+        self.fetched_t, self.possible_t, self.fetched_fixed = [None] * L, [None] * L, [None] * L
+        self.possible_fixed, self.fixed_steps, self.fixed_total = None, [0] * L, 0
         self.keep_total = (None, None)
 
     def report(self, layers, transfers, track_recall: bool) -> dict:
         """fetched fraction per layer and overall (share of the past entries fetched over the decode steps; the
         overall figure is the mean over layers), fetched tokens per (sequence, KV head) and step, bytes moved."""
-        fetched = [n + (float(t.sum()) if t is not None else 0) for n, t in zip(self.fetched, self.fetched_t)]
-        possible = [n + (float(t) if t is not None else 0) for n, t in zip(self.possible, self.possible_t)]
+        fetched, possible = self.totals()
         frac = [f / p if p else 0.0 for f, p in zip(fetched, possible)]
         tokens = [f / r if r else 0.0 for f, r in zip(fetched, self.rows)]
         active = [i for i, s in enumerate(self.steps) if s > 0]

@@ -54,6 +54,10 @@ class DirectTransfer:
         layer.k.data.index_copy_(2, at, k)
         layer.v.data.index_copy_(2, at, v)
 
+    def device_pool(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's K, V (B, G, capacity, d) as the compute device writes them (here: the buffers)."""
+        return layer.k.data, layer.v.data
+
     def fetch(self, layer, fetch: Fetch, k_new: torch.Tensor, v_new: torch.Tensor, in_place: bool):
         """-> None when attention may read [new token, chosen rows] where they lie (in_place: the new token
         will be appended, not written over a slot that may be chosen, and the CPU kernel is built); else
