@@ -253,8 +253,12 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
     cal_path = c.out / "calibration.safetensors"
     cal.save(cal_path)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
-    methods = [("full", "full", {}), ("full-eager", "full", {"cuda_graph": False}), ("offload", "offload", {})] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
-               ("infinigen-0.1", "infinigen", {"budget": 0.1}), ("infinigen-0.05", "infinigen", {"budget": 0.05}),
+    eager = {"cuda_graph": False}  # each method's eager step beside its graph
+    methods = [("full", "full", {}), ("full-eager", "full", eager), ("offload", "offload", {}),
+               ("offload-eager", "offload", eager)] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
+               ("infinigen-0.1", "infinigen", {"budget": 0.1}),
+               ("infinigen-0.1-eager", "infinigen", {"budget": 0.1, **eager}),
+               ("infinigen-0.05", "infinigen", {"budget": 0.05}),
                ("infinigen-0.1-worker", "infinigen", {"budget": 0.1})]
     rows, kv_row = [], None
     gen = torch.Generator().manual_seed(0)
@@ -405,13 +409,14 @@ def step_profile(c: Check, n: int, B: int) -> dict:
 
 def step_graph(c: Check) -> dict:
     """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens and fetched
-    shares (full, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16; unpadded and a left-padded batch)."""
+    shares (full, offload, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16; unpadded and a left-padded
+    batch)."""
     from conftest import left_padded_batch
 
     rows, ok = [], True
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny("llama-gqa", c, dtype)
-        for method, opts in (("full", {}), ("infinigen", {"budget": 0.2, "min_budget": 0})):
+        for method, opts in (("full", {}), ("offload", {}), ("infinigen", {"budget": 0.2, "min_budget": 0})):
             for lengths in ((300,), (300, 210, 120)):
                 ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
                 out = {}
@@ -430,18 +435,22 @@ def step_graph(c: Check) -> dict:
 
 def step_trace(c: Check) -> dict:
     """The decode step's ops through the PyTorch path (scripts/step_trace.py): kernels per step and per layer for
-    full, offload and infinigen, the extra kernels of a speculated layer, host reads, two steps alike or not."""
-    from step_trace import run
+    full, offload and infinigen, eager and static (what a graph replays), the extra kernels of a speculated layer,
+    host reads, two steps alike or not (static: they must be)."""
+    from step_trace import run, run_static
 
     model = tiny("llama-gqa", c, torch.float32)
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0)).to(c.device)
     rows = {m: run(model, m, ids, 0.1) for m in ("full", "offload", "infinigen")}
+    rows |= {f"{m}-static": run_static(model, m, ids, 0.1) for m in ("full", "offload", "infinigen")}
     full = statistics.median(rows["full"]["per_layer"][2:])  # layers 2 and on (layer 1 also speculates itself)
     for m, r in rows.items():
         r["extra_per_layer"] = statistics.median(r["per_layer"][2:]) - full
         log(f"  trace {m}: {r['ops']} kernels/step, +{r['extra_per_layer']} a layer over full, "
             f"{r['host_reads']} host reads, two steps {'identical' if r['same'] is None else 'differ'}")
-    return {"ok": all(r["host_reads"] == 0 for r in rows.values()), "rows": rows}
+    ok = all(r["host_reads"] == 0 for r in rows.values()) and all(
+        r["same"] is None for m, r in rows.items() if m.endswith("static"))
+    return {"ok": ok, "rows": rows}
 
 
 def main() -> int:
