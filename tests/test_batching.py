@@ -243,3 +243,22 @@ def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
             for b in ([budget, 16] if budget else [None]):
                 _assert_same(_decode(model, ids, cache.fork(budget=b), logits),
                              _decode(model, ids, make_cache(method, model, budget=b, min_budget=0)), (kind, method, b))
+
+
+@pytest.mark.parametrize("method,options", [("full", {}), ("offload", {}), ("infinigen", {"min_budget": 0})])
+def test_static_steps_once_the_rows_stay(tiny_models, method, options, monkeypatch):
+    """Where graphs are on (CUDA; here forced, the same static steps without a graph), rows that decode together
+    for RunningBatch.STABLE steps go on in static steps, and a row joining or leaving goes back to eager ones until
+    the rows stay again: the same tokens as eager steps throughout."""
+    from infinigen_kv.model import static
+
+    model = tiny_models["llama-gqa"]
+    plan = {"a": (0, prompt(40, 1), 14, None), "long": (6, prompt(70, 2), 13, None),
+            "short": (7, prompt(9, 3), 3, None)}
+    eager = run(model, method, options, plan)
+    made = []
+    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: True)
+    monkeypatch.setattr(static.StaticDecoder, "__init__",
+                        lambda self, *a, f=static.StaticDecoder.__init__, **k: made.append(1) or f(self, *a, **k))
+    assert run(model, method, options, plan) == eager
+    assert len(made) >= 3  # "a" alone; "a" and "long"; "long" alone again after "a" ended

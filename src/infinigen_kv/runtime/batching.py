@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import step
+from ..model import static, step
 from ..model.kv import StepCache
 from .sampling import Sampler, SamplingParams, token_logprobs
 
@@ -114,6 +114,10 @@ class RunningBatch:
         self.mask = self.pos = self.logits = None
         self.padded = False  # some row has padding columns (else decode steps pass no mask, as generate does)
         self.own_step = False  # step.supports(model, cache), asked once per batch cache
+        # static steps (a CUDA graph on a GPU) for rows that stay: made once they decoded STABLE steps together,
+        # dropped when a row joins or leaves (the cache's buffers change); False: not for these rows
+        self.static: static.StaticDecoder | None | bool = None
+        self.stable = 0  # steps decoded since the rows last changed
         self.sampler = Sampler(self.device, model.config.vocab_size)
         self.remaining: list[int] = []
 
@@ -133,6 +137,7 @@ class RunningBatch:
         cache = cache if cache is not None else p.cache
         self.sampler.add(params, p.ids[0])  # first: a seed torch refuses leaves the batch as it was
         self.remaining.append(max_tokens)
+        self.static, self.stable = None, 0
         try:
             if self.cache is None:  # the first row: its cache becomes the batch's, sized for the whole run
                 cache.retain([0], 0, self.room())
@@ -174,6 +179,7 @@ class RunningBatch:
         if not rows:
             self.__init__(self.model)
             return []
+        self.static, self.stable = None, 0
         movers = iter(r for r in sorted(rows) if r >= k)
         order = [i if i in keep else next(movers) for i in range(k)]
         index = torch.tensor(order, device=self.device)
@@ -191,9 +197,32 @@ class RunningBatch:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> None:
-        """Feed each row's new token ids (B,): the next logits."""
+        """Feed each row's new token ids (B,): the next logits (through static steps once the rows are STABLE)."""
+        fixed = self._static()
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
-        self.logits = step.decode(self.model, self.cache, ids.view(-1).to(self.device), self.pos,
-                                  self.mask if self.padded else None, self.own_step)
+        if fixed:
+            self.logits = fixed.step(ids.view(-1).to(self.device))  # (a graph's buffer: read before the next step)
+        else:
+            self.logits = step.decode(self.model, self.cache, ids.view(-1).to(self.device), self.pos,
+                                      self.mask if self.padded else None, self.own_step)
+        self.stable += 1
         self.pos = self.pos + 1
         self.remaining = [r - 1 for r in self.remaining]
+
+    STABLE = 2  # eager steps before static ones: capturing a graph costs about two steps
+
+    def _static(self):
+        """The rows' static decoder where graphs are on (static.graphs_on: CUDA, unless turned off), the model and
+        cache serve static steps, the rows have decoded STABLE steps together and their tokens fit the cache's
+        buffers; else None (eager steps)."""
+        if self.static is None and self.stable >= self.STABLE:
+            self.static = False
+            if static.graphs_on(self.device) and static.serves(self.model, self.cache):
+                try:
+                    fixed = static.StaticDecoder(self.model, self.cache, self.mask if self.padded else None,
+                                                 self.pos, graph=self.device.type == "cuda")
+                except (static.StaticError, ValueError):  # (buffers of different capacities: eager steps)
+                    return False
+                if fixed.n + self.room() <= fixed.capacity:
+                    self.static = fixed
+        return self.static

@@ -165,12 +165,14 @@ class DeviceLayer(LogicalLayer):
     def join(self, other, at_self: int, at_other: int, room: int) -> None:
         super().join(other, at_self, at_other, room)
         self.seen += at_self
+        self.reserved = self.seen + room  # the joined run's tokens (a static step's columns: static_columns)
         self.mirror = None
         self.prepare_transfer()  # staging for the new batch size
 
     def retain(self, rows, trim: int, room: int) -> None:
         super().retain(rows, trim, room)
         self.seen -= trim
+        self.reserved = self.seen + room
         self.mirror = None
         self.prepare_transfer()
 
