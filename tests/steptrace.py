@@ -95,3 +95,28 @@ def first_difference(a: StepTrace, b: StepTrace) -> str | None:
     if len(a.ops) != len(b.ops):
         return f"{len(a.ops)} ops != {len(b.ops)} ops"
     return None
+
+
+def held(*roots) -> set:
+    """The storages (data pointer, bytes) of every tensor reachable from roots through attributes, slots, dicts,
+    lists and tuples (modules, classes and functions not followed): the memory a decode step's owners keep. Equal
+    before and after a step: the step allocated nothing that outlives it (what a CUDA graph's replays need)."""
+    seen, out, stack = set(), set(), list(roots)
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or isinstance(x, (torch.nn.Module, type)) or callable(x) and not hasattr(x, "__dict__"):
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "meta":
+                out.add((x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()))
+            continue
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(x)
+        else:
+            stack.extend(getattr(x, "__dict__", {}).values())
+            stack.extend(getattr(x, s) for s in getattr(type(x), "__slots__", ()) if hasattr(x, s))
+    return out

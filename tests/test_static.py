@@ -10,7 +10,7 @@ from conftest import left_padded_batch, on_fake_cuda
 from infinigen_kv.model import kernels
 from infinigen_kv.model.static import StaticDecoder, StaticError
 from infinigen_kv.runtime.generation import prefill
-from steptrace import StepTrace, first_difference
+from steptrace import StepTrace, first_difference, held
 
 NEW = 6
 
@@ -101,6 +101,26 @@ def test_static_offload_steps(tiny_models, fake_cuda, monkeypatch):
     assert cache.stats["fetched_fraction_per_layer"] == pytest.approx(eager_cache.stats["fetched_fraction_per_layer"])
     for a, b in zip(traces[1:], traces[2:]):
         assert first_difference(a, b) is None and a.host_reads == []
+
+
+@pytest.mark.parametrize("method", ["full", "offload", "infinigen"])
+def test_nothing_is_allocated_after_the_first_step(tiny_models, method, monkeypatch):
+    """After its first step (a graph's warm-up), a static step keeps no memory it did not hold before: every tensor
+    reachable from the cache and the decoder (buffers, working sets, masks, accumulators) is the same storage after
+    each later step; a step's own tensors do not outlive it (in a CUDA graph they are the graph's memory)."""
+    monkeypatch.setattr(kernels, "_enabled", False)
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    cache = ig.make_cache(method, model, **({"budget": 0.2, "min_budget": 0} if method == "infinigen" else {}))
+    if method != "full":
+        on_fake_cuda(cache)
+    tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
+    dec = StaticDecoder(model, cache, mask, mask.long().sum(-1, keepdim=True))
+    tok = dec.step(tok).argmax(-1)
+    after_first = held(cache, dec)
+    for _ in range(3):
+        tok = dec.step(tok).argmax(-1)
+        assert held(cache, dec) == after_first
 
 
 def test_static_steps_refuse_what_they_do_not_serve(tiny_models):

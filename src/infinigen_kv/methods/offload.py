@@ -32,9 +32,6 @@ class FetchAll:
     whole = True  # every fetch is a whole past, rows as they lie (no indices to send, nothing to gather)
     static = True  # in a static step (model/static.py) a fetch spans the pool's capacity, the columns past masked
 
-    def __init__(self):
-        self._all = {}  # device -> (idx, real) of the current step, shared by every layer on that device
-
     def dense(self, cache, layer_idx: int) -> bool:
         return False
 
@@ -44,8 +41,6 @@ class FetchAll:
 
     def choose(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> Iterator[tuple[int, Fetch]]:
         """At layer l's decode input: the whole past of layer l+1 (and of layer 0, at layer 0), as (layer, Fetch)."""
-        if layer_idx == 0:
-            self._all = {}
         targets = ([0] if layer_idx == 0 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
         for nxt in targets:
             if cache.layers[nxt].is_initialized:
@@ -56,7 +51,8 @@ class FetchAll:
         column = cache.arch.step.column  # a static step's: its fetch spans the capacity
         device = target.device
         window = cache.arch.windows[nxt]
-        if (device, window) not in self._all:  # layers with the same past, mask and window: order once
+        memo, key = cache.arch.step.memo, ("all", device, window, target.k.length, target.k.batch, column is None)
+        if key not in memo:  # layers with the same past, mask and window: order once (the step's memo)
             B, G = target.k.batch, target.k.heads
             n = target.k.length if column is None else cache.static_columns()
             keep = layer_keep(cache.arch, nxt, keep_source(cache.arch, attention_mask), n, B, device)
@@ -65,10 +61,10 @@ class FetchAll:
                 keep = past.expand(B, 1, n) if keep is None else keep & past
             idx = torch.arange(n, device=device).expand(B, G, n)
             real = None if keep is None else keep.expand(B, G, n)  # padding fetched, masked
-            self._all[(device, window)] = (keep, idx if column is not None else idx.contiguous(),
-                                           real if real is None or column is not None else real.contiguous())
-        keep, idx, real = self._all[(device, window)]
+            memo[key] = (keep, idx if column is not None else idx.contiguous(),
+                         real if real is None or column is not None else real.contiguous())
+        keep, idx, real = memo[key]
         return Fetch(idx, real, whole=True, keep=keep, fixed=column is not None)
 
     def reset(self) -> None:
-        self._all = {}
+        """Nothing kept across steps."""

@@ -7,6 +7,8 @@ float64 tensor per layer, one add per layer and step: no host sync in the decode
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .fetch import Fetch, counted
@@ -29,7 +31,9 @@ class Counters:
         L = len(self.recall)
         self.fetched, self.possible = [0] * L, [0] * L
         self.fetched_t, self.possible_t = [None] * L, [None] * L
-        self.keep_total = (None, None)  # (keep, its valid entries over all rows) of the current step
+        # (a weak reference to the current step's keep, its valid entries over all rows): a step's tensors are not
+        # kept past it (in a CUDA graph they live in the graph's memory)
+        self.keep_total = (None, None)
         # static steps (fixed shapes; every pool layer fetches at every one): each layer's real slots, added as the
         # mask (B, G, k) they are (one op a layer), and the valid past entries, once a step for all layers
         self.fetched_fixed = [None] * L
@@ -65,19 +69,24 @@ class Counters:
         if keep is None:
             self.possible[nxt] += B * G * n
         else:
-            if self.keep_total[0] is not keep:  # one sum per step: every layer shares the step's mask
+            if not self._current(keep):  # one sum per step: every layer shares the step's mask
                 total = keep.sum() * (G // keep.shape[1])
-                self.keep_total = (keep, int(total) if keep.device.type == "cpu" else total)  # (CPU: no sync)
+                self.keep_total = (weakref.ref(keep), int(total) if keep.device.type == "cpu" else total)  # (CPU:
+                # no sync)
             if isinstance(self.keep_total[1], int):
                 self.possible[nxt] += self.keep_total[1]
             else:
                 self.possible_t[nxt] = _accumulate(self.possible_t[nxt], self.keep_total[1])
 
+    def _current(self, keep: torch.Tensor) -> bool:
+        """Whether keep is the step's whose valid entries are counted already."""
+        return self.keep_total[0] is not None and self.keep_total[0]() is keep
+
     def count_fixed(self, nxt: int, real: torch.Tensor, keep: torch.Tensor, G: int) -> None:
         """A static step's fetch of layer nxt: real (B, G, k) its real slots, keep (B, 1, n) the step's valid past."""
         self.fetched_fixed[nxt] = _accumulate(self.fetched_fixed[nxt], real)
-        if self.keep_total[0] is not keep:  # the step's first layer: its valid entries, for every layer
-            self.keep_total = (keep, None)
+        if not self._current(keep):  # the step's first layer: its valid entries, for every layer
+            self.keep_total = (weakref.ref(keep), None)
             self.possible_fixed = _accumulate(self.possible_fixed, keep.sum() * (G // keep.shape[1]))
             self.fixed_total += 1
         self.fixed_steps[nxt] += 1
