@@ -248,17 +248,23 @@ def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
 @pytest.mark.parametrize("method,options", [("full", {}), ("offload", {}), ("infinigen", {"min_budget": 0})])
 def test_static_steps_once_the_rows_stay(tiny_models, method, options, monkeypatch):
     """Where graphs are on (CUDA; here forced, the same static steps without a graph), rows that decode together
-    for RunningBatch.STABLE steps go on in static steps, and a row joining or leaving goes back to eager ones until
-    the rows stay again: the same tokens as eager steps throughout."""
+    for RunningBatch.STABLE steps go on in static steps over their bucket of rows; a row joins into an unused row
+    of the bucket and leaves by the last row moving into its place, in place; a batch that leaves its bucket goes
+    back to eager steps until its rows stay again. The same tokens as eager steps throughout."""
+    from infinigen_kv.methods.base import Rebatch
     from infinigen_kv.model import static
+    from infinigen_kv.runtime.batching import bucket
 
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 17)] == [1, 2, 4, 4, 8, 8, 16, 24]
     model = tiny_models["llama-gqa"]
-    plan = {"a": (0, prompt(40, 1), 14, None), "long": (6, prompt(70, 2), 13, None),
-            "short": (7, prompt(9, 3), 3, None)}
+    plan = {"a": (0, prompt(40, 1), 16, None), "b": (0, prompt(30, 2), 16, None), "c": (0, prompt(20, 3), 6, None),
+            "d": (4, prompt(10, 4), 8, None)}
     eager = run(model, method, options, plan)
-    made = []
+    calls = []
     monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: True)
-    monkeypatch.setattr(static.StaticDecoder, "__init__",
-                        lambda self, *a, f=static.StaticDecoder.__init__, **k: made.append(1) or f(self, *a, **k))
+    for cls, name in ((static.StaticDecoder, "__init__"), (Rebatch, "place"), (Rebatch, "move_rows")):
+        monkeypatch.setattr(cls, name, lambda *a, f=getattr(cls, name), n=name, **k: calls.append(n) or f(*a, **k))
     assert run(model, method, options, plan) == eager
-    assert len(made) >= 3  # "a" alone; "a" and "long"; "long" alone again after "a" ended
+    # three rows in a bucket of 4; "d" joins in place; "c" leaves, "d" moves into its place; "d" leaves: a bucket
+    # of 2, static again
+    assert calls == ["__init__", "place", "move_rows", "__init__"], calls

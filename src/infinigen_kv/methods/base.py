@@ -183,6 +183,30 @@ class Rebatch(StepCache):
         self.rebatched()
         release_pinned()  # the pinned blocks the smaller batch no longer uses go back to the OS
 
+    # --- a running batch of static steps: rows change in place, the buffers (and a CUDA graph over them) stay --
+
+    @torch.inference_mode()
+    def place(self, row: int, other) -> None:
+        """Other's only sequence (a cache of this method, prefilled, not longer than this one's past) into sequence
+        `row`, left-padded to this cache's length; other is left empty. The buffers stay where they are."""
+        n = self.get_seq_length()
+        if other.get_seq_length() > n:
+            raise ValueError(f"a sequence of {other.get_seq_length()} tokens does not fit a batch of {n}")
+        self.settle()
+        other.settle()
+        for a, b in zip(self.layers, other.layers):
+            for x, y in zip(a.row_buffers(), b.row_buffers()):
+                x.place(row, y, n)
+                y.free()
+
+    @torch.inference_mode()
+    def move_rows(self, dst: list[int], src: list[int]) -> None:
+        """Sequences src copied into the places dst, in place (rows that left give their places to later ones)."""
+        self.settle()
+        for layer in self.layers:
+            for buf in layer.row_buffers():
+                buf.move_rows(dst, src)
+
     @torch.inference_mode()
     def fork(self, budget: float | None = None):
         """An independent copy of this cache between two forwards, with `budget` if given: prefill a prompt

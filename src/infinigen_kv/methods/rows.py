@@ -229,6 +229,19 @@ class RowBuffer:
         self._set(store, mapping, k)
         self.length = n
 
+    def place(self, row: int, other: "RowBuffer", n: int) -> None:
+        """Other's only sequence into sequence `row`, in place, ending at column n (its L <= n rows right-aligned:
+        left padding zeros), the columns past n zeroed (a static step reads them, masked)."""
+        L = other.length
+        data = self.data[row]
+        data[:, : n - L].zero_()
+        data[:, n - L : n].copy_(other.data[0, :, :L])
+        data[:, n:].zero_()
+
+    def move_rows(self, dst: list[int], src: list[int]) -> None:
+        """Sequences src copied whole into the places dst, in place (the batch's size stays)."""
+        self.data[dst] = self.data[src]
+
     def _columns(self, needed: int) -> int:
         """Columns to allocate for `needed`: spare ones where they cost nothing until written, so that the
         sequences joining later fit without a new store (a multiple of CHUNK: each sequence's rows then

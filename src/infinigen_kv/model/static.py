@@ -122,6 +122,30 @@ class StaticDecoder:
         s.valid[:, self.n] = True
         s.column.fill_(self.n)
 
+    # --- rows changing in place between steps (a running batch: model/static.py serves its bucket of rows) -----
+
+    @torch.inference_mode()
+    def set_row(self, row: int, mask: torch.Tensor, position: int) -> None:
+        """Sequence `row` is a new one (placed in the cache): mask (n,) its valid columns, position its next."""
+        s = self.inputs
+        s.valid[row].zero_()
+        s.valid[row, : mask.shape[0]] = mask.bool()
+        s.positions[row] = position
+
+    @torch.inference_mode()
+    def move_rows(self, dst: list[int], src: list[int]) -> None:
+        """Sequences src moved to the places dst (as the cache's rows: Rebatch.move_rows)."""
+        s = self.inputs
+        s.valid[dst] = s.valid[src]
+        s.positions[dst] = s.positions[src]
+
+    @torch.inference_mode()
+    def clear_rows(self, rows: list[int]) -> None:
+        """Sequences `rows` hold no one (padding of the batch up to its bucket): nothing valid but each step's own
+        row (no attention over nothing)."""
+        self.inputs.valid[rows] = False
+        self.inputs.positions[rows] = 0
+
     @torch.inference_mode()
     def advance(self) -> None:
         """After a step: the host's lengths follow the rows it wrote; the next step's positions."""

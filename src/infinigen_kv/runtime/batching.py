@@ -102,10 +102,24 @@ def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, p
     return p.logits, p.cached
 
 
+def bucket(rows: int) -> int:
+    """The rows a static step runs for a batch of `rows`: 1, 2, 4, 8, then multiples of 8 (a batch padded up to
+    its bucket keeps its CUDA graph while rows join and leave within it)."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
 class RunningBatch:
     """The rows decoding together: their cache, attention mask (B, N), next positions (B, 1), next-token
     logits (B, V), sampler (each row's knobs, generator and penalty counts), and the tokens each may still
-    produce (sizes the cache's room)."""
+    produce (sizes the cache's room).
+
+    Where graphs are on (static.graphs_on: CUDA), rows that have decoded STABLE steps together go on in static
+    steps (one CUDA graph a step) over their bucket of rows, the cache padded with unused rows up to it; a row
+    then joins into an unused place and leaves by the last row moving into its place, in place (the graph
+    stays), as long as the batch fits its bucket and the cache's columns; otherwise the cache goes back to the
+    batch's rows and eager steps, until the rows stay again."""
+
+    STABLE = 2  # eager steps before static ones: capturing a graph costs about two steps
 
     def __init__(self, model):
         self.model = model
@@ -114,10 +128,8 @@ class RunningBatch:
         self.mask = self.pos = self.logits = None
         self.padded = False  # some row has padding columns (else decode steps pass no mask, as generate does)
         self.own_step = False  # step.supports(model, cache), asked once per batch cache
-        # static steps (a CUDA graph on a GPU) for rows that stay: made once they decoded STABLE steps together,
-        # dropped when a row joins or leaves (the cache's buffers change); False: not for these rows
-        self.static: static.StaticDecoder | None | bool = None
-        self.stable = 0  # steps decoded since the rows last changed
+        self.static: static.StaticDecoder | None | bool = None  # the rows' static steps (False: not for them)
+        self.stable = 0  # steps decoded since the cache last changed shape
         self.sampler = Sampler(self.device, model.config.vocab_size)
         self.remaining: list[int] = []
 
@@ -135,11 +147,18 @@ class RunningBatch:
         row = dict(mask=torch.ones(1, n, dtype=torch.long, device=self.device),
                    pos=torch.full((1, 1), n, dtype=torch.long, device=self.device), logits=p.logits)
         cache = cache if cache is not None else p.cache
+        in_place = self._fits(n, max(self.room(), max_tokens))
+        if not in_place:
+            self._eager()
         self.sampler.add(params, p.ids[0])  # first: a seed torch refuses leaves the batch as it was
         self.remaining.append(max_tokens)
-        self.static, self.stable = None, 0
         try:
-            if self.cache is None:  # the first row: its cache becomes the batch's, sized for the whole run
+            if in_place:  # into the first unused row of the static steps' bucket
+                self._settled()
+                self.cache.place(len(self) - 1, cache)
+                self.static.set_row(len(self) - 1, torch.nn.functional.pad(row["mask"][0], (self.mask.shape[1] - n, 0)),
+                                    n)
+            elif self.cache is None:  # the first row: its cache becomes the batch's, sized for the whole run
                 cache.retain([0], 0, self.room())
             else:
                 self.cache.join(cache, self.room())
@@ -172,24 +191,32 @@ class RunningBatch:
         """Keep only `rows`; returns them in their new order: a kept row among the first len(rows) keeps its
         place, and the places of those that left are taken by the kept rows after them (a copy of those
         rows in the cache, not of the batch). Columns that are padding in every kept row go once they are a
-        quarter of the batch's (dropping them copies every row)."""
+        quarter of the batch's (dropping them copies every row; not in static steps, whose buffers stay)."""
         k, keep = len(rows), set(rows)
         if k == len(self):
             return list(range(k))
         if not rows:
             self.__init__(self.model)
             return []
-        self.static, self.stable = None, 0
         movers = iter(r for r in sorted(rows) if r >= k)
         order = [i if i in keep else next(movers) for i in range(k)]
         index = torch.tensor(order, device=self.device)
         mask = self.mask[index]
-        trim = int(mask.any(0).long().argmax())  # leading all-padding columns
+        in_place = self.static and bucket(k) == bucket(len(self))
+        trim = 0 if in_place else int(mask.any(0).long().argmax())  # leading all-padding columns
         if 4 * trim < mask.shape[1]:
             trim = 0
         self.remaining = [self.remaining[i] for i in order]
         self.sampler.retain(order)
-        self.cache.retain(order, trim, self.room())
+        if in_place:  # the rows after the kept ones move into the places of those that left
+            moved = [(i, r) for i, r in enumerate(order) if r != i]
+            self._settled()
+            self.cache.move_rows([i for i, _ in moved], [r for _, r in moved])
+            self.static.move_rows([i for i, _ in moved], [r for _, r in moved])
+            self.static.clear_rows(list(range(k, self.static.inputs.ids.shape[0])))
+        else:
+            self.static, self.stable = None, 0
+            self.cache.retain(order, trim, self.room())  # (padding rows of a bucket left behind too)
         self.mask = mask[:, trim:]
         self.padded = not bool(self.mask.all())  # (a host read between steps, as the trim's)
         self.pos, self.logits = self.pos[index], self.logits[index]
@@ -200,29 +227,57 @@ class RunningBatch:
         """Feed each row's new token ids (B,): the next logits (through static steps once the rows are STABLE)."""
         fixed = self._static()
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
-        if fixed:
-            self.logits = fixed.step(ids.view(-1).to(self.device))  # (a graph's buffer: read before the next step)
+        ids = ids.view(-1).to(self.device)
+        if fixed:  # the bucket's rows: those unused decode a token 0 nobody reads
+            rows = fixed.inputs.ids.shape[0]
+            padded = torch.nn.functional.pad(ids, (0, rows - len(self)))
+            self.logits = fixed.step(padded)[: len(self)]  # (a graph's buffer: read before the next step)
         else:
-            self.logits = step.decode(self.model, self.cache, ids.view(-1).to(self.device), self.pos,
-                                      self.mask if self.padded else None, self.own_step)
+            self.logits = step.decode(self.model, self.cache, ids, self.pos, self.mask if self.padded else None,
+                                      self.own_step)
         self.stable += 1
         self.pos = self.pos + 1
         self.remaining = [r - 1 for r in self.remaining]
 
-    STABLE = 2  # eager steps before static ones: capturing a graph costs about two steps
-
     def _static(self):
         """The rows' static decoder where graphs are on (static.graphs_on: CUDA, unless turned off), the model and
         cache serve static steps, the rows have decoded STABLE steps together and their tokens fit the cache's
-        buffers; else None (eager steps)."""
-        if self.static is None and self.stable >= self.STABLE:
-            self.static = False
-            if static.graphs_on(self.device) and static.serves(self.model, self.cache):
-                try:
-                    fixed = static.StaticDecoder(self.model, self.cache, self.mask if self.padded else None,
-                                                 self.pos, graph=self.device.type == "cuda")
-                except (static.StaticError, ValueError):  # (buffers of different capacities: eager steps)
-                    return False
-                if fixed.n + self.room() <= fixed.capacity:
-                    self.static = fixed
-        return self.static
+        buffers; else None (eager steps). Made over the batch's bucket of rows (the cache padded with copies of
+        its last row, unused)."""
+        if self.static is not None or self.stable < self.STABLE:
+            return self.static
+        self.static = False
+        if not (static.graphs_on(self.device) and static.serves(self.model, self.cache)):
+            return False
+        B, rows = len(self), bucket(len(self))
+        if rows > B:
+            self.cache.retain(list(range(B)) + [B - 1] * (rows - B), 0, self.room())
+        mask = torch.nn.functional.pad(self.mask, (0, 0, 0, rows - B))  # unused rows: nothing valid
+        pos = torch.nn.functional.pad(self.pos, (0, 0, 0, rows - B))
+        try:
+            fixed = static.StaticDecoder(self.model, self.cache, mask if (self.padded or rows > B) else None, pos,
+                                         graph=self.device.type == "cuda")
+        except (static.StaticError, ValueError):  # (buffers of different capacities)
+            fixed = None
+        if fixed is None or fixed.n + self.room() > fixed.capacity:
+            self.cache.retain(list(range(B)), 0, self.room())
+            return False
+        self.static = fixed
+        return fixed
+
+    def _fits(self, n: int, room: int) -> bool:
+        """Whether a prompt of n tokens joins the static steps' bucket in place, with room for `room` more."""
+        fixed = self.static
+        return bool(fixed) and len(self) < fixed.inputs.ids.shape[0] and n <= fixed.n and fixed.n + room <= \
+            fixed.capacity
+
+    def _eager(self) -> None:
+        """Back to eager steps over the batch's own rows (the bucket's unused ones dropped)."""
+        if self.static and len(self) < self.static.inputs.ids.shape[0]:
+            self.cache.retain(list(range(len(self))), 0, self.room())
+        self.static, self.stable = None, 0
+
+    def _settled(self) -> None:
+        """The device done with the cache's buffers before the host writes them (a pinned pool: host memory)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
