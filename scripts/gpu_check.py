@@ -64,7 +64,10 @@ class Check:
 
 
 def step_tests(c: Check) -> dict:
-    files = ["tests/test_device_path.py"] + ([] if c.dry else ["tests/test_cuda.py"])
+    # the CPU tests that stand for the GPU's step (static steps, the op trace, the row store under Triton's
+    # interpreter) run there too: the GPU machine's torch and Triton
+    files = ["tests/test_device_path.py"] + ([] if c.dry else ["tests/test_cuda.py", "tests/test_static.py",
+                                                               "tests/test_step_trace.py", "tests/test_store_row.py"])
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     if c.dry:
         args += ["-k", "exact_at_full_budget and llama"]  # the script's own test: one quick case
@@ -413,6 +416,18 @@ def step_graph(c: Check) -> dict:
     batch)."""
     from conftest import left_padded_batch
 
+    from infinigen_kv.model import static
+
+    graphs_on = static.graphs_on
+    if c.dry:  # no graph on CPU: the static steps a graph would replay, against the eager ones
+        static.graphs_on = lambda device, flag=None: flag is not False
+    try:
+        return _graph_rows(c, left_padded_batch)
+    finally:
+        static.graphs_on = graphs_on
+
+
+def _graph_rows(c: Check, left_padded_batch) -> dict:
     rows, ok = [], True
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny("llama-gqa", c, dtype)
