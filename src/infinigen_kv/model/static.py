@@ -1,7 +1,8 @@
-"""A decode step with static shapes: what one CUDA graph a step replays. Its inputs live in device buffers refilled in
-place before each step (`StaticInputs`: the tokens, their positions, the valid columns over the cache's capacity and
-the column this step's rows go to); every layer writes its new row at that column and attends over its whole
-buffers under the valid mask. Two steps then run the same ops on the same buffers with the same shapes
+"""A decode step with static shapes: what one CUDA graph a step replays. Its inputs live in device buffers
+(`StaticInputs`: the tokens, their positions, the valid columns over the cache's capacity and the column this step's
+rows go to): the host refills the tokens before each step, and the step itself marks its column valid and, at its
+end, advances the positions and the column. Every layer writes its new row at that column and attends over its
+whole buffers under the valid mask. Two steps then run the same ops on the same buffers with the same shapes
 (tests/test_static.py checks it on CPU, op by op); the host's own bookkeeping (lengths) follows after each step
 (`cache.advanced`). Caches that decode so declare `static` (model/kv.StepCache).
 
@@ -99,28 +100,32 @@ class StaticDecoder:
         step's rows at its column, as the replay that follows does again: the same values, the same place. The
         cache's counts go back to where they were (the replay counts the step: on the device, and on the host
         through `replayed`)."""
-        before = self.cache.bookkeeping()
-        side = torch.cuda.Stream(self.inputs.ids.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.forward()
-        torch.cuda.current_stream().wait_stream(side)
-        after = self.cache.bookkeeping()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self.forward()
-        self.cache.restore_bookkeeping(before)
+        s = self.inputs
+        before, where = self.cache.bookkeeping(), (s.positions.clone(), s.column.clone())
+        try:
+            side = torch.cuda.Stream(s.ids.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.forward()
+            torch.cuda.current_stream().wait_stream(side)
+            after = self.cache.bookkeeping()
+        finally:  # the warm-up advanced the step's positions and column: the replay advances them
+            s.positions.copy_(where[0])
+            s.column.copy_(where[1])
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.forward()
+        finally:
+            self.cache.restore_bookkeeping(before)
         return graph, logits, before, after
 
     @torch.inference_mode()
     def refill(self, ids: torch.Tensor) -> None:
-        """This step's inputs into their buffers, in place (outside a graph: its replay reads them there)."""
+        """This step's tokens into their buffer, in place (outside a graph: its replay reads them there)."""
         if self.n >= self.capacity:
             raise StaticError(f"the cache holds {self.capacity} tokens: reserve more for the run")
-        s = self.inputs
-        s.ids.copy_(ids)
-        s.valid[:, self.n] = True
-        s.column.fill_(self.n)
+        self.inputs.ids.copy_(ids)
 
     # --- rows changing in place between steps (a running batch: model/static.py serves its bucket of rows) -----
 
@@ -148,12 +153,17 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def advance(self) -> None:
-        """After a step: the host's lengths follow the rows it wrote; the next step's positions."""
+        """After a step: the host's lengths follow the rows it wrote (the device's advanced in the step)."""
         self.cache.advanced(1)
-        self.inputs.positions.add_(1)
         self.n += 1
 
+    @torch.inference_mode()
     def forward(self) -> torch.Tensor:
-        """The step itself over the inputs as they are (what a CUDA graph captures): logits (B, V)."""
+        """The step itself over the inputs as they are (what a CUDA graph captures): logits (B, V). It marks its
+        column valid and, once done, advances its positions and column itself (on the device: a replay does too)."""
         s = self.inputs
-        return decode_step(self.model, self.cache, s.ids, s.positions, s.valid, s.column)
+        s.valid.index_fill_(1, s.column, True)
+        logits = decode_step(self.model, self.cache, s.ids, s.positions, s.valid, s.column)
+        s.positions.add_(1)
+        s.column.add_(1)
+        return logits
