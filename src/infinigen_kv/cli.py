@@ -17,7 +17,8 @@ from pathlib import Path
 from . import __version__
 from .argtypes import (_budget, _budget_list, _capacity, _device, _fraction, _int_list, _non_negative_int, _port,
                        _positive_int, _seconds, _size, _size_or_off, _temperature)
-from .config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, LAYER_BUDGETS, LOCAL_LAYERS, PARTIAL_DTYPES, InfiniGenConfig
+from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
+                     PARTIAL_DTYPES, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
 from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_speed,
                        cmd_calibrate, cmd_generate, cmd_serve)
@@ -100,6 +101,9 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     p.add_argument("--partial-dtype", choices=list(PARTIAL_DTYPES), default=None,
                    help="InfiniGen's partial key cache: auto (int8 on CPU with the kernels, float32 on a GPU), int8 rows with a "
                    "per-row scale scored by integer dot products, bfloat16, or the model's dtype (default: %s)" % InfiniGenConfig.partial_dtype)
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
+                   help="storage of the K/V rows of every method that keeps them: auto (the model's dtype), float32, or "
+                   "bfloat16 (half a float32 model's bytes per token; attention computed in float32) (default: auto)")
     p.add_argument("--layer-budget", choices=list(LAYER_BUDGETS), default=None,
                    help="InfiniGen: the same budget for every layer, or more for the layers whose speculation recalls "
                    "least on the calibration text (measured once per model), the mean unchanged (default: %s)"

@@ -18,6 +18,7 @@ DEFAULT_MIN_BUDGET = 1024
 
 
 PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "model")
+KV_DTYPES = ("auto", "float32", "bfloat16")  # the storage of K/V rows (kv_dtype): "auto" is the model's dtype
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
 
@@ -78,6 +79,9 @@ class InfiniGenConfig:
     # computed in float32 on every device: alpha and every figure were tuned on float32 scores, and bf16 logits
     # (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
     partial_dtype: str = "auto"
+    # kv_dtype: the storage of the K/V rows of the pool and of the device layers ("auto": the model's dtype;
+    # "bfloat16": half a float32 model's bytes per token, attention computed in float32 over the rows as stored).
+    kv_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;
     # "speculate" selects within the window like any layer (the budget then counts the window's tokens;
@@ -112,6 +116,7 @@ class InfiniGenConfig:
             raise ConfigError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
         if self.eviction not in ("fifo", "lru", "counter"):
             raise ConfigError(f"eviction must be 'fifo', 'lru' or 'counter', got {self.eviction!r}")
+        check_kv_dtype(self.kv_dtype)
         if self.partial_dtype not in PARTIAL_DTYPES:
             raise ConfigError(f"partial_dtype must be one of {', '.join(PARTIAL_DTYPES)}, got {self.partial_dtype!r}")
         if self.channel_rule not in ("q", "qk"):
@@ -127,6 +132,11 @@ def check_budget(value) -> None:
         ok = False
     if not ok or isinstance(value, (str, bool)):  # "0.5" would pass float() and fail later, far from here
         raise ConfigError(f"budget must be a fraction in (0, 1] or a token count (an integer > 1), got {value!r}")
+
+
+def check_kv_dtype(value) -> None:
+    if value not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {value!r}")
 
 
 def check_min_budget(value) -> None:

@@ -157,6 +157,7 @@ class Rebatch(StepCache):
     method = None  # the registry's name of the method (methods/registry.py)
     arch = None  # the model's Arch (model/arch.py), where the method keeps it
     limited = False  # its pool has a capacity: a prompt may overflow it (InfiniGen with capacity)
+    kv_dtype = "auto"  # the storage of its K/V rows (config.KV_DTYPES)
 
     @torch.inference_mode()  # the buffers were made under it (a prefill): only written in place under it
     def join(self, other, room: int = 0) -> None:
@@ -248,7 +249,11 @@ class Rebatch(StepCache):
         """What changes the rows this cache stores, beyond the model and the method (the store's namespace); None:
         it cannot continue from stored blocks (a method whose state after a prefill depends on the whole prompt,
         or a pool with a capacity, which may evict rows of the prefix)."""
-        return None if self.limited else {}
+        return None if self.limited else self.kv_facts()
+
+    def kv_facts(self) -> dict:
+        """The K/V rows' storage where it is not the model's dtype (which the store's namespace holds already)."""
+        return {} if self.kv_dtype == "auto" else {"kv_dtype": self.kv_dtype}
 
     @torch.inference_mode()
     def prefix_block(self, start: int, end: int) -> dict:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_min_budget
+from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_kv_dtype, check_min_budget
 from ..model.install import install
-from ..model.kv import KVView
+from ..model.kv import KVView, kv_storage
 from .base import LogicalLayer, Rebatch
 from .budget import budget_caps
 from .keep import keep_source, valid_keys
@@ -34,8 +34,9 @@ class EvictingLayer(LogicalLayer):
     def lazy_initialization(self, key_states, value_states) -> None:
         B, G, _, d = key_states.shape
         dev = key_states.device
-        self.k = RowBuffer(B, G, d, key_states.dtype, dev)
-        self.v = RowBuffer(B, G, value_states.shape[-1], value_states.dtype, dev)
+        dtype = kv_storage(self.cache.kv_dtype, key_states.dtype)
+        self.k = RowBuffer(B, G, d, dtype, dev)
+        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, dev)
         self.pos = RowBuffer(B, G, 1, torch.long, dev)  # original position of each slot
         self.score = RowBuffer(B, G, 1, torch.float32, dev)  # accumulated attention (H2O)
         self.seen = 0  # logical length
@@ -93,8 +94,8 @@ class EvictingLayer(LogicalLayer):
                 buf.data[:, :, buf.length : need].zero_()
                 buf.length = need
         rows = (slot.view(B, G, 1) + self.k.row_base()).view(-1)
-        self.k.data.view(-1, self.k.width).index_copy_(0, rows, key_states.reshape(-1, self.k.width))
-        self.v.data.view(-1, self.v.width).index_copy_(0, rows, value_states.reshape(-1, self.v.width))
+        self.k.data.view(-1, self.k.width).index_copy_(0, rows, key_states.reshape(-1, self.k.width).to(self.k.dtype))
+        self.v.data.view(-1, self.v.width).index_copy_(0, rows, value_states.reshape(-1, self.v.width).to(self.v.dtype))
         self.pos.data.view(-1).index_fill_(0, rows, self.seen)
         self.score.data.view(-1).index_fill_(0, rows, 0.0)
         self.kept += (~full).long()
@@ -183,9 +184,12 @@ class EvictingLayer(LogicalLayer):
 class EvictingCache(Rebatch, Cache):
     layer_class = EvictingLayer
 
-    def __init__(self, model, budget: float = DEFAULT_BUDGET, min_budget: int = DEFAULT_MIN_BUDGET, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, min_budget: int = DEFAULT_MIN_BUDGET,
+                 kv_dtype: str = "auto", **_):
         check_budget(budget)
         check_min_budget(min_budget)
+        check_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_dtype  # the kept rows' storage (config.KV_DTYPES)
         self.budget, self.min_budget = budget, min_budget  # keep max(budget x seen, min_budget) entries
         self.arch = install(model)
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])

@@ -10,15 +10,17 @@ from transformers.cache_utils import Cache
 
 from ..model.arch import UnsupportedModelError
 from ..model.install import install
-from ..model.kv import KVView
+from ..config import check_kv_dtype
+from ..model.kv import KVView, kv_storage
 from .base import LogicalLayer, Rebatch, read_stats
 from .rows import RowBuffer
 
 
 class FullLayer(LogicalLayer):
-    def __init__(self, reserved: int = 0, window: int | None = None):
+    def __init__(self, reserved: int = 0, window: int | None = None, kv_dtype: str = "auto"):
         super().__init__()
         self.reserved = reserved  # rows the buffers are made with (FullCache.reserve)
+        self.kv_dtype = kv_dtype  # the rows' storage (config.KV_DTYPES)
         self.window = window  # sliding window (None: global): the layer keeps and reads only its last rows
         self.k = self.v = None
         self.bytes_read = 0  # KV bytes read by decode steps
@@ -26,8 +28,9 @@ class FullLayer(LogicalLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
-        self.k = RowBuffer(B, G, d, key_states.dtype, key_states.device)
-        self.v = RowBuffer(B, G, value_states.shape[-1], value_states.dtype, value_states.device)
+        dtype = kv_storage(self.kv_dtype, key_states.dtype)
+        self.k = RowBuffer(B, G, d, dtype, key_states.device)
+        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, value_states.device)
         for buf in (self.k, self.v):
             buf.reserve(self.reserved, room=False)
         self.is_initialized = True
@@ -39,8 +42,8 @@ class FullLayer(LogicalLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if at is not None:
-            self.k.data.index_copy_(2, at, key_states)  # (B, G, capacity, d) <- (B, G, 1, d)
-            self.v.data.index_copy_(2, at, value_states)
+            self.k.data.index_copy_(2, at, key_states.to(self.k.dtype))  # (B, G, capacity, d) <- (B, G, 1, d)
+            self.v.data.index_copy_(2, at, value_states.to(self.v.dtype))
             return KVView(self.k.data, self.v.data)
         first = self.k.length == 0
         k, v = self.slide(key_states, value_states)
@@ -79,14 +82,16 @@ class FullCache(Rebatch, Cache):
     method = "full"
     static = True  # decodes in static steps (model/static.py): whole buffers, rows written at a device column
 
-    def __init__(self, model=None, **_):
+    def __init__(self, model=None, kv_dtype: str = "auto", **_):
+        check_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_dtype
         n = model.config.num_hidden_layers if model is not None else 0
         if model is not None:
             try:
                 windows = install(model).windows  # the attention function of every method (the CPU kernel in decode)
             except UnsupportedModelError:
                 windows = [None] * n  # any other model: transformers' own attention
-            super().__init__(layers=[FullLayer(window=w) for w in windows])
+            super().__init__(layers=[FullLayer(window=w, kv_dtype=kv_dtype) for w in windows])
         else:
             super().__init__(layer_class_to_replicate=FullLayer)
 

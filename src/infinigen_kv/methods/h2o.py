@@ -56,8 +56,9 @@ class H2OCache(EvictingCache):
     method = "h2o"
     layer_class = H2OLayer
 
-    def __init__(self, model, budget: float = DEFAULT_BUDGET, recent_ratio: float = 0.5, min_budget: int = DEFAULT_MIN_BUDGET, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, recent_ratio: float = 0.5, min_budget: int = DEFAULT_MIN_BUDGET,
+                 kv_dtype: str = "auto", **_):
         if not 0.0 <= recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
         self.recent_ratio = recent_ratio
-        super().__init__(model, budget, min_budget)
+        super().__init__(model, budget, min_budget, kv_dtype)

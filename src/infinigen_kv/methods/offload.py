@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..config import InfiniGenConfig
 from .infinigen.cache import InfiniGenCache
 from .infinigen.fetch import Fetch
 from .keep import keep_source, layer_keep
@@ -18,8 +19,8 @@ from .keep import keep_source, layer_keep
 class OffloadCache(InfiniGenCache):
     method = "offload"
 
-    def __init__(self, model, **_):
-        super().__init__(model, selection=FetchAll())
+    def __init__(self, model, kv_dtype: str = "auto", **_):
+        super().__init__(model, InfiniGenConfig(kv_dtype=kv_dtype), selection=FetchAll())
 
 
 class FetchAll:

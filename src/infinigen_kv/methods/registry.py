@@ -22,15 +22,15 @@ class Method:
     batches: bool = True  # continuous batching (joins and retires between steps): the server can serve it
 
 
-_BUDGET = frozenset({"budget", "min_budget"})
+_EVICTING = frozenset({"budget", "min_budget", "kv_dtype"})
 METHODS = {m.name: m for m in (
     Method("infinigen", "infinigen:make", frozenset(f.name for f in fields(InfiniGenConfig)) | {"tokenizer"},
            takes_budget=True, pool_on_host=True, shares_prefill=True),
-    Method("full", "full:FullCache", frozenset(), shares_prefill=True),
-    Method("offload", "offload:OffloadCache", frozenset(), pool_on_host=True, shares_prefill=True),
+    Method("full", "full:FullCache", frozenset({"kv_dtype"}), shares_prefill=True),
+    Method("offload", "offload:OffloadCache", frozenset({"kv_dtype"}), pool_on_host=True, shares_prefill=True),
     Method("quant", "quant:QuantCache", frozenset({"bits"})),
-    Method("streaming", "streaming:StreamingCache", _BUDGET | {"sink_tokens"}, takes_budget=True, shares_prefill=True),
-    Method("h2o", "h2o:H2OCache", _BUDGET | {"recent_ratio"}, takes_budget=True, shares_prefill=True),
+    Method("streaming", "streaming:StreamingCache", _EVICTING | {"sink_tokens"}, takes_budget=True, shares_prefill=True),
+    Method("h2o", "h2o:H2OCache", _EVICTING | {"recent_ratio"}, takes_budget=True, shares_prefill=True),
     Method("hf-dynamic", "hf:dynamic", frozenset(), batches=False),
     Method("hf-offloaded", "hf:offloaded", frozenset(), batches=False),
 )}

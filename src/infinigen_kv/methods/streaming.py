@@ -19,8 +19,9 @@ class StreamingCache(EvictingCache):
     method = "streaming"
     layer_class = StreamingLayer
 
-    def __init__(self, model, budget: float = DEFAULT_BUDGET, sink_tokens: int = 4, min_budget: int = DEFAULT_MIN_BUDGET, **_):
+    def __init__(self, model, budget: float = DEFAULT_BUDGET, sink_tokens: int = 4, min_budget: int = DEFAULT_MIN_BUDGET,
+                 kv_dtype: str = "auto", **_):
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
         self.sink_tokens = sink_tokens
-        super().__init__(model, budget, min_budget)
+        super().__init__(model, budget, min_budget, kv_dtype)

@@ -79,12 +79,13 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
     if not view.selected:
         if view.offset and attention_mask is not None:  # a sliding window's buffers begin at that position
             attention_mask = attention_mask[..., view.offset : view.offset + key.shape[2]]
-        if view.scores is not None and T > 1:  # H2O scores the prefill
-            view.scores.add_prefill_scores(query, key, attention_mask, scaling)
         if T == 1 and view.buffers is not None:
             out = _dense_kernel(view, query, attention_mask, scaling)
             if out is not None:
                 return out, None
+        key, value = _computed(query, key, value)
+        if view.scores is not None and T > 1:  # H2O scores the prefill
+            view.scores.add_prefill_scores(query, key, attention_mask, scaling)
         if T > 1 and (out := _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs)) is not None:
             return out, None
         return _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout)
@@ -95,13 +96,23 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
                                    new if isinstance(new, torch.Tensor) else None,
                                    new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype)
     elif view.scores is not None:  # H2O accumulates the weights: explicit softmax
+        key, value = _computed(query, key, value)
         s = torch.matmul(q, key.transpose(-1, -2)) * scaling  # (B, G, r, m)
         p = torch.softmax(s.masked_fill(~view.mask, float("-inf")).float(), dim=-1)
         view.scores.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
     else:
+        key, value = _computed(query, key, value)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=view.mask, scale=scaling)  # (B, G, r, d)
     return out.reshape(B, 1, H, d), None
+
+
+def _computed(query, key, value):
+    """K/V stored in another dtype than the query's (kv_dtype) in the query's, for PyTorch's attention (the CPU
+    kernels read the stored rows as they are)."""
+    if key.dtype == query.dtype:
+        return key, value
+    return key.to(query.dtype), value.to(query.dtype)
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout=0.0):

@@ -10,6 +10,11 @@ from typing import Protocol
 import torch
 
 
+def kv_storage(option: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V rows are stored in (config.KV_DTYPES) for a model computing in `dtype`: "auto" keeps it."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(option, dtype)
+
+
 class StepCache:
     """A cache made here (methods/base.py's Rebatch and its methods): its layers' `view(k, v, fetch)` return KVViews,
     and attention blocks call `before_attention` first. Code that takes any transformers cache tells ours by this

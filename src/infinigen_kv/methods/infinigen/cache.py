@@ -78,6 +78,7 @@ class InfiniGenCache(Rebatch, Cache):
     def __init__(self, model, config: InfiniGenConfig | None = None, calibration: Calibration | None = None,
                  tokenizer=None, selection=None, **overrides):
         self.config = config or InfiniGenConfig(**overrides)
+        self.kv_dtype = self.config.kv_dtype
         self.selection: Selection = selection if selection is not None else Speculate()
         self.arch = install(model)
         refuse_offloaded_layers(model)
@@ -161,9 +162,9 @@ class InfiniGenCache(Rebatch, Cache):
         if self.limited:
             return None
         if self.calibration is None:
-            return {}
+            return self.kv_facts()
         return {"partial_dtype": str(partial_dtype(self.config.partial_dtype, *self._compute)),
-                "calibration": digest({"skew": self.skew_partial.contiguous()})}
+                "calibration": digest({"skew": self.skew_partial.contiguous()}), **self.kv_facts()}
 
     # --- one decode step: speculation at layer l's attention pre-hook, then the fetch it starts -------------
 

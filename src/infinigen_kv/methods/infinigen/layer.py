@@ -17,7 +17,7 @@ import torch
 
 from ...config import InfiniGenConfig
 from ...model import backend as backends
-from ...model.kv import KVView
+from ...model.kv import KVView, kv_storage
 from ..base import LogicalLayer
 from ..rows import RowBuffer
 from . import int8
@@ -98,8 +98,10 @@ class DeviceLayer(LogicalLayer):
         self.prepare_transfer()
 
     def make_buffers(self, B, G, d, dv, dtype, dev, pool_dev, pin, max_rows=None) -> None:
-        self.k = RowBuffer(B, G, d, dtype, pool_dev, pin=pin, max_rows=max_rows)
-        self.v = RowBuffer(B, G, dv, dtype, pool_dev, pin=pin, max_rows=max_rows)
+        """K, V in kv_dtype's storage for a model computing in `dtype` (config.KV_DTYPES)."""
+        kv = kv_storage(self.spec.config.kv_dtype, dtype)
+        self.k = RowBuffer(B, G, d, kv, pool_dev, pin=pin, max_rows=max_rows)
+        self.v = RowBuffer(B, G, dv, kv, pool_dev, pin=pin, max_rows=max_rows)
 
     def limit(self, seen: int) -> int | None:
         """Entries the pool may hold per (sequence, KV head) after `seen` tokens (None: no limit)."""
@@ -299,7 +301,8 @@ class PoolLayer(DeviceLayer):
         ops). False where that does not serve: no kernel, a GPU's transfer, a skewed or non-int8 partial cache."""
         kern = self.backend.ops
         if (kern is None or self.partial is None or self.key_channels is None or self.partial.dtype != torch.int8
-                or not self.transfer.host_compute or self.k.dtype != torch.float32 or k.dtype != torch.float32
+                or not self.transfer.host_compute or self.k.dtype not in (torch.float32, torch.bfloat16)
+                or k.dtype != torch.float32
                 or not self.v.length == self.partial.length == self.k.length):
             return False
         at = self.k.length

@@ -51,8 +51,8 @@ class DirectTransfer:
 
     def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
         """A static step's row k, v (B, G, 1, d) at column `at` (1,) of the pool (the host's lengths follow after)."""
-        layer.k.data.index_copy_(2, at, k)
-        layer.v.data.index_copy_(2, at, v)
+        layer.k.data.index_copy_(2, at, k.to(layer.k.dtype))
+        layer.v.data.index_copy_(2, at, v.to(layer.v.dtype))
 
     def device_pool(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K, V (B, G, capacity, d) as the compute device writes them (here: the buffers)."""

@@ -898,14 +898,16 @@ at::Tensor quantize_rows(at::Tensor x) {
 }
 
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
-// strides above: views of the step's merged q k v output) into K, V (B, G, cap, d), and the int8 row of k's
-// partial channels (G, p) into P (B, G, cap, p + 4) (pack_row: quantize_rows' bits). The three appends of a
-// layer's step in one call, where they were ~8 PyTorch ops (a channel gather, quantize_rows, three copies).
+// strides above: views of the step's merged q k v output) into K, V (B, G, cap, d) (float32 or bfloat16: the pool's
+// kv_dtype), and the int8 row of k's partial channels (G, p) into P (B, G, cap, p + 4) (pack_row: quantize_rows'
+// bits). The three appends of a layer's step in one call, where they were ~8 PyTorch ops (a channel gather,
+// quantize_rows, three copies).
 void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Tensor v, at::Tensor channels, int64_t at) {
   for (auto* t : {&K, &V, &P, &channels}) check_cpu_contig(*t, "store_token buffer");
-  TORCH_CHECK(K.scalar_type() == at::kFloat && V.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-              v.scalar_type() == at::kFloat && P.scalar_type() == at::kChar && channels.scalar_type() == at::kLong,
-              "store_token: float32 K, V, k, v; int8 P; int64 channels");
+  TORCH_CHECK((K.scalar_type() == at::kFloat || K.scalar_type() == at::kBFloat16) && V.scalar_type() == K.scalar_type() &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && P.scalar_type() == at::kChar &&
+              channels.scalar_type() == at::kLong,
+              "store_token: float32 or bfloat16 K, V; float32 k, v; int8 P; int64 channels");
   const int64_t B = K.size(0), G = K.size(1), cap = K.size(2), d = K.size(3), p = channels.size(1);
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && k.size(1) == G && k.size(2) == 1 && k.size(3) == d &&
               v.sizes() == k.sizes() && V.sizes() == K.sizes() && k.stride(3) == 1 && v.stride(3) == 1 &&
@@ -914,18 +916,24 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
   const int64_t* ch = channels.data_ptr<int64_t>();
   for (int64_t i = 0; i < G * p; ++i) TORCH_CHECK(ch[i] >= 0 && ch[i] < d, "channel out of range");
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *Kp = K.data_ptr<float>(), *Vp = V.data_ptr<float>();
   auto* Pp = reinterpret_cast<int8_t*>(P.data_ptr());
   std::vector<float> part(p);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* kr = kp + b * k.stride(0) + g * k.stride(1);
-      const int64_t row = (b * G + g) * cap + at;
-      std::memcpy(Kp + row * d, kr, d * sizeof(float));
-      std::memcpy(Vp + row * d, vp + b * v.stride(0) + g * v.stride(1), d * sizeof(float));
-      for (int64_t t = 0; t < p; ++t) part[t] = kr[ch[g * p + t]];
-      pack_row(part.data(), p, Pp + row * (p + 4));
-    }
+  dispatch_storage(K.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T *Kp = reinterpret_cast<T*>(K.data_ptr()), *Vp = reinterpret_cast<T*>(V.data_ptr());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* kr = kp + b * k.stride(0) + g * k.stride(1);
+        const float* vr = vp + b * v.stride(0) + g * v.stride(1);
+        const int64_t row = (b * G + g) * cap + at;
+        for (int64_t t = 0; t < d; ++t) {
+          store(Kp + row * d, t, kr[t]);
+          store(Vp + row * d, t, vr[t]);
+        }
+        for (int64_t t = 0; t < p; ++t) part[t] = kr[ch[g * p + t]];
+        pack_row(part.data(), p, Pp + row * (p + 4));
+      }
+  });
 }
 
 // x (R, D) float32, w (D) float32 -> x / sqrt(mean(x^2) + eps) * w, per row (Llama's RMSNorm in one call; the
