@@ -1,0 +1,74 @@
+"""Decode steps of several caches of one model in one process, alternated step by step (this 2-core machine's speed
+drifts by 1.5x between runs minutes apart: separate runs cannot show a few percent), and each cache's K/V bytes per
+token of context per sequence.
+
+    python scripts/options_ab.py --configs full,full:kv_dtype=bfloat16,infinigen,infinigen:kv_dtype=bfloat16 \
+        [--batch 1] [--prompt-len 4096] [--steps 24] [--model ID]
+
+A config is a method and its options (`name=value`, joined by `:`). Prints each config's median step (ms), its
+decode tokens/s and its ratio to the first config's step time.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+import infinigen_kv as ig  # noqa: E402
+from infinigen_kv.bench.speed import prompts  # noqa: E402
+from infinigen_kv.model import step as step_mod  # noqa: E402
+
+
+def parse(config: str) -> tuple[str, dict]:
+    method, *opts = config.split(":")
+    return method, dict(o.split("=", 1) for o in opts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="full,full:kv_dtype=bfloat16,infinigen,infinigen:kv_dtype=bfloat16")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=24)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = ig.load_model(args.model)
+    B, n = args.batch, args.prompt_len
+    ids, mask = prompts(tok, B, n)
+    configs = args.configs.split(",")
+    caches, pos, times = {}, {}, {c: [] for c in configs}
+    for c in configs:
+        method, options = parse(c)
+        cache = ig.make_cache(method, model, **options)
+        cache.reserve(n + 2 + args.steps)  # no buffer grows while timed
+        ig.generate(model, ids, mask, cache=cache, max_new_tokens=2, stop_at_eos=False)
+        caches[c], pos[c] = cache, n + 2
+    x = torch.full((B,), 100)
+    for _ in range(args.steps):
+        for c in configs:
+            cache = caches[c]
+            p = torch.full((B, 1), pos[c])
+            pos[c] += 1
+            t = time.perf_counter()
+            step_mod.decode(model, cache, x, p, None)
+            times[c].append(time.perf_counter() - t)
+    first = statistics.median(times[configs[0]])
+    print(f"B={B} n={n}, median of {args.steps} steps, alternated step by step")
+    print("| config | K/V bytes per token per sequence | step ms | tok/s | step vs first |")
+    print("|---|---|---|---|---|")
+    for c in configs:
+        layers = caches[c].layers
+        per_token = sum(b.heads * b.width * b.data.element_size() for layer in layers for b in (layer.k, layer.v))
+        step = statistics.median(times[c])
+        print(f"| {c} | {per_token} | {step * 1e3:.2f} | {B / step:.1f} | {step / first:.3f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
