@@ -268,8 +268,9 @@ class RunningBatch:
     def _fits(self, n: int, room: int) -> bool:
         """Whether a prompt of n tokens joins the static steps' bucket in place, with room for `room` more."""
         fixed = self.static
-        return bool(fixed) and len(self) < fixed.inputs.ids.shape[0] and n <= fixed.n and fixed.n + room <= \
-            fixed.capacity
+        if not fixed:
+            return False
+        return len(self) < fixed.inputs.ids.shape[0] and n <= fixed.n and fixed.n + room <= fixed.capacity
 
     def _eager(self) -> None:
         """Back to eager steps over the batch's own rows (the bucket's unused ones dropped)."""

@@ -213,20 +213,16 @@ class CudaTransfer:
         fetch.rows = (None, wk, wv, copied)
 
     def device_pool(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's K, V (B, G, capacity, d) as the GPU addresses them: device views of the pinned stores."""
+        """The layer's K, V (B, G, capacity, d) as the GPU addresses them: device views of the pinned stores (a dense
+        layer: its device buffers)."""
+        if layer.dense:
+            return layer.k.data, layer.v.data
         return tuple(self._view(layer, name, buf).view(buf.store.shape)[: buf.batch]
                      for name, buf in (("k", layer.k), ("v", layer.v)))
 
     def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
-        """A static step's row k, v (B, G, 1, d) into the pool at column `at` (1,), through the pool's device view
-        (dense layers: their device buffers)."""
-        if layer.dense:
-            DirectTransfer.write_at(self, layer, k, v, at)
-            return
         self._land_prompt(layer)
-        rows = (layer.k.row_base(self.device) + at).view(-1)  # (B G,): V's rows at K's (same capacity)
-        for buf, name, x in ((layer.k, "k", k), (layer.v, "v", v)):
-            self._view(layer, name, buf).index_copy_(0, rows, x.reshape(-1, buf.width).to(buf.dtype))
+        DirectTransfer.write_at(self, layer, k, v, at)  # through device_pool
 
     def _view(self, layer, name: str, buf):
         """A device view (B * G * capacity, width) of a pinned pool buffer's store, made again when the store
@@ -261,8 +257,7 @@ class CudaTransfer:
             return dk, dv, (self._positions(m + 1) <= fetch.count.unsqueeze(-1)).unsqueeze(2)
         K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows]: the slot is free once this is done
         V = torch.cat([v_new, dv], dim=2)
-        if slot is not None:  # (a static step's buffers are the layer's own)
-            self.ring.release(slot, self.compute_stream())
+        self.ring.release(slot, self.compute_stream())
         fetch.rows = None
         m = dk.shape[2]
         if fetch.count is not None:  # [new token, m slots]: the new token and the first count slots (one op)

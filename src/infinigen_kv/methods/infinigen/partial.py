@@ -44,7 +44,7 @@ class PartialQuery:
         if arch.rope and calibration.unskewed and not arch.qk_norm:
             self.rows = list(rope_channels(calibration.channels, arch.head_dim))
             self.channels = [c.contiguous() for c in calibration.channels]
-        self._rows_memo = {}  # layer -> its q_proj rows and channel maps on its device (rows_on)
+        self._rows_memo = {}  # layer -> its q_proj rows of P and their partners on its device (rows_on)
         self._gathered = {}  # layer -> the kernel's contiguous copy of its q_proj rows (gathered)
         self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
 

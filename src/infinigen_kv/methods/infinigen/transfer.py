@@ -50,9 +50,10 @@ class DirectTransfer:
             layer.v.put(slot, v)
 
     def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
-        """A static step's row k, v (B, G, 1, d) at column `at` (1,) of the pool (the host's lengths follow after)."""
-        layer.k.data.index_copy_(2, at, k.to(layer.k.dtype))
-        layer.v.data.index_copy_(2, at, v.to(layer.v.dtype))
+        """A static step's row k, v (B, G, 1, d) at column `at` (1,) of the pool as the compute device writes it
+        (device_pool; the host's lengths follow after)."""
+        for pool, x in zip(self.device_pool(layer), (k, v)):
+            pool.index_copy_(2, at, x.to(pool.dtype))
 
     def device_pool(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K, V (B, G, capacity, d) as the compute device writes them (here: the buffers)."""
