@@ -39,9 +39,10 @@ def test_logits_match_full(tiny_models, kind, batch):
     got = step_logits(model, cache, ids, mask)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
-    # and transformers' own cache agrees with our full cache
+    # and transformers' own cache agrees with our full cache at its storage (float32; the default rounds rows to bf16)
     hf = step_logits(model, ig.make_cache("hf-dynamic", model), ids, mask)
-    torch.testing.assert_close(ref, hf, atol=1e-4, rtol=1e-4)
+    f32 = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)
+    torch.testing.assert_close(f32, hf, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -55,7 +56,7 @@ def test_offload_matches_full(tiny_models, kind):
     assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
     assert cache.calibration is None and all(layer.partial is None for layer in cache.layers)
     rows = sum(l.k.batch * l.k.heads for l in cache.layers)
-    assert cache.stats["bytes_moved"] >= 12 * rows * 31 * (cache.layers[0].k.width * 2 * 4)  # all rows, every step
+    assert cache.stats["bytes_moved"] >= 12 * rows * 31 * (cache.layers[0].k.width * 2 * cache.layers[0].k.data.element_size())  # all rows, every step
 
 
 @pytest.mark.parametrize("method", ["h2o", "streaming"])
@@ -78,7 +79,8 @@ def test_gemma3_local_layers(tiny_models):
     full = ig.make_cache("full", model)
     ref = step_logits(model, full, ids, mask)
     # the full cache's reads: a local layer's decode step reads its last 16 rows, the global one all n
-    row = 3 * 2 * 16 * 4 * 2  # B x G x d x float32 x (K and V)
+    kv = full.layers[0].k.data.element_size()  # the rows' storage (bf16 by default on CPU)
+    row = 3 * 2 * 16 * kv * 2  # B x G x d x storage x (K and V)
     assert full.stats["kv_bytes_per_step"] == sum(3 * 16 + 48 + i for i in range(1, 13)) * row // 12
     dense = ig.make_cache("infinigen", model, **EXACT)
     assert [layer.dense for layer in dense.layers] == [True, True, False, True]
@@ -92,7 +94,7 @@ def test_gemma3_local_layers(tiny_models):
         assert (layer.partial is None) == layer.dense
     kept = sum(l.k.length for l in dense.layers)
     assert dense.stats["pool_bytes"] == full.stats["pool_bytes"] == kept * row < 4 * 60 * row
-    token = 2 * 16 * 4 * 2  # one token of one sequence in one layer: G x d x float32 x (K and V)
+    token = 2 * 16 * kv * 2  # one token of one sequence in one layer: G x d x storage x (K and V)
     part = dense.layers[2].partial
     part = part.heads * part.width * part.data.element_size()  # the global layer's partial keys
     assert dense.sequence_bytes(1000) == (1000 + 3 * 32) * token + 1000 * part  # the server's cost model
@@ -163,12 +165,12 @@ def test_sliding_window_respected():
     model.config.sliding_window = 16
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     ref = step_logits(model, ig.make_cache("hf-dynamic", model), ids, mask)
-    full = step_logits(model, ig.make_cache("full", model), ids, mask)
-    got = step_logits(model, ig.make_cache("infinigen", model, **EXACT), ids, mask)
+    full = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)  # transformers' storage
+    got = step_logits(model, ig.make_cache("infinigen", model, **EXACT, kv_dtype="float32"), ids, mask)
     torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     model.config.sliding_window = 4096
-    unwindowed = step_logits(model, ig.make_cache("full", model), ids, mask)
+    unwindowed = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)
     assert not torch.allclose(unwindowed, ref, atol=1e-3)  # the window did change the outputs
 
 

@@ -113,8 +113,15 @@ def test_a_bad_disk_entry_is_a_miss_with_one_warning(tmp_path, caplog, damage):
     assert len(found) == 1 and equal(found[0], block_payload(0))  # block 0 good, block 1 a miss
     assert len(caplog.records) == 1 and "unusable" in caplog.records[0].getMessage()
     assert not path.exists()  # removed: the next offer writes a good one
+    assert store.disk.used == du(tmp_path / NS)
     store.offer(tokens, block_payload)
+    assert store.disk.used == du(tmp_path / NS)  # the replacement counted once, the damaged entry not at all
     assert len(PrefixStore(NS, memory_bytes=0, disk_dir=tmp_path, block=4).lookup(tokens)[1]) == 2
+
+
+def du(root) -> int:
+    """The bytes of the files under root (du -b)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
@@ -151,6 +158,7 @@ def test_disk_eviction_by_last_use(tmp_path):
         store.offer([1000 * start + t for t in range(4)], block_payload)
         os.utime(store.disk.path(chain(NS, [1000 * start + t for t in range(4)], 4)[0]), (start, start))
     assert store.disk.used <= 3 * size and store.stats.disk_evictions >= 2
+    assert store.disk.used == du(tmp_path / NS)
     newest = [1000 * 4 + t for t in range(4)]
     assert len(store.lookup(newest)[1]) == 1
     assert not store.lookup([0, 1, 2, 3])[1]  # the oldest went first

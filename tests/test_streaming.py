@@ -34,7 +34,8 @@ def test_keeps_sinks_and_recent_exactly_budget(tiny_models):
     # the bytes model counts the kept slots attention reads (the longer row's, shared by the batch), not the past
     L, G, d = len(cache.layers), layer.k.heads, layer.k.width
     slots = sum(math.ceil(0.25 * (60 + t)) for t in range(1, 9))  # kept at each decode step, 60-token row
-    assert cache.stats["kv_bytes_per_step"] == L * 2 * G * 2 * d * 4 * slots // 8
+    kv = layer.k.data.element_size()  # the rows' storage (bf16 by default on CPU)
+    assert cache.stats["kv_bytes_per_step"] == L * 2 * G * 2 * d * kv * slots // 8
 
 
 def test_small_budget_changes_outputs_but_runs(tiny_models):

@@ -18,7 +18,7 @@ DEFAULT_MIN_BUDGET = 1024
 
 
 PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "model")
-KV_DTYPES = ("auto", "float32", "bfloat16")  # the storage of K/V rows (kv_dtype): "auto" is the model's dtype
+KV_DTYPES = ("auto", "float32", "bfloat16")  # the storage of K/V rows (kv_dtype; "auto": model/kv.kv_storage)
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
 
@@ -79,8 +79,9 @@ class InfiniGenConfig:
     # computed in float32 on every device: alpha and every figure were tuned on float32 scores, and bf16 logits
     # (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
     partial_dtype: str = "auto"
-    # kv_dtype: the storage of the K/V rows of the pool and of the device layers ("auto": the model's dtype;
-    # "bfloat16": half a float32 model's bytes per token, attention computed in float32 over the rows as stored).
+    # kv_dtype: the storage of the K/V rows of the pool and of the device layers. "auto": bfloat16 for a float32
+    # model on CPU (half the bytes a token, attention computed in float32 over the rows as stored; RULER, perplexity
+    # and passkey as float32's: docs/BENCHMARKS.md), the model's dtype otherwise; "float32", "bfloat16" as named.
     kv_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..model.install import install
-from ..model.kv import KVView, StepCache
+from ..model.kv import KVView, StepCache, kv_storage
 from .rows import PIN_ROUNDING, release_pinned
 
 
@@ -56,6 +56,11 @@ class LogicalLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's own K, V as the layer stores them (kv_dtype): the prompt attends over the rows its later chunks
+        and decode steps read, so a prompt prefilled in chunks attends as one prefilled at once."""
+        return k.to(self.k.dtype), v.to(self.v.dtype)
 
     # --- continuous batching (Rebatch): columns are positions, left-padded to a common length ------------
 
@@ -245,15 +250,16 @@ class Rebatch(StepCache):
 
     # --- the prefix store (runtime/prefix.py) -----------------------------------------------------------
 
-    def prefix_facts(self) -> dict | None:
+    def prefix_facts(self, model) -> dict | None:
         """What changes the rows this cache stores, beyond the model and the method (the store's namespace); None:
         it cannot continue from stored blocks (a method whose state after a prefill depends on the whole prompt,
         or a pool with a capacity, which may evict rows of the prefix)."""
-        return None if self.limited else self.kv_facts()
+        return None if self.limited else self.kv_facts(model)
 
-    def kv_facts(self) -> dict:
-        """The K/V rows' storage where it is not the model's dtype (which the store's namespace holds already)."""
-        return {} if self.kv_dtype == "auto" else {"kv_dtype": self.kv_dtype}
+    def kv_facts(self, model) -> dict:
+        """The K/V rows' storage for `model` (the option resolved: "auto" differs by device and model dtype)."""
+        p = next(model.parameters())
+        return {"kv_dtype": str(kv_storage(self.kv_dtype, p.dtype, p.device)).replace("torch.", "")}
 
     @torch.inference_mode()
     def prefix_block(self, start: int, end: int) -> dict:

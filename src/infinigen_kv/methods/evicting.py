@@ -34,7 +34,7 @@ class EvictingLayer(LogicalLayer):
     def lazy_initialization(self, key_states, value_states) -> None:
         B, G, _, d = key_states.shape
         dev = key_states.device
-        dtype = kv_storage(self.cache.kv_dtype, key_states.dtype)
+        dtype = kv_storage(self.cache.kv_dtype, key_states.dtype, dev)
         self.k = RowBuffer(B, G, d, dtype, dev)
         self.v = RowBuffer(B, G, value_states.shape[-1], dtype, dev)
         self.pos = RowBuffer(B, G, 1, torch.long, dev)  # original position of each slot
@@ -78,7 +78,7 @@ class EvictingLayer(LogicalLayer):
             self.compact_due = True
             scores = self if self.needs_probs else None
             if self.seen == T:
-                return KVView(key_states, value_states, scores=scores)
+                return KVView(*self.as_stored(key_states, value_states), scores=scores)
             return KVView(self.k.valid(), self.v.valid(), scores=scores)
         if self.compact_due:
             self._compact()
@@ -194,7 +194,7 @@ class EvictingCache(Rebatch, Cache):
         self.arch = install(model)
         super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
 
-    def prefix_facts(self) -> None:
+    def prefix_facts(self, model) -> None:
         """No prefix reuse: which entries survive depends on the whole prompt (its attention scores, its end)."""
         return None
 

@@ -28,7 +28,7 @@ class FullLayer(LogicalLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
-        dtype = kv_storage(self.kv_dtype, key_states.dtype)
+        dtype = kv_storage(self.kv_dtype, key_states.dtype, key_states.device)
         self.k = RowBuffer(B, G, d, dtype, key_states.device)
         self.v = RowBuffer(B, G, value_states.shape[-1], dtype, value_states.device)
         for buf in (self.k, self.v):
@@ -50,7 +50,7 @@ class FullLayer(LogicalLayer):
         self.k.append(k)
         self.v.append(v)
         if first:  # a prompt attends over itself (a window layer kept only its end)
-            return KVView(key_states, value_states)
+            return KVView(*self.as_stored(key_states, value_states))
         if key_states.shape[2] == 1:
             self.steps += 1
             n = self.k.length

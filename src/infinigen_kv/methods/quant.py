@@ -106,7 +106,7 @@ class QuantCache(Rebatch, Cache):
         self.bits = bits
         super().__init__(layers=[QuantLayer(bits) for _ in range(model.config.num_hidden_layers)])
 
-    def prefix_facts(self) -> dict:
+    def prefix_facts(self, model) -> dict:
         return {"bits": self.bits}
 
     @property

@@ -10,9 +10,13 @@ from typing import Protocol
 import torch
 
 
-def kv_storage(option: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V rows are stored in (config.KV_DTYPES) for a model computing in `dtype`: "auto" keeps it."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(option, dtype)
+def kv_storage(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype K/V rows are stored in (config.KV_DTYPES) for a model computing in `dtype` on `device`: "auto" is
+    bfloat16 for a float32 model on CPU (half the bytes a token; attention still computed in float32) and the
+    model's dtype otherwise (a GPU model computes in bf16/fp16 already)."""
+    if option == "auto":
+        return torch.bfloat16 if dtype == torch.float32 and torch.device(device).type == "cpu" else dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[option]
 
 
 class StepCache:
@@ -43,8 +47,8 @@ class StepCache:
     def replayed(self, before, after) -> None:
         """A replayed step: add the host counts one step added between two bookkeeping() states."""
 
-    def prefix_facts(self) -> dict | None:
-        """What changes the rows this cache stores beyond the model and the method (runtime/prefix.py); None: it
+    def prefix_facts(self, model) -> dict | None:
+        """What changes the rows this cache stores for `model` beyond the model and the method (runtime/prefix.py); None: it
         does not continue from stored blocks."""
         return None
 

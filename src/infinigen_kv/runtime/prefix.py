@@ -72,7 +72,7 @@ def model_fingerprint(model) -> str:
 
 def cache_namespace(model, cache, block: int) -> str | None:
     """The namespace of `cache`'s blocks for `model` (None: its method does not reuse prefixes)."""
-    facts = cache.prefix_facts() if isinstance(cache, StepCache) else None
+    facts = cache.prefix_facts(model) if isinstance(cache, StepCache) else None
     if facts is None:
         return None
     return namespace(format=FORMAT, model=model_fingerprint(model), method=cache.method, block=block, **facts)
@@ -224,7 +224,8 @@ class DiskTier:
             self.stats.disk_errors += 1
             self._warn("corrupt", f"prefix cache: {path} is unusable ({type(e).__name__}: {str(e)[:120]}); "
                        "removed, a miss")
-            self._remove(path)
+            if self._remove(path):
+                self.used = max(0, self.used - len(data))  # its bytes leave the count with it
             return None
         try:
             os.utime(path)  # its last use: what disk eviction orders by

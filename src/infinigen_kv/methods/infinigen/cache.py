@@ -157,14 +157,14 @@ class InfiniGenCache(Rebatch, Cache):
             memo[id(transfer)] = make_transfer(device)
         return memo
 
-    def prefix_facts(self) -> dict | None:
+    def prefix_facts(self, model) -> dict | None:
         """The partial key cache's storage and the calibration it was skewed with (a stored block holds its rows)."""
         if self.limited:
             return None
         if self.calibration is None:
-            return self.kv_facts()
+            return self.kv_facts(model)
         return {"partial_dtype": str(partial_dtype(self.config.partial_dtype, *self._compute)),
-                "calibration": digest({"skew": self.skew_partial.contiguous()}), **self.kv_facts()}
+                "calibration": digest({"skew": self.skew_partial.contiguous()}), **self.kv_facts(model)}
 
     # --- one decode step: speculation at layer l's attention pre-hook, then the fetch it starts -------------
 

@@ -99,7 +99,7 @@ class DeviceLayer(LogicalLayer):
 
     def make_buffers(self, B, G, d, dv, dtype, dev, pool_dev, pin, max_rows=None) -> None:
         """K, V in kv_dtype's storage for a model computing in `dtype` (config.KV_DTYPES)."""
-        kv = kv_storage(self.spec.config.kv_dtype, dtype)
+        kv = kv_storage(self.spec.config.kv_dtype, dtype, dev)
         self.k = RowBuffer(B, G, d, kv, pool_dev, pin=pin, max_rows=max_rows)
         self.v = RowBuffer(B, G, dv, kv, pool_dev, pin=pin, max_rows=max_rows)
 
@@ -138,7 +138,7 @@ class DeviceLayer(LogicalLayer):
         self.store(key_states, value_states, hint)
         self.seen += T
         if past == 0:
-            return KVView(key_states, value_states)  # prefill: attend over the prompt itself
+            return KVView(*self.as_stored(key_states, value_states))  # prefill: attend over the prompt itself
         if T == 1:
             self.spec.counters.count_dense(self, self.spec.window)
         k, v = self.transfer.dense(self)
