@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
+from conftest import left_padded_batch
 from infinigen_kv.runtime.batching import Prefill, RunningBatch
 from infinigen_kv.methods.registry import make_cache
 from infinigen_kv.runtime.generation import generate, prefill
@@ -103,6 +104,43 @@ def test_chunked_prefill_equals_one_pass(tiny_models, kind):
     plan = {"a": (0, prompt(50, 5), 10, None)}
     for method, options in (("full", {}), ("infinigen", {"budget": 1.0})):
         assert run(model, method, options, plan, chunk=7) == run(model, method, options, plan, chunk=512)
+
+
+@pytest.mark.parametrize("method,options", [("full", {}), ("infinigen", {"budget": 1.0}), ("h2o", {"budget": 0.5}),
+                                            ("streaming", {"budget": 0.5}), ("quant", {})])
+def test_a_long_prompt_is_prefilled_in_chunks(tiny_models, method, options, monkeypatch):
+    """generate's prefill in chunks of PREFILL_CHUNK columns counted from the prompt's end (its activations stay
+    batch x chunk, not batch x length): each forward sees at most a chunk, the greedy tokens are those of one pass
+    (h2o's accumulated scores and streaming's window too), and each row's are those of the row alone."""
+    from infinigen_kv.runtime import generation
+
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        one = generate(model, ids, mask, cache=make_cache(method, model, **options), max_new_tokens=8, stop_at_eos=False)
+        assert seen[0] == 48
+        seen.clear()
+        monkeypatch.setattr(generation, "PREFILL_CHUNK", 10)
+        got = generate(model, ids, mask, cache=make_cache(method, model, **options), max_new_tokens=8,
+                       stop_at_eos=False)
+        assert seen[:5] == [8, 10, 10, 10, 10]  # 48 = 8 + 4 x 10 (decode steps: model/step.py)
+        alone = generate(model, ids[2:, 17:], mask[2:, 17:], cache=make_cache(method, model, **options),
+                         max_new_tokens=8, stop_at_eos=False)
+    finally:
+        hook.remove()
+    assert torch.equal(got.tokens, one.tokens)
+    if method in ("full", "infinigen", "quant"):  # (h2o and streaming keep per batch: the longest row's budget)
+        assert torch.equal(alone.tokens[0], got.tokens[2])
+
+
+def test_chunks_are_counted_from_the_end():
+    from infinigen_kv.runtime.generation import chunks
+
+    assert chunks(48, 10) == [(0, 8), (8, 18), (18, 28), (28, 38), (38, 48)]
+    assert chunks(31, 10) == [(0, 1), (1, 11), (11, 21), (21, 31)]
+    assert chunks(20, 10) == [(0, 10), (10, 20)] and chunks(7, 10) == [(0, 7)]
 
 
 def test_rows_leaving_free_the_cache(tiny_models):
@@ -228,10 +266,14 @@ def test_a_cache_goes_with_its_last_reference(tiny_models):
         gc.enable()
 
 
-def test_one_prefill_through_a_tee_serves_every_method(tiny_models):
-    """TeeCache: one prefill lands in full, infinigen, h2o (its prefill scores too), streaming and offload
-    caches; each, forked per budget, decodes exactly as if prefilled alone."""
+@pytest.mark.parametrize("chunk", [2048, 50])
+def test_one_prefill_through_a_tee_serves_every_method(tiny_models, chunk, monkeypatch):
+    """TeeCache: one prefill (in chunks or not) lands in full, infinigen, h2o (its prefill scores too), streaming
+    and offload caches; each, forked per budget, decodes exactly as if prefilled alone."""
     from infinigen_kv.bench.tee import TeeCache
+    from infinigen_kv.runtime import generation
+
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", chunk)
 
     for kind in ("llama-gqa", "gemma3", "qwen2"):
         model = tiny_models[kind]

@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import TEXT, save_tiny, tiny_model
 
@@ -168,9 +170,30 @@ def test_help_shows_every_default():
 
 
 def test_no_progress_bars_when_stderr_is_not_a_terminal(tiny_dir):
-    """Issue 13, item 10: redirected logs get no progress-bar flood (tqdm bars only on a terminal)."""
-    r = cli("generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "20", "--method", "full")
+    """Redirected logs get no progress-bar flood (tqdm bars only on a terminal), and a line when the model is
+    loaded; with --json nothing but the JSON on stdout."""
+    r = cli("generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "20", "--method", "full", "--json")
     assert "it/s" not in r.stderr and "\r" not in r.stderr, r.stderr
+    assert re.search(r"^infinigen: loaded .+ in \d+\.\d s$", r.stderr, re.M), r.stderr
+    assert json.loads(r.stdout)["new_tokens"] == 20
+
+
+def test_a_long_prefill_reports_its_progress_off_a_terminal(tiny_models, monkeypatch, capsys):
+    """Off a terminal a prefill says how far it is every ~10 s (after a chunk), on stderr only."""
+    import infinigen_kv as ig
+    from infinigen_kv.runtime import generation
+
+    clock = iter(range(0, 1000, 6))  # each look at the clock: 6 s later
+    monkeypatch.setattr(generation.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 16)
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(0))
+    ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=2, progress="generate")
+    out = capsys.readouterr()
+    lines = [line for line in out.err.splitlines() if "prefill" in line]
+    assert out.out == "" and lines and all(re.fullmatch(r"infinigen: generate: prefill \d+/80 tokens \(\d+ s\)", x)
+                                           for x in lines), out.err
+    assert len(lines) < 5  # not one a chunk
 
 
 def test_busy_port_fails_before_loading_the_model(tmp_path):

@@ -4,6 +4,7 @@ accuracy, serve. Each returns the JSON-able result the CLI prints (serve: None, 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from .config import DEFAULT_MODEL, InfiniGenConfig
@@ -44,7 +45,10 @@ def cmd_generate(args) -> dict:
     from .runtime.generation import generate
 
     prompt = args.prompt_text  # read and checked by _check_inputs, before torch loads
+    start = time.perf_counter()
     model, tok = _load(args)
+    print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+          flush=True)
     if args.chat:
         if not tok.chat_template:
             raise CLIError("--chat: this model's tokenizer has no chat template")

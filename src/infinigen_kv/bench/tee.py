@@ -16,7 +16,8 @@ from ..model.kv import KVView, StepCache
 
 
 class TeeLayer(LogicalLayer):
-    """Layer l of every cache: each stores the update; attention gets the first one's answer (the same K/V)."""
+    """Layer l of every cache: each stores the update; attention gets the first one's answer (the same K/V: every
+    cache keeps the whole prompt, in the same storage, while it prefills, chunk after chunk)."""
 
     def __init__(self, layers: list):
         super().__init__()
@@ -28,13 +29,16 @@ class TeeLayer(LogicalLayer):
 
     @torch.no_grad()
     def view(self, key_states, value_states, fetch=None) -> KVView:
-        if self.is_initialized:
-            raise NotImplementedError("a TeeCache serves one prefill forward; decode with each cache in it")
+        if self.is_initialized and key_states.shape[2] == 1:
+            raise NotImplementedError("a TeeCache serves a prefill (its chunks); decode with each cache in it")
         self.is_initialized = True
         fetches = fetch if fetch is not None else (None,) * len(self.children)  # each cache's own (before_attention)
         views = [layer.view(key_states, value_states, f) for layer, f in zip(self.children, fetches)]
-        # the first cache's keys (every prefill attends over the prompt itself); the weights to each that scores them
-        return dataclasses.replace(views[0], scores=self if self.needs_probs else None)
+        # keys from the first cache that holds the whole prompt (a window layer of the full cache keeps only its
+        # last rows: attention reads the same keys in reach, but H2O scores every column); the weights to each
+        # cache that scores them
+        view = min(views, key=lambda v: v.offset)
+        return dataclasses.replace(view, scores=self if self.needs_probs else None)
 
     def add_prefill_scores(self, *args) -> None:
         for layer in self.children:

@@ -86,6 +86,10 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
         key, value = _computed(query, key, value)
         if view.scores is not None and T > 1:  # H2O scores the prefill
             view.scores.add_prefill_scores(query, key, attention_mask, scaling)
+        reach = T + (kwargs.get("sliding_window") or key.shape[2]) - 1
+        if T > 1 and key.shape[2] > reach:  # a window layer's prompt chunk over a past: the keys in its reach, the
+            key, value = key[:, :, -reach:], value[:, :, -reach:]  # same whatever the cache keeps (a tee's first)
+            attention_mask = attention_mask[..., -reach:] if attention_mask is not None else None
         if T > 1 and (out := _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs)) is not None:
             return out, None
         return _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout)
@@ -157,21 +161,32 @@ def _dense_kernel(view: KVView, query, attention_mask, scaling):
 
 
 def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
-    """A fresh prefill of a left-padded batch, row by row over each row's own tokens, exactly as the row
-    alone is computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie
-    selections) would depend on its batch-mates. A row longer than the layer's sliding window attends inside
-    it block by block (`_local_prefill`), a shorter one plain causal attention. (B, T, H, d), pad positions
-    0; None where it does not apply (no mask: nothing padded; a past)."""
-    T = query.shape[2]
-    if attention_mask is None or attention_mask.dtype != torch.bool or key.shape[2] != T:
+    """A prompt chunk of a left-padded batch, row by row over each row's own tokens, exactly as the row alone is
+    computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie selections) would depend
+    on its batch-mates. Without a past, a row longer than the layer's sliding window attends inside it block by
+    block (`_local_prefill`), a shorter one plain causal attention; over a past (a later chunk: generation.prefill),
+    a row attends its own keys under the model's mask. (B, T, H, d), pad positions 0; None where it does not apply
+    (no mask: nothing padded; a sliding-window layer over a past)."""
+    T, S = query.shape[2], key.shape[2]
+    past = S - T
+    if attention_mask is None or attention_mask.dtype != torch.bool:
         return None
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    if past and window:
+        return None
+    m = attention_mask[:, 0]  # (B, T, S)
     # each valid token attends to itself, whatever the window: the diagonal marks them (B, T)
-    pads = (~attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)).sum(-1).tolist()
+    pads = (~m[..., past:].diagonal(dim1=-2, dim2=-1)).sum(-1).tolist()
+    # a global layer's last query sees every valid key: the padding keys are those it does not (B,)
+    key_pads = (~m[:, -1]).sum(-1).tolist() if past else pads
     out = query.new_zeros(query.shape[0], T, query.shape[1], query.shape[3])
-    for b, s in enumerate(pads):
-        row = [t[b : b + 1, :, s:].contiguous() for t in (query, key, value)]
-        if window and T - s > window:
+    for b, (s, k0) in enumerate(zip(pads, key_pads)):
+        if s == T:  # all padding (a chunk before the row's first token)
+            continue
+        row = [query[b : b + 1, :, s:].contiguous()] + [t[b : b + 1, :, k0:].contiguous() for t in (key, value)]
+        if k0 < past + s:  # the row's own past: its keys under the model's mask, as the row alone has them
+            out[b, s:] = _sdpa(module, *row, m[b : b + 1, None, s:, k0:].contiguous(), scaling, kwargs)[0][0]
+        elif window and T - s > window:
             out[b, s:] = _local_prefill(module, *row, window, scaling, kwargs)[0]
         else:
             out[b, s:] = _sdpa(module, *row, None, scaling, kwargs)[0][0]

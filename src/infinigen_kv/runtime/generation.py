@@ -6,6 +6,7 @@ prefill and decode are timed separately and nothing but the model and the cache 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -39,30 +40,81 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # only at the prefill/decode boundaries, for the timings
 
 
+PREFILL_CHUNK = 2048  # columns of one prefill forward of a cache made here (a long prompt's activations: batch x this)
+
+
+def chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) columns of a prompt of n columns in chunks counted from its end: a left-padded row meets the
+    boundaries at the same distances from its last token in any batch as alone (so it is computed alike)."""
+    first = n % chunk or chunk
+    return [(0, min(first, n))] + [(e - chunk, e) for e in range(first + chunk, n + 1, chunk)]
+
+
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
-            max_new_tokens: int = 0) -> torch.Tensor:
+            max_new_tokens: int = 0, progress=None) -> torch.Tensor:
     """The prompt input_ids (B, n) (left-padded, with attention_mask (B, n)) into `cache`, sized for
-    max_new_tokens more: the last position's logits (B, V)."""
+    max_new_tokens more: the last position's logits (B, V). A cache made here takes a prompt longer than
+    PREFILL_CHUNK in chunks (`chunks`): a prefill's activations (the MLP's, B x chunk x intermediate) stay that size
+    whatever the prompt's length; progress(tokens) is called after each chunk."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    n = input_ids.shape[1]
+    bounds = [(0, n)]
     if isinstance(cache, StepCache):  # ours: buffers sized for the whole run, none grows inside decode
-        cache.reserve(input_ids.shape[1] + max_new_tokens)
+        cache.reserve(n + max_new_tokens)
+        bounds = chunks(n, PREFILL_CHUNK)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
-    return model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
-    ).logits[:, -1]
+    for start, end in bounds:
+        logits = model(
+            input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+            position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]
+        if progress is not None:
+            progress(end)
+    return logits
 
 
-def _first_logits(model, input_ids, attention_mask, cache, max_new_tokens: int, prefilled, prefix):
+class PrefillProgress:
+    """A long prefill's progress on stderr, `progress(tokens done)` after each chunk: a tqdm bar on a terminal (shown
+    once the prefill has taken 2 s), elsewhere (a log, a pipe) a line every ~10 s."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc = total, desc
+        self.start = self.last = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total, desc=f"{desc}: prefill", unit="tok", leave=False, delay=2, file=sys.stderr)
+
+    def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+        elif done < self.total and (now := time.perf_counter()) - self.last >= self.EVERY_S:
+            print(f"infinigen: {self.desc}: prefill {done}/{self.total} tokens ({now - self.start:.0f} s)",
+                  file=sys.stderr, flush=True)
+            self.last = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _first_logits(model, input_ids, attention_mask, cache, max_new_tokens: int, prefilled, prefix, progress):
     """(the logits (B, V) the first new token is sampled from, prompt tokens restored from a prefix store): given
-    (`prefilled`), or from a prefill through the store (batching.prefill_prefix), or from a plain prefill."""
+    (`prefilled`), or from a prefill through the store (batching.prefill_prefix), or from a plain prefill (its
+    progress on stderr when `progress` names the run)."""
     if prefilled is not None:
         return prefilled, 0
     if prefix is not None:
         return prefill_prefix(model, input_ids, cache, max_new_tokens, prefix)
-    return prefill(model, input_ids, attention_mask, cache, max_new_tokens), 0
+    shown = PrefillProgress(input_ids.shape[1], progress) if progress is not None else None
+    try:
+        return prefill(model, input_ids, attention_mask, cache, max_new_tokens, shown), 0
+    finally:
+        if shown is not None:
+            shown.close()
 
 
 def _decoder(model, cache, attention_mask, mask, unpadded: bool, positions, max_new_tokens: int, cuda_graph):
@@ -167,7 +219,7 @@ def generate(
     threads.watch(device)  # the first look at the machine's load spans the prefill (threads.py)
     _sync(device)
     t0 = time.perf_counter()
-    logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix)
+    logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix, progress)
     decode = _decoder(model, cache, attention_mask, mask, unpadded, positions[:, -1:] + 1, max_new_tokens, cuda_graph)
     _sync(device)
     t1 = time.perf_counter()
