@@ -169,7 +169,7 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      400, "top_logprobs"),
-    # issue 29: every field acts or is refused, naming it
+    # every field acts or is refused, naming it
     *[({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}, 400, field) for field, value in [
         ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
         ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 200}), ("logit_bias", {"99999": 1}), ("ignore_eos", "yes"),
@@ -177,6 +177,10 @@ BAD = [
         ("no_such_field", 1)]],
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages"),
+    # JSON types strictly: a string is not a number, 5.0 is not an integer
+    *[({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}, 400, field) for field, value in [
+        ("max_tokens", "5"), ("max_tokens", 5.0), ("temperature", "0"), ("n", "2"), ("seed", "7")]],
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
 ]
 
 
@@ -187,6 +191,29 @@ def test_bad_input_is_a_4xx_error_json(server, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_validation_errors_say_what_was_wrong(server):
+    url = server.url + "/v1/chat/completions"
+    hi = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+    def message(**kw):
+        r = requests.post(url, **kw)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+
+    assert message(json={"model": MODEL, "messages": [{"role": "user", "content": 5}]}) == (
+        "Invalid type for 'messages[0].content': expected a string or a list of content parts, but got an integer "
+        "instead.")
+    assert message(json={**hi, "max_tokens": "5"}) == (
+        "Invalid type for 'max_tokens': expected an integer, but got a string instead.")
+    assert message(json={**hi, "temperature": "0"}) == (
+        "Invalid type for 'temperature': expected a number, but got a string instead.")
+    assert message(json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": 7}]}).startswith(
+        "messages[1].role: ")
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d without -H
+    assert message(data=json.dumps(hi), headers=form) == "send a JSON body with Content-Type: application/json"
+    assert message(json=[hi]) == "the body must be a JSON object"
 
 
 def test_malformed_json_oversized_body_and_unknown_route(server):
@@ -202,7 +229,7 @@ def test_malformed_json_oversized_body_and_unknown_route(server):
     assert "1024" in r.json()["error"]["message"]
     r = requests.post(url, json={"model": MODEL, "prompt": [5, 99999]})
     assert r.status_code == 400
-    r = requests.post(url, json={"model": MODEL, "prompt": "a\ud800b"})  # issue 13, item 3: was a 500
+    r = requests.post(url, json={"model": MODEL, "prompt": "a\ud800b"})  # a lone surrogate: not text
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = requests.post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 6})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -69,6 +69,29 @@ def test_reuse_through_the_server_shared_disk_and_metrics(model_dir, tmp_path):
             b.stop()
 
 
+def test_a_damaged_entry_is_a_miss_logged_as_the_server_logs(model_dir, tmp_path):
+    """A restart over a damaged file: the request is answered as before, one WARNING line in the server's format
+    says so, and the disk-bytes metric equals what is on disk after the entry is replaced."""
+    disk = tmp_path / "prefix"
+    a = Server(model_dir, tmp_path / "a.log", "--prefill-chunk", BLOCK, "--prefix-cache-dir", str(disk))
+    try:
+        first = ask(connect(a), " Question one?")
+    finally:
+        a.stop()
+    files = sorted(disk.rglob("*.safetensors"))
+    files[len(files) // 2].write_bytes(files[len(files) // 2].read_bytes()[:-7] + b"damaged")
+    b = Server(model_dir, tmp_path / "b.log", "--prefill-chunk", BLOCK, "--prefix-cache-dir", str(disk))
+    try:
+        again = ask(connect(b), " Question one?")
+        assert again.choices[0].text == first.choices[0].text
+        on_disk = sum(p.stat().st_size for p in disk.rglob("*") if p.is_file())
+        assert b.metric("infinigen_prefix_cache_disk_bytes") == on_disk
+    finally:
+        b.stop()
+    lines = [line for line in open(tmp_path / "b.log") if "unusable" in line]
+    assert len(lines) == 1 and lines[0].startswith("WARNING:"), lines
+
+
 def test_a_method_that_cannot_reuse_says_so(model_dir, tmp_path):
     s = Server(model_dir, tmp_path / "h2o.log", "--method", "h2o", "--prefill-chunk", BLOCK)
     try:

@@ -61,6 +61,15 @@ def _draining_server(engine: Engine, grace_s: float):
     return DrainingServer
 
 
+def log_like_the_server() -> None:
+    """The package's own log lines (the prefix cache's warnings, the engine's) through the handlers uvicorn set up
+    (its Config does): the same level prefix and stream as the server's lines around them."""
+    pkg, server = logging.getLogger("infinigen_kv"), logging.getLogger("uvicorn")
+    if server.handlers:
+        pkg.handlers, pkg.propagate = list(server.handlers), False
+        pkg.setLevel(logging.INFO)
+
+
 def run_server(engine: Engine, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                max_body_bytes: int = 1 << 20, max_tokens_limit: int = 2048, grace_s: float = 30.0,
                sock: socket.socket | None = None) -> None:
@@ -70,6 +79,7 @@ def run_server(engine: Engine, model_id: str, host: str = "127.0.0.1", port: int
     app = create_app(engine, model_id, api_key, max_body_bytes, max_tokens_limit)
     # the streams have all ended when uvicorn's own shutdown starts: its timeout only covers stragglers
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    log_like_the_server()
     sock = sock or listen(host, port)
     try:
         _draining_server(engine, grace_s)(config).run(sockets=[sock])

@@ -13,7 +13,7 @@ from prometheus_client import Counter
 from starlette.exceptions import HTTPException
 
 from .engine import Engine
-from .errors import APIError, error_response
+from .errors import APIError, error_response, validation_error
 from .routes import Service, router
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_bo
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return error_response(400, "the body is not valid JSON", None, "invalid_json")
-        where = ".".join(loc)
-        return error_response(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg")),
-                              loc[0] if loc else None, err.get("type"))
+        return validation_error(list(exc.errors()), request.headers.get("content-type"))
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):

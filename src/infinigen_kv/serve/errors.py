@@ -21,3 +21,56 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     kind = ERROR_TYPES.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
                         headers=headers)
+
+
+# what a pydantic type error expected, in the words of a JSON user; a field with a wording of its own
+EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+            "list_type": "a list", "dict_type": "an object", "model_type": "an object",
+            "model_attributes_type": "an object", "none_required": "null"}
+FIELD_EXPECTED = {"content": "a string or a list of content parts", "prompt": "a string or a list of token ids",
+                  "stop": "a string or a list of strings"}
+
+
+def _json_kind(value) -> str:
+    for kind, name in ((type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number"),
+                       (str, "a string"), (list, "a list"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "something else"
+
+
+def _path(loc) -> tuple[str, str]:
+    """(the field as a user writes it, e.g. messages[0].content; its top-level name) from a pydantic location,
+    without "body" and the union members pydantic names (str, list[...], function-after[...])."""
+    out, top = "", None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and part.isidentifier() and part not in ("str", "int", "float", "bool", "dict", "list"):
+            out += ("." if out else "") + part
+            top = top or part
+    return out, top
+
+
+def validation_error(errors: list[dict], content_type: str | None) -> JSONResponse:
+    """A 400 saying what was wrong with a request body in the user's words: the field, what it should be and what
+    it was (`Invalid type for 'messages[0].content': expected a string or a list of content parts, but got an
+    integer instead.`), or that the body must be a JSON object."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    where, top = _path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return error_response(400, "the body is not valid JSON", None, "invalid_json")
+    if not where:
+        if "json" not in (content_type or ""):
+            return error_response(400, "send a JSON body with Content-Type: application/json", None, "invalid_body")
+        return error_response(400, "the body must be a JSON object", None, "invalid_body")
+    here = [e for e in errors if _path(e.get("loc", ()))[0] == where]  # a union: one error per member
+    if all(e.get("type") in EXPECTED for e in here):
+        field = where.rsplit(".", 1)[-1].split("[")[0]
+        words = list(dict.fromkeys(EXPECTED[e["type"]] for e in here))
+        expected = FIELD_EXPECTED.get(field) if len(words) > 1 else None
+        message = (f"Invalid type for '{where}': expected {expected or ' or '.join(words)}, "
+                   f"but got {_json_kind(first.get('input'))} instead.")
+        return error_response(400, message, top, "invalid_type")
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return error_response(400, f"{where}: {msg}", top, first.get("type"))

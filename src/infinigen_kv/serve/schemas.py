@@ -22,6 +22,7 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: StrictBool = False
 
 
@@ -31,7 +32,9 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # then refused by _known, naming the field
+    # strict: JSON types as the API documents them ("5" is not an integer, 5.0 neither; an integer is a number);
+    # unknown fields allowed here, then refused by `refused`, naming the field
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Text
     max_tokens: int | None = Field(None, ge=1)
@@ -135,7 +138,7 @@ class CompletionRequest(_Common):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[dict] | None = None  # a string, or text parts [{"type": "text", "text": ...}]
 
