@@ -66,7 +66,8 @@ def test_device_path_selects_as_the_direct_path(device_path, uva):
         ref, _, _ = run(model, ids, mask, fake=False, **opts)
         got, cache, transfer = run(model, ids, mask, uva=uva, **opts)
         assert torch.equal(got, ref)
-        rows = cache.counters.rows_moved * 2 * 16 * 4  # every slot of every fetch, K and V, float32, d = 16
+        kv = cache.layers[1].k.data.element_size()  # the pool's storage (kv_dtype)
+        rows = cache.counters.rows_moved * 2 * 16 * kv  # every slot of every fetch, K and V, d = 16
         if alpha == 1.0 and not uva:  # few tokens within alpha: the trimmed fetches move less than the cap's slots
             assert 0 < transfer.bytes_moved < rows
         else:

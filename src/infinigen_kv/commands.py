@@ -47,8 +47,7 @@ def cmd_generate(args) -> dict:
     prompt = args.prompt_text  # read and checked by _check_inputs, before torch loads
     start = time.perf_counter()
     model, tok = _load(args)
-    print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {time.perf_counter() - start:.1f} s", file=sys.stderr,
-          flush=True)
+    loaded = time.perf_counter() - start
     if args.chat:
         if not tok.chat_template:
             raise CLIError("--chat: this model's tokenizer has no chat template")
@@ -60,9 +59,11 @@ def cmd_generate(args) -> dict:
         raise CLIError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds the model's context of {limit}")
     device = next(model.parameters()).device
     cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
+    prefix = _prefix_store(args, model, cache)  # (bad input: one error line, no other before it)
+    print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {loaded:.1f} s", file=sys.stderr, flush=True)
     res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, progress="generate", prefix=_prefix_store(args, model, cache))
+                   seed=args.seed, progress="generate", prefix=prefix)
     texts = [tok.decode(res.tokens[i, : res.lengths[i]], skip_special_tokens=True) for i in range(args.batch)]
     stats = cache_stats(cache)
     out = {

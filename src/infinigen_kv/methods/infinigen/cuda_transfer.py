@@ -304,10 +304,10 @@ class CudaTransfer:
             self.unflushed[layer.layer_idx] = self._record(self.events[layer.layer_idx]["written"])
             return
         rows = self.rows[layer.layer_idx]
-        sk = rows.get("k", k.shape, k.dtype)
-        sv = rows.get("v", v.shape, v.dtype)
-        sk.copy_(k, non_blocking=True)
-        sv.copy_(v, non_blocking=True)
+        sk = rows.get("k", k.shape, layer.k.dtype)  # staged as the pool stores it (kv_dtype): the bytes it crosses
+        sv = rows.get("v", v.shape, layer.v.dtype)
+        sk.copy_(k.to(sk.dtype), non_blocking=True)
+        sv.copy_(v.to(sv.dtype), non_blocking=True)
         if slot is None:
             target = self._claim(layer, 1)
         else:
