@@ -413,17 +413,17 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
 
 
 def test_admission_by_pool_bytes(model_dir, tmp_path):
-    """Memory-aware admission (issue 14): with the full cache's 1,024 bytes per token of the tiny model and a
-    300 kB limit, a request of 260 tokens runs, a second one waits until it is done (both together would
-    need ~530 kB), and one of 410 tokens is a 400 naming the limit."""
-    s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--max-pool-bytes", "300000")
+    """Memory-aware admission: with the full cache's 512 bytes per token of the tiny model (bf16 rows) and a
+    150 kB limit, a request of 270 tokens runs, a second one of 60 waits until it is done (both together would
+    need ~170 kB), and one of 420 tokens is a 400 naming the limit."""
+    s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--max-pool-bytes", "150000")
     try:
         prompt = "The quick brown fox"
         url, body = s.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "temperature": 0}
         r = requests.post(url, json={**body, "max_tokens": 400})
         assert r.status_code == 400 and r.json()["error"]["code"] == "pool_limit_exceeded", r.text
         assert "--max-pool-bytes" in r.json()["error"]["message"]
-        assert s.metric("infinigen_pool_limit_bytes") == 300000
+        assert s.metric("infinigen_pool_limit_bytes") == 150000
         second, seen, pools = {}, [], []
         with requests.post(url, json={**body, "max_tokens": 250, "stream": True}, stream=True, timeout=60) as r:
             lines = r.iter_lines()
@@ -439,7 +439,7 @@ def test_admission_by_pool_bytes(model_dir, tmp_path):
         assert json.loads(first[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert second["r"].status_code == 200 and second["r"].json()["usage"]["completion_tokens"] == 40
         assert (1, 1) in seen  # one running, one waiting
-        assert 0 < max(pools) <= 300000
+        assert 0 < max(pools) <= 150000
     finally:
         s.stop()
 
