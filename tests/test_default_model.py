@@ -6,6 +6,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.bench.tasks import passkey
 from infinigen_kv.config import cache_dir
+from infinigen_kv.model.install import compute_dtype
 from infinigen_kv.model.load import model_dtype
 
 pytestmark = pytest.mark.slow
@@ -13,7 +14,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm():
-    model, tok = ig.load_model()
+    from infinigen_kv.model import gguf
+
+    import shutil
+
+    for old in (cache_dir() / "models").glob("SmolLM2-135M-Instruct*"):  # (the suite's own cache)
+        shutil.rmtree(old)
+    shard, gguf.SHARD_BYTES = gguf.SHARD_BYTES, 200 << 20  # converted in shards (~540 MB in float32)
+    try:
+        model, tok = ig.load_model()
+    finally:
+        gguf.SHARD_BYTES = shard
     return model, tok
 
 
@@ -21,10 +32,12 @@ def test_default_model_loads_from_converted_checkpoint(smollm):
     model, tok = smollm
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3
-    assert next(model.parameters()).dtype == torch.float32
-    assert model_dtype(model) == "bf16-weights"  # the CPU default: float32 compute, bfloat16 linear weights
-    converted = list((cache_dir() / "models").glob("SmolLM2-135M-Instruct*/model.safetensors"))
-    assert converted, "the GGUF was not converted to a cached safetensors checkpoint"
+    assert compute_dtype(model) == torch.float32 and model.model.norm.weight.dtype == torch.float32
+    assert model_dtype(model) == "bf16-weights"  # the CPU default: float32 compute, bfloat16 weights held once
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
+    converted = list((cache_dir() / "models").glob("SmolLM2-135M-Instruct*/model.safetensors.index.json"))
+    assert converted, "the GGUF was not converted to a cached, sharded safetensors checkpoint"
+    assert len(list(converted[0].parent.glob("model-*.safetensors"))) == 3
     assert tok.padding_side == "left"
 
 
@@ -104,7 +117,7 @@ def test_a_conversion_parses_a_gguf_once(tmp_path):
     """transformers builds a GGUFReader for the tokenizer, the config and the weights (~25 s each on Gemma 3's
     vocabulary): during a conversion they share one per file, and outside it nothing is patched."""
     gguf = pytest.importorskip("gguf")
-    from infinigen_kv.model.load import _one_gguf_reader
+    from infinigen_kv.model.gguf import one_reader
 
     path = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -114,7 +127,7 @@ def test_a_conversion_parses_a_gguf_once(tmp_path):
     w.write_tensors_to_file()
     w.close()
     real = gguf.GGUFReader
-    with _one_gguf_reader():
+    with one_reader():
         a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
         assert a is b and a.tensors[0].name == "x"
     assert gguf.GGUFReader is real and gguf.GGUFReader(path) is not a

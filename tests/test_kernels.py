@@ -278,8 +278,8 @@ def test_rope_in_place_has_transformers_bits(d):
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row, two
 def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
-    """Decode through the `linear` kernel equals the plain model (--dtype bf16-weights: with its weights
-    rounded to bfloat16)."""
+    """Decode through the `linear` kernel equals the plain model (--dtype bf16-weights: with its linear and
+    embedding weights rounded to bfloat16)."""
     import copy
 
     from infinigen_kv.model.load import fast_cpu_linears
@@ -289,7 +289,7 @@ def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
     fast_cpu_linears(fast, weights=weights)
     with torch.no_grad():
         for module in ref.modules():
-            if type(module) is torch.nn.Linear and weights == "bfloat16":
+            if (type(module) is torch.nn.Linear or module is ref.get_input_embeddings()) and weights == "bfloat16":
                 module.weight.copy_(module.weight.bfloat16())
     ids, mask = left_padded_batch(lengths=lengths)
     torch.testing.assert_close(step_logits(fast, ig.make_cache("full", fast), ids, mask),
@@ -352,21 +352,30 @@ def test_bf16_weights_default(monkeypatch):
     assert not bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
 
 
-def test_weight_bytes_count_bf16_copies(tiny_models):
-    """The bytes model reads a linear layer's bfloat16 decode copy at 2 bytes per weight (bf16-weights)."""
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "opt"])
+def test_bf16_weights_are_held_once(tiny_models, kind):
+    """bf16-weights holds the linear and embedding weights once, in bfloat16 (a tied LM head stays the embedding);
+    norms, biases and positions stay float32, and the bytes model counts what is held."""
     import copy
 
     from infinigen_kv.model.load import fast_cpu_linears, model_dtype
     from infinigen_kv.bench.report import weight_bytes
 
-    model = copy.deepcopy(tiny_models["llama-gqa"])
+    model = copy.deepcopy(tiny_models[kind])
+    tied = model.get_input_embeddings().weight is model.lm_head.weight
     before = weight_bytes(model)
-    linear = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear
-                 and m.weight is not model.get_input_embeddings().weight)
+    emb = model.get_input_embeddings()
+    halved = emb.weight.numel() + sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear
+                                      and m.weight is not emb.weight)
     fast_cpu_linears(model, weights="bfloat16")
     assert model_dtype(model) == "bf16-weights"
-    tied = model.get_input_embeddings().weight is model.lm_head.weight
-    assert weight_bytes(model) == before - 2 * linear - (2 * model.lm_head.weight.numel() if tied else 0)
+    assert weight_bytes(model) == before - 2 * halved
+    assert (model.get_input_embeddings().weight is model.lm_head.weight) == tied
+    for name, p in model.named_parameters():
+        linear = name.endswith("weight") and type(model.get_submodule(name.rsplit(".", 1)[0])) is torch.nn.Linear
+        assert p.dtype == (torch.bfloat16 if linear or p is model.get_input_embeddings().weight else torch.float32), name
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
+    assert model.get_input_embeddings()(torch.tensor([[3, 4]])).dtype == torch.float32
 
 
 def test_env_switch_read_at_start_up():

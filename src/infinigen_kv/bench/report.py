@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 from ..methods.base import cache_stats
+from ..model.install import compute_dtype
+from ..model.kv import kv_storage
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the parameters a decode step reads (tied embeddings counted once: the LM head reads them
-    every step; a linear layer with a bfloat16 copy for decode, `--dtype bf16-weights`, at 2 bytes each)."""
-    decode_bytes = {m.weight.data_ptr(): m.weight_bf16.numel() * m.weight_bf16.element_size()
-                    for m in model.modules() if getattr(m, "weight_bf16", None) is not None}
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += decode_bytes.get(p.data_ptr(), p.numel() * p.element_size())
-    return total
+    """Bytes of the parameters a decode step reads, as held (tied embeddings counted once: the LM head reads them
+    every step; bfloat16 weights at 2 bytes each)."""
+    return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
 
 
 def full_kv_bytes_per_step(model, batch: int, prompt_len: int, decode_steps: int) -> int:
@@ -24,7 +19,8 @@ def full_kv_bytes_per_step(model, batch: int, prompt_len: int, decode_steps: int
     H = c.num_attention_heads
     G = getattr(c, "num_key_value_heads", None) or H
     d = getattr(c, "head_dim", None) or c.hidden_size // H
-    el = next(model.parameters()).element_size()
+    p = next(model.parameters())
+    el = kv_storage("auto", compute_dtype(model), p.device).itemsize  # the rows as the default stores them
     mean_len = prompt_len + (decode_steps + 1) / 2
     return int(2 * batch * G * d * el * c.num_hidden_layers * mean_len)
 

@@ -11,7 +11,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..model.install import install
+from ..model.install import compute_dtype, install
 from ..model.kv import KVView, StepCache, kv_storage
 from .rows import PIN_ROUNDING, release_pinned
 
@@ -258,8 +258,8 @@ class Rebatch(StepCache):
 
     def kv_facts(self, model) -> dict:
         """The K/V rows' storage for `model` (the option resolved: "auto" differs by device and model dtype)."""
-        p = next(model.parameters())
-        return {"kv_dtype": str(kv_storage(self.kv_dtype, p.dtype, p.device)).replace("torch.", "")}
+        storage = kv_storage(self.kv_dtype, compute_dtype(model), next(model.parameters()).device)
+        return {"kv_dtype": str(storage).replace("torch.", "")}
 
     @torch.inference_mode()
     def prefix_block(self, start: int, end: int) -> dict:
@@ -273,7 +273,7 @@ class Rebatch(StepCache):
         """Fill this fresh cache (a batch of one) with the stored blocks `payloads` (block 0 first): the state a
         prefill of those tokens in chunks of `block` leaves. Returns the tokens restored. ValueError, before any
         row is written, when a payload does not fit the cache's buffers (a store of another layout)."""
-        arch, dtype = install(model), next(model.parameters()).dtype
+        arch, dtype = install(model), compute_dtype(model)
         tokens, plan = len(payloads) * block, []
         for i, layer in enumerate(self.layers):
             if not layer.is_initialized:  # buffers of the layer's own kind, dtype and device, empty

@@ -78,43 +78,57 @@ def _note_phase(module, args, kwargs) -> None:
 def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
     """A prefill's linear by the BLAS, padded to PREFILL_MIN_ROWS rows: above that the BLAS gives each row the
     same bits at any row count and offset (measured), below it its small-matrix path does not, so a short
-    prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie
-    selections, issue 13)."""
+    prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie selections)."""
     if rows == 0:  # no position kept (logits_to_keep: a chunk before the last)
         return x.new_empty(*x.shape[:-1], self.weight.shape[0])
     if rows >= PREFILL_MIN_ROWS or not x.is_cpu:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
     padded = x.new_zeros(PREFILL_MIN_ROWS, x.shape[-1])
     padded[:rows] = x.reshape(rows, -1)
-    return torch.nn.functional.linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+    return linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+CONVERT_ELEMENTS = 1 << 24  # most weights converted to float32 at once (64 MB): the LM head of a large vocabulary
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x with w as it is held: a bfloat16 weight of a float32 model is converted for the call (the
+    BLAS then computes as with float32 weights of the same values; ~3% of a 2,048-row product), in slices of
+    its output rows where it is large, so the conversion never holds a float32 copy of a whole LM head."""
+    if w.dtype == x.dtype:
+        return torch.nn.functional.linear(x, w, bias)
+    step = max(1, CONVERT_ELEMENTS // w.shape[1])
+    if w.shape[0] <= step:
+        return torch.nn.functional.linear(x, w.to(x.dtype), bias)
+    return torch.cat([torch.nn.functional.linear(x, w[s : s + step].to(x.dtype), None if bias is None else bias[s : s + step])
+                      for s in range(0, w.shape[0], step)], dim=-1)
 
 
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward, with decode-sized inputs (a few rows) through the `linear` kernel (its bfloat16
-    copy of the weight when the layer has one) or computed as (W x^T)^T; prefills unchanged. Runs ~200
+    """nn.Linear.forward, with decode-sized inputs (a few rows) through the `linear` kernel (which reads a
+    bfloat16 weight as it lies) or, float32 weights, computed as (W x^T)^T; prefills by the BLAS. Runs ~200
     times a decode step: the checks are ordered cheapest first."""
     rows = x.numel() // x.shape[-1]
     if _prefilling.get():  # one path whatever the batch (see _prefill_linear)
         return _prefill_linear(self, x, rows)
+    w = self.weight
     if rows > SMALL_BATCH or not x.is_cpu or x.dtype != torch.float32:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    w16 = self.weight_bf16
-    if rows <= (KERNEL_ROWS if w16 is None else KERNEL_ROWS_BF16) and (kern := backends.cpu().ops) is not None:
-        y = kern.linear(x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1).contiguous(),
-                        self.weight if w16 is None else w16, self.bias)
+        return linear(x, w, self.bias)
+    bf16 = w.dtype == torch.bfloat16
+    if rows <= (SMALL_BATCH if bf16 else KERNEL_ROWS) and (kern := backends.cpu().ops) is not None:
+        y = kern.linear(x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1).contiguous(), w, self.bias)
         return y.view(*x.shape[:-1], -1)
-    if rows < 2:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()  # (rows, out)
+    if rows < 2 or bf16:
+        return linear(x, w, self.bias)
+    y = torch.mm(w, x.reshape(rows, -1).t()).t()  # (rows, out)
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], -1)
 
 
-SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32)
-# Rows up to which the `linear` kernel beats the BLAS (docs/benchmarks-history.md, "Decode linears").
+SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32), and the kernel a converted weight
+# Rows up to which the `linear` kernel beats the BLAS on float32 weights (docs/benchmarks-history.md, "Decode linears").
 KERNEL_ROWS = 8
-KERNEL_ROWS_BF16 = 16
 
 
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")  # x / rms(x) * w (not Gemma's 1 + w)
@@ -134,26 +148,69 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
     shapes: up to KERNEL_ROWS rows go through the `linear` kernel (one streamed read of each weight row for
     all rows), up to SMALL_BATCH as W @ x^T; prefills by the BLAS (at least PREFILL_MIN_ROWS rows).
 
-    weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): every linear weight is rounded to
-    bfloat16 values (kept in float32 for prefill and larger batches, so every path sees the same weights)
-    and a bfloat16 copy serves decode steps through the kernel, which reads half the bytes. Activations,
-    norms and the KV cache stay float32. Llama-style RMSNorms (RMS_NORMS) of float32 weights get the `rms_norm`
-    kernel for every path (prefill and decode, the model's forward and model/step.py alike). Idempotent."""
+    weights="bfloat16" (weight-only bfloat16, `--dtype bf16-weights`): the linear weights and the input
+    embedding are held in bfloat16, once (bfloat16_weights); decode steps up to SMALL_BATCH rows read them
+    through the kernel, prefills and larger batches convert them per call (`linear`). Activations and norms
+    stay float32. Llama-style RMSNorms (RMS_NORMS) of float32 weights get the `rms_norm` kernel for every path
+    (prefill and decode, the model's forward and model/step.py alike). Idempotent."""
     if not getattr(model, "_infinigen_phase_hook", False):
         model.register_forward_pre_hook(_note_phase, with_kwargs=True)
         model._infinigen_phase_hook = True
-    model.__dict__.pop("_infinigen_merged", None)  # the decode step's merged matrices (step.py) follow the weights
+    if weights == "bfloat16":
+        bfloat16_weights(model)
     for module in model.modules():
         if type(module).__name__ in RMS_NORMS and module.weight.dtype == torch.float32 and "forward" not in vars(module):
             module.forward = types.MethodType(_fast_rms_norm, module)  # every path through the model, prefill too
-        if type(module) is not torch.nn.Linear:
-            continue
-        if weights == "bfloat16" and getattr(module, "weight_bf16", None) is None and module.weight.dtype == torch.float32:
-            with torch.no_grad():
-                module.weight.copy_(module.weight.to(torch.bfloat16))  # tied weights are rounded once, alike
-            module.weight_bf16 = module.weight.detach().to(torch.bfloat16)
-        if not getattr(module, "_infinigen_fast", False):
-            if not hasattr(module, "weight_bf16"):
-                module.weight_bf16 = None  # float32 weights: the kernel reads module.weight
+        if type(module) is torch.nn.Linear and not getattr(module, "_infinigen_fast", False):
             module.forward = types.MethodType(_small_batch_linear, module)
             module._infinigen_fast = True
+
+
+def bfloat16_weights(model) -> None:
+    """Hold a model's linear weights and its input embedding in bfloat16, one copy (a tied LM head stays tied
+    to the embedding), and every other parameter and buffer (norms, biases, learned positions) in float32: the
+    model computes in float32 over bfloat16 weights, as load_model loads it (in bfloat16, then this). A float32
+    weight is rounded once; the embedding's forward returns float32 rows (`_float32_embedding`)."""
+    held = {}
+    embedding = model.get_input_embeddings()
+    for module in model.modules():
+        if type(module) is torch.nn.Linear or module is embedding:
+            w = module.weight
+            if id(w) not in held:
+                held[id(w)] = w if w.dtype == torch.bfloat16 else torch.nn.Parameter(
+                    w.detach().to(torch.bfloat16), requires_grad=False)
+            module.weight = held[id(w)]
+    kept = {id(w) for w in held.values()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in kept and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        for module in model.modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+                    module._buffers[name] = b.float()
+    scaled = isinstance(getattr(embedding, "scalar_embed_scale", None), float)  # Gemma's sqrt(D)
+    if scaled:  # (its buffer was made in bfloat16 where the model was built in it)
+        embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale, dtype=torch.float32)
+    if "forward" not in vars(embedding):
+        embedding.forward = types.MethodType(_float32_scaled_embedding if scaled else _float32_embedding, embedding)
+    model.__dict__.pop("_infinigen_merged", None)  # the decode step's merged matrices (step.py) follow the weights
+    model._infinigen_weights = torch.bfloat16
+
+
+def _float32_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+    """The input embedding of a model with bfloat16 weights: the rows as held, in float32."""
+    return torch.nn.functional.embedding(ids, self.weight, self.padding_idx).float()
+
+
+def _float32_scaled_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+    """The same for an embedding with a scale (Gemma's sqrt(D)), applied in float32 as a float32 model does."""
+    return torch.nn.functional.embedding(ids, self.weight, self.padding_idx).float() * self.embed_scale
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype a model computes in: float32 for bfloat16 weights in a float32 model (bfloat16_weights),
+    otherwise its parameters'."""
+    if getattr(model, "_infinigen_weights", None) is not None:
+        return torch.float32
+    return next(model.parameters()).dtype

@@ -10,18 +10,18 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 import socket
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from . import backend as backends
 from ..config import DEFAULT_MODEL, cache_dir
+from . import gguf
 from .arch import check_supported
-from .install import fast_cpu_linears
+from .checkpoint import load_streamed
+from .install import compute_dtype, fast_cpu_linears
+from .step import prepare
 
 _DEFAULT_ALIASES = {None, "", "default", DEFAULT_MODEL.lower(), "smollm2", "smollm2-135m-instruct"}
 
@@ -68,7 +68,7 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-BF16_WEIGHTS = "bf16-weights"  # float32 compute and KV cache, linear weights in bfloat16 (CPU)
+BF16_WEIGHTS = "bf16-weights"  # float32 compute, linear and embedding weights held in bfloat16 (CPU)
 
 
 def bf16_weights(dtype: str | torch.dtype | None, device: torch.device) -> bool:
@@ -82,7 +82,8 @@ def bf16_weights(dtype: str | torch.dtype | None, device: torch.device) -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The dtype the model's parameters are loaded in (bf16-weights: float32, rounded and copied later)."""
+    """The dtype the model's parameters are loaded in (bf16-weights on CPU: bfloat16, then the norms and biases
+    made float32 by bfloat16_weights; on CUDA float32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == BF16_WEIGHTS:
@@ -99,55 +100,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF once into a safetensors checkpoint in the user cache; returns its directory."""
+    """Dequantize a GGUF once into a safetensors checkpoint in the user cache (gguf.convert, tensor by tensor);
+    returns its directory."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{path.stem}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"converting {path.name} to a safetensors checkpoint in {out.parent} (once) ...", file=sys.stderr)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with _one_gguf_reader():
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    # The weights are dequantized already: drop the GGUF quantization marker so they can be saved.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    if not (out / "config.json").is_file():
+        gguf.convert(path, out)
     return out
-
-
-@contextmanager
-def _one_gguf_reader():
-    """transformers parses a GGUF's metadata anew for the tokenizer, the config and the weights: ~25 s each for
-    Gemma 3's 262k-token vocabulary (numpy slicing per token). During a conversion the three share one reader
-    per file (gguf.GGUFReader, which transformers imports at each call; the reader is only read from)."""
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    real, readers = gguf.GGUFReader, {}
-
-    def shared(path, *args, **kwargs):
-        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
 
 
 def resolve_source(name: str | None) -> str:
@@ -172,6 +132,18 @@ def resolve_source(name: str | None) -> str:
     return name  # a hub id (resolved from the local hub cache, or downloaded where a network allows)
 
 
+def local_checkpoint(source: str) -> Path | None:
+    """The directory of `source` on this machine: itself, or a hub id's snapshot in the local Hugging Face cache."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, local_files_only=True))
+    except Exception:
+        return None  # not downloaded yet: from_pretrained fetches it
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub can be reached: HF_HUB_OFFLINE says no; behind a proxy we cannot tell
     cheaply and say yes; otherwise one TCP connection to the endpoint, at most `timeout` seconds."""
@@ -193,9 +165,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def model_dtype(model) -> str:
     """How the model computes, as --dtype names it: "bf16-weights", or its parameters' dtype."""
-    if any(getattr(m, "weight_bf16", None) is not None for m in model.modules()):
+    if getattr(model, "_infinigen_weights", None) == torch.bfloat16:
         return BF16_WEIGHTS
-    return str(next(model.parameters()).dtype).replace("torch.", "")
+    return str(compute_dtype(model)).replace("torch.", "")
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
@@ -207,7 +179,9 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    # bfloat16 weights on CPU: a local checkpoint loads straight into them, never held in float32
+    bf16w = dev.type == "cpu" and device_map is None and bf16_weights(dtype, dev)
+    dt = torch.bfloat16 if bf16w else resolve_dtype(dtype, dev)
     source = resolve_source(name)
     # a hub id with no way to the hub: the local cache only (huggingface_hub would retry for ~30 s)
     offline = not Path(source).exists() and not hub_reachable()
@@ -221,15 +195,22 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     check_supported(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa",
-                                                     device_map=device_map, local_files_only=offline)
+        model = None
+        local = local_checkpoint(source) if dev.type == "cpu" and device_map is None else None
+        if local is not None:  # tensor by tensor, in place
+            model = load_streamed(local, config, dt, bf16w)
+        if model is None:  # (bf16-weights: loaded in float32, then rounded once, norms and biases kept exact)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if bf16w else dt,
+                                                         attn_implementation="sdpa", device_map=device_map,
+                                                         local_files_only=offline)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     if device_map is None:
         model.to(dev)
     model.eval()
     if dev.type == "cpu" and device_map is None:
-        fast_cpu_linears(model, weights="bfloat16" if bf16_weights(dtype, dev) and dt == torch.float32 else "float32")
+        fast_cpu_linears(model, weights="bfloat16" if bf16w else "float32")
+        prepare(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -20,7 +20,7 @@ import torch
 from . import backend as backends
 from .attention import attend_layer, attention_block
 from .kv import StepCache
-from .install import KERNEL_ROWS_BF16, _prefilling, _small_batch_linear, install
+from .install import SMALL_BATCH, _prefilling, _small_batch_linear, compute_dtype, install
 
 KERNEL_TYPES = ("llama", "mistral", "qwen2")  # one pre-norm residual layout, SiLU-gated MLP, no QK-norm
 ENABLED = os.environ.get("INFINIGEN_OWN_STEP", "1") != "0"
@@ -80,11 +80,10 @@ def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: 
             ropes = {t: base.rotary_emb(x, positions, t) for t in dict.fromkeys(arch.rope_types)}
         else:
             ropes = {None: base.rotary_emb(x, positions)}  # (B, 1, d) each
-        p = next(model.parameters())
-        fast = getattr(model, "_infinigen_phase_hook", False)  # the fast linears (and bf16 copies) are installed
-        backend = backends.for_device(p.device)
-        kernel_path = fast and backend.kernels and arch.model_type in KERNEL_TYPES and p.dtype == torch.float32
-        plans = _merged(model) if kernel_path and B <= KERNEL_ROWS_BF16 else None
+        fast = getattr(model, "_infinigen_phase_hook", False)  # the fast linears are installed
+        backend = backends.for_device(x.device)
+        kernel_path = fast and backend.kernels and arch.model_type in KERNEL_TYPES and compute_dtype(model) == torch.float32
+        plans = _merged(model) if kernel_path and B <= SMALL_BATCH else None
         if plans is not None and None not in plans:
             rope = tuple(t.contiguous() for t in ropes[None])
             return _kernel_layers(model, arch, cache, backend, x, rope, masks, plans, at)
@@ -196,12 +195,20 @@ def _kernel_layers(model, arch, cache, backend, x, rope, masks, plans, at=None) 
     return _small_batch_linear(model.lm_head, _norm(base.norm, x))
 
 
+def prepare(model) -> None:
+    """What the decode step builds once for a model, built now (load_model calls it): the merged matrices of the
+    kernel path, so a short command's first steps do no one-time work."""
+    if getattr(model, "_infinigen_phase_hook", False) and backends.for_device(model.device).kernels:
+        if model.config.model_type in KERNEL_TYPES and compute_dtype(model) == torch.float32:
+            _merged(model)
+
+
 def _merged(model) -> list:
-    """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 decode weights as one matrix each, and
-    o's and down's (or None where a layer has no such copies): ((W (Hd + 2Gd, D), bias or None, split sizes),
+    """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 weights as one matrix each, and
+    o's and down's (or None where a layer's weights are not bfloat16): ((W (Hd + 2Gd, D), bias or None, split sizes),
     (W (2F, D), F), (W_o, bias or None), (W_down, bias or None)).
-    Made once per model; each projection's `weight_bf16` then becomes its rows of the merged matrix (a view: no
-    memory more), so the model's forward reads the same bytes. The kernel computes each output row on its own,
+    Made once per model, when the model loads (fast_cpu_linears); each projection's weight then becomes its rows of
+    the merged matrix (a view: the weights stay one copy), so the model's forward reads the same bytes. The kernel computes each output row on its own,
     so one call over the merged rows gives every projection's outputs to the same bits as separate calls."""
     plan = getattr(model, "_infinigen_merged", None)
     if plan is None:
@@ -213,7 +220,7 @@ def _merged(model) -> list:
 def _merge_layer(layer):
     a, m = layer.self_attn, layer.mlp
     qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-    if any(getattr(p, "weight_bf16", None) is None for p in qkv + gu + (a.o_proj, m.down_proj)):
+    if any(p.weight.dtype != torch.bfloat16 for p in qkv + gu + (a.o_proj, m.down_proj)):
         return None
     if any(p.bias is not None for p in gu):
         return None  # (an MLP with biases keeps its separate calls)
@@ -221,16 +228,16 @@ def _merge_layer(layer):
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    out = [(p.weight_bf16, None if p.bias is None else p.bias.detach()) for p in (a.o_proj, m.down_proj)]
+    out = [(p.weight.detach(), None if p.bias is None else p.bias.detach()) for p in (a.o_proj, m.down_proj)]
     return (_merge(qkv), bias, [p.out_features for p in qkv]), (_merge(gu), m.gate_proj.out_features), *out
 
 
 def _merge(projs) -> torch.Tensor:
-    """One matrix of the projections' bfloat16 weights, each projection's weight_bf16 made a view of its rows."""
-    W = torch.cat([p.weight_bf16 for p in projs])
+    """One matrix of the projections' weights, each projection's weight made a view of its rows."""
+    W = torch.cat([p.weight.detach() for p in projs])
     start = 0
     for p in projs:
-        p.weight_bf16 = W[start : start + p.out_features]
+        p.weight = torch.nn.Parameter(W[start : start + p.out_features], requires_grad=False)
         start += p.out_features
     return W
 

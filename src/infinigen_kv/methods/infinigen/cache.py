@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...config import ConfigError, InfiniGenConfig
-from ...model.install import install
+from ...model.install import compute_dtype, install
 from ..base import Rebatch
 from ...runtime.prefix import digest
 from ..keep import valid_keys
@@ -95,7 +95,7 @@ class InfiniGenCache(Rebatch, Cache):
             self.budget_scale = layer_scales(ensure_recall(model, calibration, self.config, tokenizer, type(self)))
         self._budgets = layer_budgets(self.config.budget, self.budget_scale)
         self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
-        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        device, dtype = next(model.parameters()).device, compute_dtype(model)
         self._compute = (dtype, device)  # the first layer's: the partial key cache's storage follows (prefix_facts)
         self.pq = PartialQuery(self.arch, calibration, dtype) if calibration is not None else None
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch

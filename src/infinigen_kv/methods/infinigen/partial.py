@@ -32,7 +32,7 @@ class PartialQuery:
     calibrated model; shared by a cache and its forks (what it memoizes is keyed by identity or device)."""
 
     def __init__(self, arch, calibration, dtype: torch.dtype):
-        self.arch = arch
+        self.arch, self.dtype = arch, dtype  # dtype: the model's compute dtype
         self.weight = self.bias = None
         if calibration.pq_weight is not None:  # no RoPE: A_P folded in, per layer on its layer's device
             devs = [a.q_proj.weight.device for a in arch.attns]
@@ -97,14 +97,13 @@ class PartialQuery:
 
     def gathered(self, layer: int) -> torch.Tensor:
         """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
-        decode weight (bfloat16 with --dtype bf16-weights): read at the bandwidth, where the same rows scattered
+        weight as held (bfloat16 with --dtype bf16-weights): read at the bandwidth, where the same rows scattered
         through q_proj ran at about half (docs/BENCHMARKS.md). Kept on the module, so every cache of the model
         shares it (12.6 MB for the default model, 5% of its weights)."""
         W = self._gathered.get(layer)
         if W is None:
             proj = self.arch.attns[layer].q_proj
-            w = getattr(proj, "weight_bf16", None)  # the weight decode steps use
-            w = w if w is not None else proj.weight.detach()
+            w = proj.weight.detach()
             memo = proj.__dict__.setdefault("_infinigen_pq_rows", {})
             key = (w.dtype, self.rows[layer].numpy().tobytes())
             if key not in memo:
@@ -126,8 +125,8 @@ class PartialQuery:
         heads = torch.arange(G * a.group).view(G, a.group, 1)
         rows = (heads * a.head_dim + both.view(G, 1, -1)).reshape(-1)  # (H 2p,)
         proj = a.attns[layer].q_proj
-        W = proj.weight.detach()[rows.to(proj.weight.device)].to(device)
-        b = proj.bias.detach()[rows.to(proj.bias.device)].to(device) if proj.bias is not None else None
+        W = proj.weight.detach()[rows.to(proj.weight.device)].to(device, self.dtype)  # (bfloat16 weights: computed in float32)
+        b = proj.bias.detach()[rows.to(proj.bias.device)].to(device, self.dtype) if proj.bias is not None else None
         memo = self._rows_memo[layer] = (W, b)
         return memo
 

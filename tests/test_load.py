@@ -1,0 +1,51 @@
+"""Loading a local checkpoint on CPU: tensor by tensor into the model, its weights held once in bfloat16."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from infinigen_kv.model import checkpoint
+from infinigen_kv.model.load import load_model
+from conftest import save_tiny
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
+def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, monkeypatch):
+    """The streamed load gives what from_pretrained gives (then rounded as bf16-weights rounds): the same
+    parameters, a tied LM head still tied, float32 norms and biases, and the same logits."""
+    path = save_tiny(tmp_path / kind, kind=kind)
+    model, _ = load_model(path, device="cpu")
+    monkeypatch.setattr(checkpoint, "load_streamed", lambda *a: None)
+    monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: None)
+    ref, _ = load_model(path, device="cpu")  # from_pretrained
+    assert type(model) is type(ref)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == model.config.tie_word_embeddings
+    ids = torch.randint(3, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
+    """A checkpoint whose tensor names are not the model's (transformers renames older layouts) is not streamed;
+    a sharded one is, shard by shard."""
+    path = save_tiny(tmp_path / "m")
+    sd = load_file(f"{path}/model.safetensors")
+    config = AutoConfig.from_pretrained(path)
+    save_file({("x." + k): v for k, v in sd.items()}, f"{path}/model.safetensors", metadata={"format": "pt"})
+    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False) is None
+    names = sorted(sd)
+    (tmp_path / "m" / "model.safetensors").unlink()
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for f, keys in halves.items():
+        save_file({k: sd[k] for k in keys}, f"{path}/{f}", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False)
+    assert model is not None and torch.equal(model.model.norm.weight, sd["model.norm.weight"])
