@@ -4,9 +4,9 @@ transformers' from_pretrained maps every shard of a checkpoint at once and copie
 loads, the process holds the file's pages beside the model (a 0.5B checkpoint in float32: 2.5 GB of pages over a
 1.3 GB model). Here the model is built without initializing its weights, in the dtypes it will compute with
 (bfloat16 weights: `bfloat16_weights` first, so norms and biases are float32 before their values arrive), and each
-tensor is read on its own (pread: no mapping) and copied into its parameter, cast as it goes. A checkpoint whose
-names are not the model's own (an older layout transformers renames while loading) returns None: from_pretrained
-loads it.
+tensor is copied into its parameter, cast as it goes, through a mapping of at most READ_BYTES at a time. A
+checkpoint whose names are not the model's own (an older layout transformers renames while loading) returns None:
+from_pretrained loads it.
 """
 
 from __future__ import annotations
@@ -53,9 +53,41 @@ def load_streamed(source: Path, config, dtype: torch.dtype, bf16_weights: bool):
         return None  # names transformers would rename, or weights the checkpoint lacks
     with torch.no_grad():
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu", backend="pread") as h:
-                for k in h.keys():
-                    targets[k].copy_(h.get_tensor(k))  # (cast to the parameter's dtype)
+            _read_shard(f, targets)
     if (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(source))
     return model.eval()
+
+
+READ_BYTES = 64 << 20  # most bytes of a shard mapped at once (a float32 LM head of a large vocabulary: in slices)
+
+
+def _read_shard(path: Path, targets: dict) -> None:
+    """Copy every tensor of shard `path` into its target (cast to the target's dtype), in row slices, through a
+    mapping of the file reopened every READ_BYTES: the pages read are unmapped as the load goes (a mapping kept
+    open holds the whole shard's pages in the process; reading without one, pread, reads a whole tensor per
+    slice)."""
+    from safetensors import safe_open
+
+    h, mapped = None, 0
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as index:
+            names = list(index.keys())
+        for name in names:
+            target = targets[name]
+            rows = target.shape[0] if target.dim() else 1
+            step = max(1, READ_BYTES // max(1, 4 * target.numel() // rows))
+            for s in range(0, rows, step):
+                if h is None or mapped >= READ_BYTES:
+                    if h is not None:
+                        h.__exit__(None, None, None)
+                    h, mapped = safe_open(str(path), framework="pt", device="cpu").__enter__(), 0
+                if target.dim() == 0:
+                    target.copy_(h.get_tensor(name))
+                else:
+                    e = min(s + step, rows)  # (a slice past the end is an error)
+                    target[s:e].copy_(h.get_slice(name)[s:e])
+                mapped += 4 * target.numel() * min(step, rows - s) // rows
+    finally:
+        if h is not None:
+            h.__exit__(None, None, None)

@@ -100,8 +100,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     step = max(1, CONVERT_ELEMENTS // w.shape[1])
     if w.shape[0] <= step:
         return torch.nn.functional.linear(x, w.to(x.dtype), bias)
-    return torch.cat([torch.nn.functional.linear(x, w[s : s + step].to(x.dtype), None if bias is None else bias[s : s + step])
-                      for s in range(0, w.shape[0], step)], dim=-1)
+    parts = [(w[s : s + step], None if bias is None else bias[s : s + step]) for s in range(0, w.shape[0], step)]
+    return torch.cat([torch.nn.functional.linear(x, wp.to(x.dtype), bp) for wp, bp in parts], dim=-1)
 
 
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -207,9 +207,10 @@ def _merged(model) -> list:
     """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 weights as one matrix each, and
     o's and down's (or None where a layer's weights are not bfloat16): ((W (Hd + 2Gd, D), bias or None, split sizes),
     (W (2F, D), F), (W_o, bias or None), (W_down, bias or None)).
-    Made once per model, when the model loads (fast_cpu_linears); each projection's weight then becomes its rows of
-    the merged matrix (a view: the weights stay one copy), so the model's forward reads the same bytes. The kernel computes each output row on its own,
-    so one call over the merged rows gives every projection's outputs to the same bits as separate calls."""
+    Made once per model, when the model loads (prepare); each projection's weight then becomes its rows of the
+    merged matrix (a view: the weights stay one copy), so the model's forward reads the same bytes. The kernel
+    computes each output row on its own, so one call over the merged rows gives every projection's outputs to the
+    same bits as separate calls."""
     plan = getattr(model, "_infinigen_merged", None)
     if plan is None:
         plan = [_merge_layer(layer) for layer in model.model.layers]
