@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # llama.cpp on the same machine, same GGUF, same thread count: the reference a CPU user would pick.
 # A reference, not a dependency: builds llama.cpp from the source inside the llama-cpp-python sdist (PyPI),
-# then measures decode tok/s at batch 1 for context depths 1k/4k/8k (llama-bench -d) and batches 4 and 8
-# at 4k over distinct prompts (llama-batched-bench), with the default model's GGUF (Q4_1) and an F16 copy of it.
+# then measures decode tok/s at batch 1 for context depths 1k/4k/8k (llama-bench -d), its max RSS at batch 1 x 4k,
+# and batches 4 and 8 at 4k over distinct prompts (llama-batched-bench), with a GGUF as given (default: the
+# default model's, Q4_1) and F16 and Q8_0 copies of it.
 #
-#   bash scripts/llama_cpp_bench.sh [OUT_DIR=results/llamacpp] [THREADS=2]
-#   WEIGHTS="F16" BATCHED=0 bash scripts/llama_cpp_bench.sh ...   # the F16 GGUF only, batch 1 only
-#   WEIGHTS="F16" BATCH1=0 bash scripts/llama_cpp_bench.sh ...    # the F16 GGUF only, batches only
+#   bash scripts/llama_cpp_bench.sh [OUT_DIR=results/llamacpp] [THREADS=2] [MODEL.gguf]
+#   WEIGHTS="F16 Q8_0" BATCHED=0 bash scripts/llama_cpp_bench.sh ...   # the F16 and Q8_0 copies, batch 1 only
+#   WEIGHTS="F16" BATCH1=0 bash scripts/llama_cpp_bench.sh ...         # the F16 copy only, batches only
+#   DEPTHS=4096,16384 ...                                              # batch 1 at these depths
 #
 # Each cell with flash attention off and on (KV F16) and on with KV q8_0, batches too: report llama.cpp's best per cell.
 # Needs cmake and a C++ compiler. Takes ~10 minutes to build on 2 cores, ~6 minutes per weight type at batch 1,
@@ -17,7 +19,8 @@ THREADS=${2:-2}
 PY=${PYTHON:-.venv/bin/python}
 WORK=${LLAMA_WORK:-$HOME/.cache/infinigen_kv/llama.cpp}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
-WEIGHTS=${WEIGHTS:-"Q4_1 F16"}
+WEIGHTS=${WEIGHTS:-"GGUF F16"}  # GGUF: the file as given
+DEPTHS=${DEPTHS:-1024,4096,8192}
 BATCHED=${BATCHED:-1}
 BATCH1=${BATCH1:-1}
 mkdir -p "$OUT" "$WORK"
@@ -36,9 +39,12 @@ if [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
 fi
 BIN="$BUILD/bin"
 
-Q41=$("$PY" -c "from infinigen_kv.model.load import default_gguf; print(default_gguf())")
-F16="$WORK/$(basename "${Q41%.gguf}").F16.gguf"
-[ -f "$F16" ] || "$BIN/llama-quantize" --allow-requantize "$Q41" "$F16" F16 >"$OUT/quantize.log" 2>&1
+SRC_GGUF=${3:-$("$PY" -c "from infinigen_kv.model.load import default_gguf; print(default_gguf())")}
+copy() {  # the source GGUF requantized to type $1, once
+  local f="$WORK/$(basename "${SRC_GGUF%.gguf}").$1.gguf"
+  [ -f "$f" ] || "$BIN/llama-quantize" --allow-requantize "$SRC_GGUF" "$f" "$1" >"$OUT/quantize-$1.log" 2>&1
+  echo "$f"
+}
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -47,14 +53,18 @@ F16="$WORK/$(basename "${Q41%.gguf}").F16.gguf"
 } >"$OUT/machine.txt"
 cat "$OUT/machine.txt"
 
-for W in Q4_1:"$Q41" F16:"$F16"; do
-  name=${W%%:*}; model=${W#*:}
-  case " $WEIGHTS " in *" $name "*) ;; *) continue ;; esac
+echo "model: $SRC_GGUF" >>"$OUT/machine.txt"
+for name in $WEIGHTS; do
+  if [ "$name" = GGUF ]; then model=$SRC_GGUF; else model=$(copy "$name"); fi
   if [ "$BATCH1" = 1 ]; then
-    echo "== $name: batch 1, 32 new tokens at depth 1k/4k/8k (llama-bench), flash attention off/on, KV F16; on with KV q8_0"
-    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa off,on -o md | tee "$OUT/bench-$name.md"
-    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 1024,4096,8192 -r 3 -fa on -ctk q8_0 -ctv q8_0 -o md \
+    echo "== $name: batch 1, 32 new tokens at depths $DEPTHS (llama-bench), flash attention off/on, KV F16; on with KV q8_0"
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d "$DEPTHS" -r 3 -fa off,on -o md | tee "$OUT/bench-$name.md"
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d "$DEPTHS" -r 3 -fa on -ctk q8_0 -ctv q8_0 -o md \
       | tee "$OUT/bench-$name-q8kv.md"
+    # max RSS of one batch-1 run at depth 4k (flash attention on, KV F16): the process's peak, weights included
+    /usr/bin/time -f "max RSS %M KB" "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 4096 -r 1 -fa on \
+      -o md >/dev/null 2>"$OUT/rss-$name.txt" || true
+    tail -1 "$OUT/rss-$name.txt"
   fi
   [ "$BATCHED" = 1 ] || continue
   # Distinct prompts (no -pps): every sequence has its own 4,096 cells, as a batch of different requests has;

@@ -1,4 +1,4 @@
-"""The prefix cache through the server, with the openai client (issue 34; a command, not a test: results go to
+"""The prefix cache through the server, with the openai client (a command, not a test: results go to
 docs/BENCHMARKS.md).
 
     python scripts/prefix_bench.py --data ../shared/data [--model M] [--methods infinigen,full]

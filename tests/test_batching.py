@@ -1,4 +1,4 @@
-"""Continuous batching (issue 14, item 1): sequences join a running cache after their own (chunked) prefill and
+"""Continuous batching: sequences join a running cache after their own (chunked) prefill and
 leave it when they end; what a sequence generates does not depend on what else shares its batch."""
 
 import pytest

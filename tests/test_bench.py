@@ -123,7 +123,7 @@ ESSAY = ("It was the best of times, it was the worst of times, it was the age of
 
 @pytest.mark.parametrize("task", __import__("infinigen_kv.bench.ruler", fromlist=["TASKS"]).TASKS)
 def test_ruler_generators_sized_deterministic_answers_in_prompt(tok, task):
-    """Issue 12, item 1: each RULER task fits its token length (within 10%), is the same for a seed and
+    """Each RULER task fits its token length (within 10%), is the same for a seed and
     other for another, and every expected string is in the prompt."""
     from infinigen_kv.bench import ruler
 

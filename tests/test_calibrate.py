@@ -147,7 +147,7 @@ def test_recall_is_measured_once_and_kept(tmp_path, tiny_models):
 
 
 def test_calibration_reports_progress_and_its_time_without_a_terminal(tiny_models, tmp_path, monkeypatch, capsys):
-    """Issue 29: calibrating on first use says so, shows progress where no bar is drawn (a line at most every
+    """Calibrating on first use says so, shows progress where no bar is drawn (a line at most every
     TICK_SECONDS: here every step) and how long it took."""
     import importlib
 

@@ -69,7 +69,7 @@ def one_line_error(r, text):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, r.stderr
     assert "Traceback" not in r.stderr and text in lines[0], lines[0]
-    assert lines[0].startswith("infinigen: error: "), lines[0]  # one prefix for every error (issue 29)
+    assert lines[0].startswith("infinigen: error: "), lines[0]  # one prefix for every error
 
 
 @pytest.mark.parametrize("args,text", [
@@ -80,7 +80,7 @@ def one_line_error(r, text):
     (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model path not found"),
     (["generate"], "required"),
     (["bench", "speed", "--methods", "full,nope"], "unknown method"),
-    # issue 13, item 9: was a 20-line traceback / accepted as greedy / "expected one argument"
+    # was a 20-line traceback / accepted as greedy / "expected one argument"
     (["generate", "--prompt", "hi", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2]"),
     (["generate", "--prompt", "hi", "--capacity", "-1MiB"], "capacity must be a fraction"),
@@ -118,7 +118,7 @@ def test_prompt_longer_than_context_and_foreign_calibration(tiny_dir, tmp_path):
 
 
 def test_help_version_and_usage_errors_import_no_torch():
-    """--help, --version, argument errors and a missing or empty prompt (issue 29: 29 s) answer without importing
+    """--help, --version, argument errors and a missing or empty prompt (importing everything took 29 s) answer without importing
     torch or transformers (they took 5-7 s);
     the light list of method names the parser uses is the registry's."""
     import subprocess
@@ -148,7 +148,7 @@ def test_lazy_package_names_are_the_functions():
 
 
 def test_help_shows_every_default():
-    """Issue 13, item 10: each option with a default says it in --help (argparse shows none by default)."""
+    """Each option with a default says it in --help (argparse shows none by default)."""
     import argparse
 
     from infinigen_kv.cli import build_parser
@@ -197,7 +197,7 @@ def test_a_long_prefill_reports_its_progress_off_a_terminal(tiny_models, monkeyp
 
 
 def test_busy_port_fails_before_loading_the_model(tmp_path):
-    """Issue 13, item 7: a second server on a busy port says so in one line, exit 1, before loading anything
+    """A second server on a busy port says so in one line, exit 1, before loading anything
     (it loaded the model and printed "serving ..." first; the model path here does not even exist)."""
     import socket
     import time
@@ -212,7 +212,7 @@ def test_busy_port_fails_before_loading_the_model(tmp_path):
 
 
 def test_unknown_hub_id_without_network_fails_at_once(monkeypatch):
-    """Issue 13, item 9: an unknown hub id with no route to the hub was 12 retry lines over 29 s."""
+    """An unknown hub id with no route to the hub was 12 retry lines over 29 s."""
     import time
 
     from infinigen_kv.model import load as models
@@ -225,7 +225,7 @@ def test_unknown_hub_id_without_network_fails_at_once(monkeypatch):
 
 
 def test_pyproject_has_no_setuptools_deprecation():
-    """Issue 13, item 10: `project.license` as a TOML table is deprecated (a warning on every install)."""
+    """`project.license` as a TOML table is deprecated (a warning on every install)."""
     import warnings
     from pathlib import Path
 
@@ -240,7 +240,7 @@ def test_pyproject_has_no_setuptools_deprecation():
 
 
 def test_budget_takes_fractions_and_token_counts():
-    """Issue 12, item 2: --budget 0.1 is a fraction, --budget 1024 a token count, for every command."""
+    """--budget 0.1 is a fraction, --budget 1024 a token count, for every command."""
     from infinigen_kv.cli import build_parser
 
     p = build_parser()
@@ -301,7 +301,7 @@ def test_missing_extras_say_so_in_one_line(monkeypatch, tmp_path, capsys):
 
 
 def test_generate_reuses_a_prefix_across_commands(tiny_dir, tmp_path, capsys):
-    """Issue 34: several questions about one long text, one command each, prefill it once (--prefix-cache-dir)."""
+    """Several questions about one long text, one command each, prefill it once (--prefix-cache-dir)."""
     from infinigen_kv.cli import main
 
     disk, outs = str(tmp_path / "prefix"), []

@@ -83,7 +83,7 @@ def test_passkey_with_default_settings(smollm):
 
 
 def test_short_prompts_answer_as_the_full_cache_at_the_defaults(smollm):
-    """Issue 29: at the default budget, short prompts (chat and completion) get the full cache's greedy answer
+    """At the default budget, short prompts (chat and completion) get the full cache's greedy answer
     (budget 0.1 alone gave ", the most of of of ..." to "Once upon a time"): a short past is attended whole."""
     from infinigen_kv.bench.accuracy import short_prompts
 
@@ -99,9 +99,9 @@ def test_short_prompts_answer_as_the_full_cache_at_the_defaults(smollm):
 
 
 def test_a_rows_selection_does_not_depend_on_its_batch(smollm):
-    """Issue 13, item 1, on the issue's own example: "My favourite food is" alone and left-padded next to
-    longer prompts gives the same tokens, the same logprobs to the bit and the same chosen entries at every
-    layer and step (before: 4 of 841 selections differed, from the prefill's numbers)."""
+    """The prompt "My favourite food is" alone and left-padded next to longer prompts gives the same tokens, the same
+    logprobs to the bit and the same chosen entries at every layer and step (a prefill whose numbers depended on
+    the batch flipped 4 of 841 selections)."""
     from conftest import row_zero_selections
 
     model, tok = smollm

@@ -392,7 +392,7 @@ def test_env_switch_read_at_start_up():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_batch_invariant(dtype):
     """A row's attention and selection are the same bits alone and left-padded in a batch with another row:
-    the kernels' work split and vector blocks depend on the row's own tokens only (issue 13, item 1)."""
+    the kernels' work split and vector blocks depend on the row's own tokens only."""
     torch.manual_seed(4)
     G, r, d, p, n, pad = 3, 3, 64, 32, 1300, 37  # several split chunks; n and n + pad differ mod 8
     q, qp = torch.randn(1, G, r, d), torch.randn(1, G, r, p)
@@ -418,7 +418,7 @@ def test_kernels_batch_invariant(dtype):
 
 
 def test_kernels_give_the_same_bits_with_any_thread_count(tiny_models):
-    """Issue 29: the decode thread count changes with the machine's load (threads.py), so a result must not
+    """the decode thread count changes with the machine's load (threads.py), so a result must not
     depend on it: the same logits to the bit with 1, 2 and 3 threads (speculate, partial_query, attend and
     linear all split their work across the team)."""
     if kernels.cpu() is None:

@@ -1,4 +1,4 @@
-"""The package's shape (issue 32): the import drawing has no cycle and no arrow from the core to the server, the
+"""The package's shape: the import drawing has no cycle and no arrow from the core to the server, the
 benchmarks or the command line; shared code reads the traits methods declare, never probes for them or tests a
 method's name; modules and functions stay small enough to read."""
 

@@ -153,7 +153,7 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),  # over --max-batch
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1200}]}, 400, "messages"),  # > context
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    # issue 13: a seed a generator cannot take (was a 500 for the whole batch), booleans that are not
+    # a seed a generator cannot take (was a 500 for the whole batch), booleans that are not
     # booleans, and fields we cannot honour (were silently ignored)
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": -2**70}, 400, "seed"),
@@ -163,7 +163,7 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, 400, "response_format"),
-    # issue 13, items 3 and 6: text that is no Unicode, and top_logprobs without logprobs
+    # text that is no Unicode, and top_logprobs without logprobs
     ({"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, 400, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
@@ -250,13 +250,13 @@ def test_disconnect_mid_stream_frees_the_place(server, client):
         time.sleep(0.1)
     assert server.metric("infinigen_cancelled_requests_total") == before + 1
     assert server.metric("infinigen_queue_depth") == 0
-    # its rows left the batch: no request runs and no KV cache is held (issue 14)
+    # its rows left the batch: no request runs and no KV cache is held
     assert server.metric("infinigen_running_requests") == 0 and server.metric("infinigen_pool_bytes") == 0
     assert chat(client, max_tokens=3).usage.completion_tokens == 3
 
 
 def test_a_request_joins_the_running_batch(server, client):
-    """Continuous batching (issue 14): a short request sent while a long one streams is answered while the
+    """Continuous batching: a short request sent while a long one streams is answered while the
     long one is still generating (statically batched, it waited for the long one's end)."""
     body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0, "stream": True}
     with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
@@ -274,7 +274,7 @@ def test_a_request_joins_the_running_batch(server, client):
 
 
 def test_disconnect_of_a_plain_request_frees_the_place(server):
-    """Issue 13, item 4: a non-streaming client that leaves is cancelled at once (it ran to max_tokens)."""
+    """A non-streaming client that leaves is cancelled at once (it ran to max_tokens)."""
     before = server.metric("infinigen_cancelled_requests_total")
     body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0})
     with socket.create_connection(("127.0.0.1", server.port)) as s:
@@ -292,7 +292,7 @@ def test_disconnect_of_a_plain_request_frees_the_place(server):
 
 
 def test_logprobs_chat_and_completions(client, server):
-    """Issue 13, item 6: logprobs / top_logprobs (were silently ignored)."""
+    """Logprobs / top_logprobs (were silently ignored)."""
     r = chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
@@ -322,7 +322,7 @@ def test_logprobs_chat_and_completions(client, server):
 
 
 def test_an_unexpected_error_is_a_counted_500():
-    """Issue 13, item 3: an exception no handler takes answers a 500 error JSON and /metrics counts it (the
+    """An exception no handler takes answers a 500 error JSON and /metrics counts it (the
     500 was answered outside the counting middleware, with an ASGI traceback in the log)."""
     from fastapi.testclient import TestClient
 
@@ -357,7 +357,7 @@ def test_metrics(server):
         assert name in text
     assert server.metric("infinigen_completion_tokens_total") > 0
     assert 0 < server.metric("infinigen_fetched_fraction") <= 1
-    # where the worker's time went (issue 14): prompt tokens and decode steps served so far
+    # where the worker's time went: prompt tokens and decode steps served so far
     assert server.metric("infinigen_prefill_tokens_total") >= server.metric("infinigen_prompt_tokens_total") > 0
     assert server.metric("infinigen_prefill_seconds_total") > 0 and server.metric("infinigen_decode_seconds_total") > 0
     steps = server.metric("infinigen_decode_steps_total")
@@ -390,13 +390,13 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         r = requests.post(url, json=body, headers=key)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
 
-        # SIGTERM while a stream runs (issue 13, item 5): new requests and /health get 503 at once; after the
+        # SIGTERM while a stream runs: new requests and /health get 503 at once; after the
         # grace period the stream ends with an error event and [DONE]; exit 0, no traceback.
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         r = requests.post(url, json=body, headers=key)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
-        assert r.headers["Retry-After"] == "5"  # issue 29: a client knows when to try again
+        assert r.headers["Retry-After"] == "5"  # a client knows when to try again
         assert requests.get(s.url + "/health").json()["status"] == "draining"
         rest = [x for x in lines if x]
         assert rest[-1] == b"data: [DONE]"
@@ -479,7 +479,7 @@ def test_per_row_seeds_do_not_depend_on_the_batch():
 
 def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
     """A request whose prefill raises (here: a stand-in fault on prompts starting with id 99) fails alone; the
-    request running with it completes (issue 13, item 2: one bad request failed its batch-mates)."""
+    request running with it completes (one bad request must not fail its batch-mates)."""
     import asyncio
 
     import infinigen_kv as ig
@@ -517,7 +517,7 @@ def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
     assert good[-1] == ("done", "length", None, 0) and bad[-1][0] == "error" and "stand-in fault" in bad[-1][1]
 
 
-# --- issue 29: the sampling fields, plain and streaming, alone and in a batch --------------------------------
+# --- the sampling fields, plain and streaming, alone and in a batch --------------------------------
 
 PROMPT = [5, 17, 33, 60, 91, 120, 140, 7, 9, 200]  # token ids: the same prompt whatever the tokenizer
 

@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve (issue 14, item 3): `infinigen serve --replicas 2` on loopback answers the openai client
+"""Scale-out on Ray Serve: `infinigen serve --replicas 2` on loopback answers the openai client
 (plain and streaming) through Ray's proxy from both replicas; a replica killed mid-load leaves the other
 serving, and Ray starts a new one."""
 

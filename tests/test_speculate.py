@@ -85,7 +85,7 @@ def test_approx_scores_shapes_and_scale():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_selection_does_not_depend_on_its_batch(kind):
-    """Issue 13, item 1: a row's tokens and its chosen entries at every layer and step are the same alone and
+    """A row's tokens and its chosen entries at every layer and step are the same alone and
     in a batch, padded or not (the prefill's BLAS path, SDPA's blocking over the padded length and the
     linear kernel's row blocks each made a row's last bits depend on its batch-mates)."""
     from infinigen_kv.model.load import fast_cpu_linears
@@ -175,8 +175,8 @@ def test_infinigen_token_budget_caps_each_head_and_large_is_exact():
 
 def test_unpadded_decode_builds_no_keep():
     """With nothing padded transformers drops the decode mask, and speculation keeps its cheapest path: no
-    keep tensor, one integer cap, fetch counts added on the host (issue 12 briefly read every step's keep
-    from the model's 2-D mask, all ones)."""
+    keep tensor, one integer cap, fetch counts added on the host (not a keep read every step from the model's
+    2-D mask, all ones)."""
     import infinigen_kv as ig
 
     model = tiny_model("llama-gqa")

@@ -58,7 +58,7 @@ def test_multi_token_forward_after_decode_is_refused(tiny_models):
 
 @pytest.mark.parametrize("method", ["streaming", "h2o"])
 def test_budget_as_a_token_count(tiny_models, method):
-    """Issue 12, item 2: budget=12 keeps 12 entries per sequence whatever its length (fewer while it has fewer
+    """Budget=12 keeps 12 entries per sequence whatever its length (fewer while it has fewer
     tokens); a token count beyond the context is the full cache."""
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(60, 5))

@@ -39,7 +39,7 @@ def __dir__():
     return sorted(list(globals()) + __all__)
 
 
-# old module -> its new place (the re-layout of issue 32)
+# old module -> its new place (the package's earlier layout)
 MOVED = {
     "adapters": "model.arch", "attention": "model.attention", "kernels": "model.kernels", "models": "model.load",
     "baselines": "methods.registry", "baselines.full": "methods.full", "baselines.offload": "methods.offload",

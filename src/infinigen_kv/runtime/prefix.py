@@ -1,5 +1,5 @@
 """The prefix store: KV blocks of past requests kept in host memory and on disk, keyed by the tokens that produced
-them, so that a request whose prompt starts the same way skips that part of its prefill (issue 34).
+them, so that a request whose prompt starts the same way skips that part of its prefill.
 
 A block is `block` consecutive tokens of a sequence. Its key is a hash chain, as vLLM's prefix caching keys its
 blocks: h_0 = H(namespace), h_i = H(h_{i-1}, tokens of block i), so a key names a block *and everything before
