@@ -21,6 +21,7 @@ WORK=${LLAMA_WORK:-$HOME/.cache/infinigen_kv/llama.cpp}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 WEIGHTS=${WEIGHTS:-"GGUF F16"}  # GGUF: the file as given
 DEPTHS=${DEPTHS:-1024,4096,8192}
+REPS=${REPS:-3}  # repetitions of each llama-bench cell
 BATCHED=${BATCHED:-1}
 BATCH1=${BATCH1:-1}
 mkdir -p "$OUT" "$WORK"
@@ -58,8 +59,8 @@ for name in $WEIGHTS; do
   if [ "$name" = GGUF ]; then model=$SRC_GGUF; else model=$(copy "$name"); fi
   if [ "$BATCH1" = 1 ]; then
     echo "== $name: batch 1, 32 new tokens at depths $DEPTHS (llama-bench), flash attention off/on, KV F16; on with KV q8_0"
-    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d "$DEPTHS" -r 3 -fa off,on -o md | tee "$OUT/bench-$name.md"
-    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d "$DEPTHS" -r 3 -fa on -ctk q8_0 -ctv q8_0 -o md \
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d "$DEPTHS" -r "$REPS" -fa off,on -o md | tee "$OUT/bench-$name.md"
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d "$DEPTHS" -r "$REPS" -fa on -ctk q8_0 -ctv q8_0 -o md \
       | tee "$OUT/bench-$name-q8kv.md"
     # max RSS of one batch-1 run at depth 4k (flash attention on, KV F16): the process's peak, weights included
     /usr/bin/time -f "max RSS %M KB" "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 4096 -r 1 -fa on \

@@ -12,12 +12,17 @@ from infinigen_kv.model.load import load_model
 from conftest import save_tiny
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3", "llama-gqa"])
 def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, monkeypatch):
     """The streamed load gives what from_pretrained gives (then rounded as bf16-weights rounds): the same
     parameters, a tied LM head still tied, float32 norms and biases, and the same logits."""
     path = save_tiny(tmp_path / kind, kind=kind)
+    streamed = []
+    real = checkpoint.load_streamed
+    monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: streamed.append(real(*a)) or streamed[-1])
     model, _ = load_model(path, device="cpu")
+    assert streamed and streamed[0] is model  # not a fallback to from_pretrained
+    monkeypatch.undo()
     monkeypatch.setattr(checkpoint, "load_streamed", lambda *a: None)
     monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: None)
     ref, _ = load_model(path, device="cpu")  # from_pretrained

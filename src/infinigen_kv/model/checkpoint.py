@@ -41,6 +41,7 @@ def load_streamed(source: Path, config, dtype: torch.dtype, bf16_weights: bool):
         return None
     with no_init_weights():  # uninitialized storage, filled below; buffers (RoPE frequencies) computed as usual
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.tie_weights()  # (no_init_weights skips it with the initialization)
     if bf16_weights:
         bfloat16_weights(model)
     targets = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer (tied ones share one)
