@@ -38,13 +38,17 @@ def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, monkeypatch):
 
 
 def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
-    """A checkpoint whose tensor names are not the model's (transformers renames older layouts) is not streamed;
-    a sharded one is, shard by shard."""
+    """A checkpoint whose tensor names or shapes are not the model's (transformers renames older layouts, reports
+    mismatches) is not streamed; a sharded one is, shard by shard."""
     path = save_tiny(tmp_path / "m")
     sd = load_file(f"{path}/model.safetensors")
     config = AutoConfig.from_pretrained(path)
     save_file({("x." + k): v for k, v in sd.items()}, f"{path}/model.safetensors", metadata={"format": "pt"})
     assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False) is None
+    save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
+    config.vocab_size = 300  # the model's shapes are not the checkpoint's
+    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False) is None
+    config.vocab_size = 256
     names = sorted(sd)
     (tmp_path / "m" / "model.safetensors").unlink()
     halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}

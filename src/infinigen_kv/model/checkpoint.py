@@ -45,13 +45,13 @@ def load_streamed(source: Path, config, dtype: torch.dtype, bf16_weights: bool):
     if bf16_weights:
         bfloat16_weights(model)
     targets = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer (tied ones share one)
-    names = {}
+    shapes = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as h:
-            names.update((k, f) for k in h.keys())
-    missing = {id(targets[k]) for k in targets if k not in names} - {id(targets[k]) for k in names if k in targets}
-    if any(k not in targets for k in names) or missing:
-        return None  # names transformers would rename, or weights the checkpoint lacks
+            shapes.update((k, list(h.get_slice(k).get_shape())) for k in h.keys())
+    missing = {id(targets[k]) for k in targets if k not in shapes} - {id(targets[k]) for k in shapes if k in targets}
+    if missing or any(k not in targets or list(targets[k].shape) != shape for k, shape in shapes.items()):
+        return None  # names transformers would rename, shapes it would report, or weights the checkpoint lacks
     with torch.no_grad():
         for f in files:
             _read_shard(f, targets)
@@ -76,6 +76,8 @@ def _read_shard(path: Path, targets: dict) -> None:
             names = list(index.keys())
         for name in names:
             target = targets[name]
+            if target.numel() == 0:
+                continue
             rows = target.shape[0] if target.dim() else 1
             step = max(1, READ_BYTES // max(1, 4 * target.numel() // rows))
             for s in range(0, rows, step):
