@@ -27,8 +27,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def linear(kern, module, x: torch.Tensor) -> torch.Tensor:
-    w = module.weight_bf16 if getattr(module, "weight_bf16", None) is not None else module.weight
-    return kern.linear(x, w, module.bias)
+    return kern.linear(x, module.weight, module.bias)  # (bfloat16 weights read as held)
 
 
 @torch.inference_mode()
