@@ -160,6 +160,14 @@ def _stop_ids(model, eos_token_id, ignore_eos: bool, device):
     return (eos[:0] if ignore_eos else eos), pad
 
 
+def _note_eos(ids: torch.Tensor, eos: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor, i: int) -> None:
+    """Sequences whose new token ids (B,) at step i is their first EOS: done, their length i + 1 (in place)."""
+    if eos.numel():
+        hit = torch.isin(ids, eos) & ~done
+        lengths.masked_fill_(hit, i + 1)
+        done |= hit
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -200,10 +208,8 @@ def generate(
     batch of one: the prompt's longest stored prefix is restored, not prefilled (`cached_tokens`; prefill_prefix).
     cuda_graph: on CUDA, one CUDA graph a step where model and cache allow it (model/static.py; None: on, unless
     INFINIGEN_CUDA_GRAPH=0)."""
-    device = input_ids.device
-    B = input_ids.shape[0]
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    device, B = input_ids.device, input_ids.shape[0]
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     mask, positions, unpadded = _run_mask(attention_mask, max_new_tokens)
     params = params_list(B, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -229,10 +235,7 @@ def generate(
         ids = torch.where(done, pad, ids)
         sampler.observe(ids)
         out[:, i] = ids
-        if eos.numel():
-            hit = torch.isin(ids, eos) & ~done
-            lengths = torch.where(hit, i + 1, lengths)
-            done |= hit
+        _note_eos(ids, eos, done, lengths, i)
         bar.update(1)
         lp = token_logprobs(logits, ids, logprobs) if logprobs is not None else None
         stop = on_step is not None and on_step(i, ids, lp)
