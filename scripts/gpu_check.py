@@ -18,13 +18,16 @@ CPU stand-ins), so that the script itself is tested without a GPU (tests/test_gp
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
+import gzip
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -47,6 +50,7 @@ def log(*a):
 class Check:
     def __init__(self, device: torch.device, dry: bool, out: Path):
         self.device, self.dry, self.out = device, dry, out
+        self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # calibration, raw traces: not sent back
         self.fake = None  # dry run: CudaTransfer on CPU stand-ins
 
     def cache(self, method, model, **options):
@@ -253,9 +257,13 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
 
     model = big_model(c)
     cal = ig.calibrate(model, tokens=256 if c.dry else 1024)
-    cal_path = c.out / "calibration.safetensors"
+    cal_path = c.work / "calibration.safetensors"
     cal.save(cal_path)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
+    d2d = d2d_bandwidth(c.device) if c.device.type == "cuda" else None
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - (
+        0 if embed is model.get_output_embeddings().weight else embed.numel() * embed.element_size())
     eager = {"cuda_graph": False}  # each method's eager step beside its graph
     methods = [("full", "full", {}), ("full-eager", "full", eager), ("offload", "offload", {}),
                ("offload-eager", "offload", eager)] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
@@ -309,6 +317,11 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                         row["peak_gib"] = round(torch.cuda.max_memory_allocated(c.device) / 2**30, 2)
                     if name == "full":
                         full_step = step
+                    if method == "full" and d2d:  # the bytes a step must read: weights (less the input
+                        # embedding's table) and the whole K/V, at the device's copy bandwidth
+                        kv = model.config.num_hidden_layers * B * n * kv_row
+                        row["floor_ms"] = round((weights + kv) / d2d * 1e3, 2)
+                        row["step_over_floor"] = round(step * 1e3 / row["floor_ms"], 2)
                     if h2d and row.get("h2d_mb_per_step") and full_step:
                         # transfer time at the measured H2D bandwidth; what the step took beyond the full cache's
                         # (all on the device) is the exposed part
@@ -324,7 +337,23 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                 rows.append(row)
                 log(f"  speed {row}")
     ok = all("error" not in r or r["method"] == "full" for r in rows)
-    return {"ok": ok, "h2d_gb_s": round(h2d / 1e9, 2) if h2d else None, "rows": rows}
+    return {"ok": ok, "h2d_gb_s": round(h2d / 1e9, 2) if h2d else None,
+            "d2d_gb_s": round(d2d / 1e9, 1) if d2d else None, "rows": rows}
+
+
+def d2d_bandwidth(device, mbytes: int = 2048, repeats: int = 5) -> float:
+    """The device memory's bandwidth in bytes/s, bytes read and written counted: the best of `repeats` copies."""
+    src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 4 / best
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -366,48 +395,88 @@ def profile_rows(events, steps: int) -> dict:
 
 
 def step_profile(c: Check, n: int, B: int) -> dict:
-    """Where a decode step's time goes (torch.profiler over 6 steps after a warm-up): the step's time by CUDA events,
-    device time from the kernel rows, kernels and launches per step, and the top host and device rows, for
-    transformers' own cache, full and infinigen."""
+    """Where a decode step's time goes (torch.profiler over a few steps, after the capture): the step's time by CUDA
+    events, device time from the kernel rows, kernels and launches per step, the top host and device rows, for full
+    and infinigen, each replayed as a graph and eager. Each infinigen trace is exported (trace-*.json.gz, for
+    chrome://tracing or Perfetto) and read for the share of the side stream's time that runs beside other work."""
     from torch.profiler import ProfilerActivity, profile
 
     model = big_model(c)
-    cal_path = c.out / "calibration.safetensors"
+    cal_path = c.work / "calibration.safetensors"
     if not cal_path.is_file():
         ig.calibrate(model, tokens=256 if c.dry else 1024).save(cal_path)
     ids = torch.randint(10, model.config.vocab_size, (B, n), generator=torch.Generator().manual_seed(0)).to(c.device)
     rows = {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.device.type == "cuda" else [])
-    for name, method, opts in [("hf-dynamic", "hf-dynamic", {}), ("full", "full", {}),
-                               ("infinigen-0.1", "infinigen", {"budget": 0.1, "calibration": str(cal_path)})]:
-        generate(model, ids, cache=c.cache(method, model, **opts), max_new_tokens=4, stop_at_eos=False)
+    ig01 = {"budget": 0.1, "calibration": str(cal_path)}
+    for name, method, opts, graph in [("full", "full", {}, None), ("full-eager", "full", {}, False),
+                                      ("infinigen-0.1", "infinigen", ig01, None),
+                                      ("infinigen-0.1-eager", "infinigen", ig01, False)]:
         cache = c.cache(method, model, **opts)
-        steps = 6
+        first, steps = 3, 4  # profile steps 3..6: the graph is captured at step 0
         state, timer = {}, StepTimer(c.device.type == "cuda")
 
         def on_step(i, *_):
-            if i == 0:
+            timer(i)
+            if i == first:
                 state["prof"] = profile(activities=acts)
                 state["prof"].__enter__()
-            timer(i)
-            if i == steps:
+            if i == first + steps:
                 c.sync()
                 state["prof"].__exit__(None, None, None)
 
-        generate(model, ids, cache=cache, max_new_tokens=steps + 1, stop_at_eos=False, on_step=on_step)
-        events = state["prof"].key_averages()
-        top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
-        rows[name] = {"step_ms": round(statistics.median(timer.steps_ms()), 2), **profile_rows(events, steps),
+        generate(model, ids, cache=cache, max_new_tokens=first + steps + 1, stop_at_eos=False, on_step=on_step,
+                 cuda_graph=graph)
+        prof = state["prof"]
+        events = prof.key_averages()
+        top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+        rows[name] = {"step_ms": round(statistics.median(timer.steps_ms()[first:]), 2),
+                      **profile_rows(events, steps),
                       "top_host": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 2), e.count // steps)
                                    for e in top_cpu]}
+        if method == "infinigen":
+            raw = c.work / f"trace-{name}.json"
+            prof.export_chrome_trace(str(raw))
+            rows[name]["streams"] = stream_overlap(json.loads(raw.read_text()))
+            with open(raw, "rb") as f, gzip.open(c.out / f"trace-{name}.json.gz", "wb") as g:
+                g.write(f.read())
         r = rows[name]
         log(f"  profile {name}: {r['step_ms']} ms/step, device {r['device_ms_per_step']} ms, "
-            f"{r['kernels_per_step']} kernels, {r['launches_per_step']} launches")
+            f"{r['kernels_per_step']} kernels, {r['launches_per_step']} launches, streams {r.get('streams')}")
         for k, ms, cnt in rows[name]["top_host"]:
-            log(f"     host {ms:8.2f} ms  x{cnt:5d}  {k}")
+            log(f"     host {ms:8.2f} ms  x{cnt:5d}  {k[:90]}")
         for k, ms in rows[name]["top_device"]:
             log(f"     dev  {ms:8.2f} ms  {k[:90]}")
     return {"ok": True, "batch": B, "context": n, "rows": rows}
+
+
+def stream_overlap(trace: dict) -> dict:
+    """From a chrome trace: device time per stream (kernels, copies, sets), and the share of the time on streams
+    other than the busiest one (the transfer's side stream) that overlaps work on the busiest one (hidden)."""
+    spans = collections.defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            spans[e.get("args", {}).get("stream", e.get("tid"))].append((float(e["ts"]), float(e["ts"]) + e["dur"]))
+    if not spans:
+        return {"streams": 0}
+    busy = {s: sum(b - a for a, b in v) for s, v in spans.items()}
+    main = max(busy, key=busy.get)
+    merged = []  # the main stream's busy intervals, merged
+    for a, b in sorted(spans[main]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    side = [x for s, v in spans.items() if s != main for x in v]
+    side_ms = sum(b - a for a, b in side) / 1e3
+    starts, hidden = [x for x, _ in merged], 0.0
+    for a, b in side:  # overlap with the main stream's merged intervals that start before the span ends
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(merged) and merged[i][0] < b:
+            hidden += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+            i += 1
+    return {"streams": len(spans), "ms_by_stream": {str(s): round(t / 1e3, 2) for s, t in busy.items()},
+            "side_ms": round(side_ms, 2), "side_hidden_share": round(hidden / 1e3 / side_ms, 3) if side_ms else None}
 
 
 def step_graph(c: Check) -> dict:
@@ -472,7 +541,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="every step on CPU at tiny sizes (tests the script)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu-check")
-    ap.add_argument("--steps", default="tests,exact,race,syncs,graph,batching,speed,profile,trace")
+    ap.add_argument("--steps", default="graph,speed,profile,exact,syncs,race,batching,trace,tests")
     ap.add_argument("--contexts", default=None, help="speed: prompt lengths (default 16384,32768; dry: 256,512)")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
@@ -527,16 +596,26 @@ def summary(report: dict) -> str:
         lines.append(f"- {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s) {extra}".rstrip())
     speed = report["steps"].get("speed", {})
     if speed.get("rows"):
-        lines += ["", f"H2D bandwidth {speed.get('h2d_gb_s')} GB/s", "",
-                  "| method | B | context | tok/s | step ms | H2D MB/step | transfer ms | hidden | peak GiB |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"H2D bandwidth {speed.get('h2d_gb_s')} GB/s; device copy {speed.get('d2d_gb_s')} GB/s (read + "
+                  "written)", "",
+                  "| method | B | context | tok/s | step ms | H2D MB/step | transfer ms | hidden | peak GiB | floor ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in speed["rows"]:
             if "error" in r:
-                lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['error']} | | | | | |")
+                lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['error']} | | | | | | |")
                 continue
             lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['decode_tok_s']} | {r['step_ms']} | "
                          f"{r.get('h2d_mb_per_step', '-')} | {r.get('transfer_ms', '-')} | "
-                         f"{r.get('hidden_share', '-')} | {r.get('peak_gib', '-')} |")
+                         f"{r.get('hidden_share', '-')} | {r.get('peak_gib', '-')} | {r.get('floor_ms', '-')} |")
+    profile = report["steps"].get("profile", {})
+    if profile.get("rows"):
+        lines += ["", f"Profile at B{profile['batch']} x {profile['context']}:", "",
+                  "| method | step ms | device ms | kernels | launches | side stream ms | side hidden |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in profile["rows"].items():
+            st = r.get("streams") or {}
+            lines.append(f"| {name} | {r['step_ms']} | {r['device_ms_per_step']} | {r['kernels_per_step']} | "
+                         f"{r['launches_per_step']} | {st.get('side_ms', '-')} | {st.get('side_hidden_share', '-')} |")
     syncs = report["steps"].get("syncs", {})
     for key in ("B1", "B2"):
         if key in syncs:
