@@ -70,8 +70,9 @@ class Check:
 def step_tests(c: Check) -> dict:
     # the CPU tests that stand for the GPU's step (static steps, the op trace, the row store under Triton's
     # interpreter) run there too: the GPU machine's torch and Triton
-    files = ["tests/test_device_path.py"] + ([] if c.dry else ["tests/test_cuda.py", "tests/test_static.py",
-                                                               "tests/test_step_trace.py", "tests/test_store_row.py"])
+    files = ["tests/test_device_path.py"] + ([] if c.dry else [
+        "tests/test_cuda.py", "tests/test_static.py", "tests/test_step_trace.py", "tests/test_store_row.py",
+        "tests/test_decode_attention.py"])
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     if c.dry:
         args += ["-k", "exact_at_full_budget and llama"]  # the script's own test: one quick case
@@ -252,7 +253,7 @@ def big_model(c: Check):
     return model
 
 
-def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
+def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
     from infinigen_kv.bench.speed import h2d_bandwidth
 
     model = big_model(c)
@@ -271,6 +272,7 @@ def step_speed(c: Check, contexts, batches, new_tokens: int) -> dict:
                ("infinigen-0.1-eager", "infinigen", {"budget": 0.1, **eager}),
                ("infinigen-0.05", "infinigen", {"budget": 0.05}),
                ("infinigen-0.1-worker", "infinigen", {"budget": 0.1})]
+    methods = [m for m in methods if not only or m[0] in only]
     rows, kv_row = [], None
     gen = torch.Generator().manual_seed(0)
     warm = torch.randint(10, model.config.vocab_size, (1, 2048), generator=gen).to(c.device)
@@ -544,6 +546,7 @@ def main() -> int:
     ap.add_argument("--steps", default="graph,speed,profile,exact,syncs,race,batching,trace,tests")
     ap.add_argument("--contexts", default=None, help="speed: prompt lengths (default 16384,32768; dry: 256,512)")
     ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--methods", default=None, help="speed: these rows only (names as in its table)")
     ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
     args = ap.parse_args()
     dry = args.dry_run or os.environ.get("DEVICE") == "cpu"
@@ -569,7 +572,8 @@ def main() -> int:
     report = {"machine": info, "steps": {}}
     steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
              "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),
-             "speed": lambda: step_speed(c, contexts, batches, new_tokens),
+             "speed": lambda: step_speed(c, contexts, batches, new_tokens,
+                                         args.methods.split(",") if args.methods else None),
              "profile": lambda: step_profile(c, contexts[0], batches[0]), "trace": lambda: step_trace(c),
              "graph": lambda: step_graph(c)}
     for name in args.steps.split(","):

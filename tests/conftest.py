@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton's kernels run in its interpreter here: read when triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):

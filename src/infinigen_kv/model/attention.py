@@ -5,7 +5,8 @@ the cache layer's `view`, attention over it), and the attention function over a 
   mask; any other with the model's mask, as transformers' sdpa would (the function registered as "infinigen"
   serves caches not made here that way). On CPU, with the kernels of kernels/cpu.cpp, a decode step attends in
   one pass: over InfiniGen's chosen rows where they lie in the pool (`chosen`), or over a whole cache in place
-  (`buffers`: full, InfiniGen's layer 0).
+  (`buffers`: full, InfiniGen's layer 0). On a GPU a decode query attends split over the keys (decode_attention.py:
+  SDPA's kernels serve one query under a mask badly).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import backend as backends
 from .arch import apply_rope
+from .decode_attention import decode_attention
 from .kv import KVView
 
 # SDPA backends on a GPU: all but cuDNN's, which builds a plan on the host for every new key length (a host-bound
@@ -83,6 +85,10 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
             out = _dense_kernel(view, query, attention_mask, scaling)
             if out is not None:
                 return out, None
+        if T == 1 and split_decode(query) and _plain(attention_mask, dropout, kwargs):  # split over the keys
+            mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]
+            out = decode_attention(query.reshape(B, G, H // G, d), key, value, mask, _scale(scaling, d))
+            return out.reshape(B, 1, H, d), None
         key, value = _computed(query, key, value)
         if view.scores is not None and T > 1:  # H2O scores the prefill
             view.scores.add_prefill_scores(query, key, attention_mask, scaling)
@@ -105,10 +111,23 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
         p = torch.softmax(s.masked_fill(~view.mask, float("-inf")).float(), dim=-1)
         view.scores.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
+    elif split_decode(query):
+        out = decode_attention(q, key, value, view.mask, _scale(scaling, d))  # (B, G, r, d)
     else:
         key, value = _computed(query, key, value)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=view.mask, scale=scaling)  # (B, G, r, d)
     return out.reshape(B, 1, H, d), None
+
+
+def split_decode(query) -> bool:
+    """Whether a decode query attends through decode_attention (on a GPU)."""
+    return query.is_cuda
+
+
+def _plain(attention_mask, dropout, kwargs) -> bool:
+    """A decode query decode_attention serves: a boolean mask or none, no dropout, no softcap or position bias."""
+    return ((attention_mask is None or attention_mask.dtype == torch.bool) and not dropout
+            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
 
 
 def _computed(query, key, value):

@@ -213,6 +213,7 @@ class PoolLayer(DeviceLayer):
         self.partial = RowBuffer(B, G, width, pdt, dev, max_rows=max_rows)
         if s.pq.rows is not None and not self.backend.kernels:
             s.pq.rows_on(self.layer_idx, dev)  # its partial query's q_proj rows, made now, not in decode
+            s.pq.channels_on(dev)  # (and every layer's channels: a copy from the host would wait in a step)
 
     def max_fetch(self, tokens: int) -> int:
         c = self.spec.config

@@ -130,17 +130,22 @@ class PartialQuery:
         memo = self._rows_memo[layer] = (W, b)
         return memo
 
+    def channels_on(self, device) -> tuple:
+        """(P (L, G, p), its rotate-half sign (L, G, p)) of every layer on `device`: copied there once (at a prefill:
+        a copy from the host in a decode step would wait for the device)."""
+        if self._channels_all is None or self._channels_all[0].device != torch.device(device):
+            P = torch.stack([c for c in self.channels])  # (L, G, p)
+            sign = torch.where(P < self.arch.head_dim // 2, -1.0, 1.0)  # rotate-half: -x[c + d/2] below d/2
+            self._channels_all = (P.to(device), sign.to(device))
+        return self._channels_all
+
     def _step_rope_channels(self, cos: torch.Tensor, sin: torch.Tensor, device, memo: dict, kind, scale: float):
         """cos and the rotate-half-signed sin (B, L, G, 1, p) at every layer's partial channels P, times `scale`, of a
         decode step's cos, sin (B, d) of RoPE `kind`: gathered once a step for all layers (in the step's memo)."""
         key = ("rope at P", kind, cos.shape[0], torch.device(device), scale)
         if key in memo:
             return memo[key]
-        if self._channels_all is None or self._channels_all[0].device != torch.device(device):
-            P = torch.stack([c for c in self.channels])  # (L, G, p)
-            sign = torch.where(P < self.arch.head_dim // 2, -1.0, 1.0)  # rotate-half: -x[c + d/2] below d/2
-            self._channels_all = (P.to(device), sign.to(device))
-        P, sign = self._channels_all
+        P, sign = self.channels_on(device)
         L, G, p = P.shape
         B = cos.shape[0]
         cos_p = cos.index_select(1, P.view(-1)).view(B, L, G, 1, p)

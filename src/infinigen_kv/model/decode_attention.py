@@ -1,0 +1,56 @@
+"""One decode query per sequence over a cache layer's keys under a mask, on a GPU: the attention every decode step
+runs there (full's whole buffers, InfiniGen's working set), eager or replayed in a CUDA graph.
+
+PyTorch's SDPA serves such a query badly once a mask is given: it falls back to its memory-efficient kernel, which
+parallelises over queries and heads only (32 blocks scanning 16k keys for a Llama-3.1-8B step: 21 ms a step where
+the flash kernel without a mask takes 1). A static step always has a mask (the valid columns of its capacity), so
+the query is split over the keys instead (flash-decoding): each program attends one (sequence, KV head) over a
+fixed span of `SPLIT` keys with an online softmax; a second kernel combines the spans in order. Spans start at
+fixed key positions and masked keys add exact zeros, so a static step over its whole capacity gives the bits of an
+eager step over its n keys (graph tokens equal eager tokens).
+
+Shapes: q (B, G, r, d) (the r query heads of a KV head's group); key, value (B, G, m, d), rows contiguous, any
+other strides; mask None or bool (B, 1 or G, 1, m), any strides (True: attend); scale the scores' factor.
+-> (B, G, r, d) in q's dtype. Off the GPU, and where Triton is missing or fails, PyTorch's SDPA (the reference the
+tests compare the kernel against on CPU, through TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+SPLIT = 256  # keys per program: B * G * m / SPLIT programs (B1 x 16k, 8 KV heads: 512 on 132 SMs)
+
+
+def reference(q, key, value, mask, scale: float) -> torch.Tensor:
+    """The op in PyTorch ops (SDPA; K/V in the query's dtype)."""
+    key, value = key.to(q.dtype), value.to(q.dtype)
+    return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+
+
+_triton_ok = True  # False once the kernel failed here (or Triton is missing): the reference from then on
+
+
+@torch.library.custom_op("infinigen::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """The module's op (see its docstring): PyTorch's SDPA off the GPU."""
+    return reference(q, key, value, mask, scale)
+
+
+@decode_attention.register_kernel("cuda")
+def _decode_attention_cuda(q, key, value, mask, scale):
+    global _triton_ok
+    if _triton_ok:
+        try:
+            from .decode_attention_triton import triton_decode_attention
+
+            return triton_decode_attention(q, key, value, mask, scale)
+        except Exception as e:  # no Triton, or one that cannot build it here: PyTorch's attention
+            _triton_ok = False
+            warnings.warn(f"infinigen: the Triton decode attention failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "attending with PyTorch's SDPA", stacklevel=2)
+    return reference(q, key, value, mask, scale)
