@@ -72,7 +72,7 @@ def step_tests(c: Check) -> dict:
     # interpreter) run there too: the GPU machine's torch and Triton
     files = ["tests/test_device_path.py"] + ([] if c.dry else [
         "tests/test_cuda.py", "tests/test_static.py", "tests/test_step_trace.py", "tests/test_store_row.py",
-        "tests/test_decode_attention.py"])
+        "tests/test_decode_attention.py", "tests/test_gather_rows.py"])
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     if c.dry:
         args += ["-k", "exact_at_full_budget and llama"]  # the script's own test: one quick case
@@ -400,7 +400,7 @@ def step_profile(c: Check, n: int, B: int) -> dict:
     """Where a decode step's time goes (torch.profiler over a few steps, after the capture): the step's time by CUDA
     events, device time from the kernel rows, kernels and launches per step, the top host and device rows, for full
     and infinigen, each replayed as a graph and eager. Each infinigen trace is exported (trace-*.json.gz, for
-    chrome://tracing or Perfetto) and read for the share of the side stream's time that runs beside other work."""
+    chrome://tracing or Perfetto) and read for the share of the transfer's kernel time that runs beside other work."""
     from torch.profiler import ProfilerActivity, profile
 
     model = big_model(c)
@@ -452,33 +452,37 @@ def step_profile(c: Check, n: int, B: int) -> dict:
     return {"ok": True, "batch": B, "context": n, "rows": rows}
 
 
+TRANSFER_KERNELS = ("vectorized_gather", "scatter_gather", "_gather", "indexSelect", "index_select")
+
+
 def stream_overlap(trace: dict) -> dict:
-    """From a chrome trace: device time per stream (kernels, copies, sets), and the share of the time on streams
-    other than the busiest one (the transfer's side stream) that overlaps work on the busiest one (hidden)."""
-    spans = collections.defaultdict(list)
+    """From a chrome trace: the transfer's kernels (the gathers of fetched rows through the pool's device view; not
+    topk's gatherTopK) against every other kernel: their time, and the share of it that overlaps other kernels
+    (hidden behind compute). By name, not by stream: a CUDA graph's replay runs its branches on streams of its own."""
+    transfer, other = [], []
     for e in trace.get("traceEvents", []):
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            spans[e.get("args", {}).get("stream", e.get("tid"))].append((float(e["ts"]), float(e["ts"]) + e["dur"]))
-    if not spans:
-        return {"streams": 0}
-    busy = {s: sum(b - a for a, b in v) for s, v in spans.items()}
-    main = max(busy, key=busy.get)
-    merged = []  # the main stream's busy intervals, merged
-    for a, b in sorted(spans[main]):
+            span = (float(e["ts"]), float(e["ts"]) + e["dur"])
+            name = e.get("name", "")
+            moving = any(k in name for k in TRANSFER_KERNELS) and "topk" not in name.lower()
+            (transfer if moving else other).append(span)
+    if not transfer:
+        return {"transfer_ms": 0.0}
+    merged = []  # the other kernels' busy intervals, merged
+    for a, b in sorted(other):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    side = [x for s, v in spans.items() if s != main for x in v]
-    side_ms = sum(b - a for a, b in side) / 1e3
     starts, hidden = [x for x, _ in merged], 0.0
-    for a, b in side:  # overlap with the main stream's merged intervals that start before the span ends
+    for a, b in transfer:  # overlap with the merged intervals that start before the span ends
         i = max(0, bisect.bisect_right(starts, a) - 1)
         while i < len(merged) and merged[i][0] < b:
             hidden += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
             i += 1
-    return {"streams": len(spans), "ms_by_stream": {str(s): round(t / 1e3, 2) for s, t in busy.items()},
-            "side_ms": round(side_ms, 2), "side_hidden_share": round(hidden / 1e3 / side_ms, 3) if side_ms else None}
+    total = sum(b - a for a, b in transfer)
+    streams = {e.get("args", {}).get("stream") for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"}
+    return {"transfer_ms": round(total / 1e3, 2), "hidden_share": round(hidden / total, 3), "streams": len(streams)}
 
 
 def step_graph(c: Check) -> dict:
@@ -614,12 +618,12 @@ def summary(report: dict) -> str:
     profile = report["steps"].get("profile", {})
     if profile.get("rows"):
         lines += ["", f"Profile at B{profile['batch']} x {profile['context']}:", "",
-                  "| method | step ms | device ms | kernels | launches | side stream ms | side hidden |",
+                  "| method | step ms | device ms | kernels | launches | transfer kernels ms | hidden |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in profile["rows"].items():
             st = r.get("streams") or {}
             lines.append(f"| {name} | {r['step_ms']} | {r['device_ms_per_step']} | {r['kernels_per_step']} | "
-                         f"{r['launches_per_step']} | {st.get('side_ms', '-')} | {st.get('side_hidden_share', '-')} |")
+                         f"{r['launches_per_step']} | {st.get('transfer_ms', '-')} | {st.get('hidden_share', '-')} |")
     syncs = report["steps"].get("syncs", {})
     for key in ("B1", "B2"):
         if key in syncs:

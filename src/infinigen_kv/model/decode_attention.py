@@ -2,12 +2,13 @@
 runs there (full's whole buffers, InfiniGen's working set), eager or replayed in a CUDA graph.
 
 PyTorch's SDPA serves such a query badly once a mask is given: it falls back to its memory-efficient kernel, which
-parallelises over queries and heads only (32 blocks scanning 16k keys for a Llama-3.1-8B step: 21 ms a step where
-the flash kernel without a mask takes 1). A static step always has a mask (the valid columns of its capacity), so
-the query is split over the keys instead (flash-decoding): each program attends one (sequence, KV head) over a
-fixed span of `SPLIT` keys with an online softmax; a second kernel combines the spans in order. Spans start at
-fixed key positions and masked keys add exact zeros, so a static step over its whole capacity gives the bits of an
-eager step over its n keys (graph tokens equal eager tokens).
+parallelises over queries and heads only (for a Llama-3.1-8B step at 16k on an H200: 21 ms of attention where the
+flash kernel without a mask takes 1). A static step always has a mask (the valid columns of its capacity), so the
+query is split over the keys instead (flash-decoding): each program attends one (sequence, KV head) over a fixed
+span of keys (decode_attention_triton.SPLIT) with an online softmax; a second kernel combines the spans, a fixed
+number at a time and those in order. Spans start at fixed key positions and masked keys add exact zeros, so a
+static step over its whole capacity gives the bits of an eager step over its n keys (graph tokens equal eager
+tokens).
 
 Shapes: q (B, G, r, d) (the r query heads of a KV head's group); key, value (B, G, m, d), rows contiguous, any
 other strides; mask None or bool (B, 1 or G, 1, m), any strides (True: attend); scale the scores' factor.
@@ -21,9 +22,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-
-SPLIT = 256  # keys per program: B * G * m / SPLIT programs (B1 x 16k, 8 KV heads: 512 on 132 SMs)
-
 
 def reference(q, key, value, mask, scale: float) -> torch.Tensor:
     """The op in PyTorch ops (SDPA; K/V in the query's dtype)."""

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import SPLIT
+SPLIT = 256  # keys per program: B * G * m / SPLIT programs (B1 x 16k, 8 KV heads: 512 on 132 SMs)
 
 
 @triton.jit
@@ -53,28 +53,33 @@ def _span(q, k, v, mask, o, ml, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, 
 
 
 @triton.jit
-def _combine(o, ml, out, so_b, so_g, so_r, G, NS, R: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
-             BD: tl.constexpr):
-    """Program row = b * G + g: its NS spans combined in order -> out[b, g] (R, D)."""
+def _combine(o, ml, out, so_b, so_g, so_r, G, NS, R: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+             CH: tl.constexpr):
+    """Program (row = b * G + g, query head r): its NS spans combined, CH spans at a time (a fixed tree over each
+    chunk, the chunks in order: spans past the keys are all masked and add exact zeros, so a longer capacity gives
+    the same bits) -> out[b, g, r] (D,)."""
     row = tl.program_id(0)
+    r = tl.program_id(1)
     b = row // G
     g = row % G
-    rr = tl.arange(0, BR)
     dd = tl.arange(0, BD)
-    qm = (rr[:, None] < R) & (dd[None, :] < D)
-    mx = tl.full([BR], float("-inf"), tl.float32)
-    for s in range(0, NS):
-        mx = tl.maximum(mx, tl.load(ml + (row * NS + s) * 2 * R + rr, mask=rr < R, other=float("-inf")))
+    cc = tl.arange(0, CH)
+    mx = tl.max(tl.full([CH], float("-inf"), tl.float32), 0)
+    for c in range(0, NS, CH):
+        at = row * NS + c + cc
+        mx = tl.maximum(mx, tl.max(tl.load(ml + at * 2 * R + r, mask=c + cc < NS, other=float("-inf")), 0))
     base = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.full([BR], 0.0, tl.float32)
-    acc = tl.full([BR, BD], 0.0, tl.float32)
-    for s in range(0, NS):  # in order: spans past the keys (all masked) add exact zeros
-        at = row * NS + s
-        w = tl.exp(tl.load(ml + at * 2 * R + rr, mask=rr < R, other=float("-inf")) - base)
-        den += w * tl.load(ml + at * 2 * R + R + rr, mask=rr < R, other=0.0)
-        acc += w[:, None] * tl.load(o + (at * R + rr[:, None]) * D + dd[None, :], mask=qm, other=0.0)
-    res = tl.where(den[:, None] > 0, acc / tl.where(den > 0, den, 1.0)[:, None], 0.0)  # none attended: zeros
-    tl.store(out + b * so_b + g * so_g + rr[:, None] * so_r + dd[None, :], res.to(out.dtype.element_ty), mask=qm)
+    den = tl.sum(tl.full([CH], 0.0, tl.float32), 0)
+    acc = tl.full([BD], 0.0, tl.float32)
+    for c in range(0, NS, CH):
+        at = row * NS + c + cc
+        ok = c + cc < NS
+        w = tl.exp(tl.load(ml + at * 2 * R + r, mask=ok, other=float("-inf")) - base)  # (CH,)
+        den += tl.sum(w * tl.load(ml + at * 2 * R + R + r, mask=ok, other=0.0), 0)
+        blk = tl.load(o + (at[:, None] * R + r) * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D), other=0.0)
+        acc += tl.sum(w[:, None] * blk, 0)
+    res = tl.where(den > 0, acc / tl.where(den > 0, den, 1.0), 0.0)  # a query with no key attended: zeros
+    tl.store(out + b * so_b + g * so_g + r * so_r + dd, res.to(out.dtype.element_ty), mask=dd < D)
 
 
 def triton_decode_attention(q, key, value, mask, scale: float) -> torch.Tensor:
@@ -98,5 +103,5 @@ def triton_decode_attention(q, key, value, mask, scale: float) -> torch.Tensor:
                        key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2), *sm,
                        G, M, NS, float(scale), R=R, BR=BR, D=D, BD=BD, SPAN=SPLIT, BN=64,
                        HAS_MASK=mask is not q, PREC="ieee" if q.dtype == torch.float32 else "tf32")
-    _combine[(B * G,)](o, ml, out, out.stride(0), out.stride(1), out.stride(2), G, NS, R=R, BR=BR, D=D, BD=BD)
+    _combine[(B * G, R)](o, ml, out, out.stride(0), out.stride(1), out.stride(2), G, NS, R=R, D=D, BD=BD, CH=16)
     return out

@@ -19,6 +19,7 @@ import torch
 
 from ..rows import RowBuffer
 from .fetch import Fetch, Scratch, work_mask
+from .gather_rows import gather_rows
 from .staging import StagingRing, device_view, record_stream, rows_to, submit_inference, uva_works
 from .transfer import DirectTransfer
 
@@ -198,16 +199,14 @@ class CudaTransfer:
         if fetch.whole:  # every slot real where the step's keep says: the mask, on the compute stream
             layer.static_mask(B, G, m)[:, :, 0, 1:].copy_(fetch.real)
         selected = self._record(self.events[layer.layer_idx]["selected"])
-        idx = fetch.idx.view(B * G, m, 1)
         with self.cuda.stream(self.stream):
             self.stream.wait_event(selected)
-            for pool, ws in zip(self.device_pool(layer), (wk, wv)):
-                d = pool.shape[-1]
-                out = ws.view(B * G, m + 1, d)[:, 1:]
-                if fetch.whole:
-                    out.view(B, G, m, d).copy_(pool[:, :, :m])
-                else:
-                    torch.gather(pool.reshape(B * G, -1, d), 1, idx.expand(B * G, m, d), out=out)
+            pools = self.device_pool(layer)
+            if fetch.whole:
+                for pool, ws in zip(pools, (wk, wv)):
+                    ws[:, :, 1:].copy_(pool[:, :, :m])
+            else:
+                gather_rows(*pools, fetch.idx, wk, wv)  # K and V rows, one op (one Triton kernel on a GPU)
             self._record(copied, self.stream)
         self.bytes_moved += (wk.nbytes + wv.nbytes) * m // (m + 1)
         fetch.rows = (None, wk, wv, copied)

@@ -1,0 +1,49 @@
+"""A static step's fetch (methods/infinigen/gather_rows.py): the Triton kernel a GPU runs, run here by Triton's
+interpreter, copies the rows the PyTorch reference copies; the op is one op of a step's trace."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from infinigen_kv.methods.infinigen import gather_rows as gr
+
+
+def buffers(dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    B, G, cap, d, m = 2, 3, 50, 40, 21  # d not a power of two; m over one program's rows
+    pools = [torch.randn(B + 1, G, cap, d, generator=g).to(dtype)[:B] for _ in range(2)]  # a spare sequence
+    idx = torch.randint(0, cap, (B, G, m), generator=g)
+    ws = [torch.full((B, G, 1 + m, d), 7.0, dtype=dtype) for _ in range(2)]
+    return *pools, idx, *ws
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_kernel_gathers_what_the_reference_gathers(dtype, monkeypatch):
+    """On a GPU the kernel itself; here in Triton's interpreter (TRITON_INTERPRET=1, from conftest)."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if dev == "cpu" else "0")  # read when the kernel is decorated
+    sys.modules.pop("infinigen_kv.methods.infinigen.gather_rows_triton", None)
+    kernel = importlib.import_module("infinigen_kv.methods.infinigen.gather_rows_triton")
+    try:
+        expect, got = buffers(dtype), [t.to(dev) for t in buffers(dtype)]
+        gr.reference(*expect)
+        kernel.triton_gather(*got)
+        got = [t.cpu() for t in got]
+        assert torch.equal(expect[3], got[3]) and torch.equal(expect[4], got[4])
+        assert (got[3][:, :, 0] == 7).all()  # slot 0 (the new row's) untouched
+    finally:
+        sys.modules.pop("infinigen_kv.methods.infinigen.gather_rows_triton", None)
+
+
+def test_the_op_is_one_op_of_a_step():
+    from steptrace import StepTrace
+
+    expect, got = buffers(torch.float32), buffers(torch.float32)
+    gr.reference(*expect)
+    with StepTrace() as t:
+        gr.gather_rows(*got)
+    assert t.kernel_names == ["infinigen::gather_rows"]
+    assert torch.equal(expect[3], got[3]) and torch.equal(expect[4], got[4])
