@@ -32,17 +32,12 @@ def reference(q, key, value, mask, scale: float) -> torch.Tensor:
 _triton_ok = True  # False once the kernel failed here (or Triton is missing): the reference from then on
 
 
-@torch.library.custom_op("infinigen::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
-    """The module's op (see its docstring): PyTorch's SDPA off the GPU."""
-    return reference(q, key, value, mask, scale)
-
-
-@decode_attention.register_kernel("cuda")
-def _decode_attention_cuda(q, key, value, mask, scale):
+    """The module's function (see its docstring): the Triton kernels on a GPU, PyTorch's SDPA elsewhere. A plain
+    function, not a custom op: an eager step calls it once a layer, and a custom op's dispatch costs tens of us."""
     global _triton_ok
-    if _triton_ok:
+    if q.is_cuda and _triton_ok:
         try:
             from .decode_attention_triton import triton_decode_attention
 
