@@ -32,7 +32,7 @@ class InfiniGenConfig:
     # alpha: a past token is fetched when its speculated score is within `alpha` of the row's maximum,
     # i.e. its softmax weight is at least e^-alpha of the largest. Larger alpha = more tokens fetched.
     # The paper uses 4-5 (OPT, Llama-2); the default model's diffuse attention needs more
-    # (docs/BENCHMARKS.md, "alpha on SmolLM2").
+    # (docs/BENCHMARKS.md, "Tuning InfiniGen's defaults").
     alpha: float = 12.0
     # partial_ratio: share of the head dimension kept as partial query/key channels (|P| = ceil(ratio*d)).
     # The paper uses 0.2-0.3; a small head (SmolLM2: d = 64) needs more (docs/BENCHMARKS.md, "Tuning InfiniGen's
