@@ -524,10 +524,10 @@ def _graph_rows(c: Check, left_padded_batch) -> dict:
 
 
 def step_trace(c: Check) -> dict:
-    """The decode step's ops through the PyTorch path (scripts/step_trace.py): kernels per step and per layer for
+    """The decode step's ops through the PyTorch path (scripts/dev/step_trace.py): kernels per step and per layer for
     full, offload and infinigen, eager and static (what a graph replays), the extra kernels of a speculated layer,
     host reads, two steps alike or not (static: they must be)."""
-    from step_trace import run, run_static
+    from steptrace import run, run_static
 
     model = tiny("llama-gqa", c, torch.float32)
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0)).to(c.device)

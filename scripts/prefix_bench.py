@@ -1,7 +1,7 @@
 """The prefix cache through the server, with the openai client (a command, not a test: results go to
 docs/BENCHMARKS.md).
 
-    python scripts/prefix_bench.py --data ../shared/data [--model M] [--methods infinigen,full]
+    python scripts/prefix_bench.py --data DIR [--model M] [--methods infinigen,full]
         [--scenarios chat,shared,restart,memory] [--out docs/results/prefix-DATE]
 
 chat     a ~4,000-token document, then 8 user turns (64 tokens each answer, greedy, EOS ignored): time to first

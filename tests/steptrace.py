@@ -120,3 +120,72 @@ def held(*roots) -> set:
             stack.extend(getattr(x, "__dict__", {}).values())
             stack.extend(getattr(x, s) for s in getattr(type(x), "__slots__", ()) if hasattr(x, s))
     return out
+
+
+# A method's decode steps traced (scripts/dev/step_trace.py, the GPU check's `trace` step)
+
+
+def traced(cache, fn):
+    """(a StepTrace of fn(), its result), marked at each layer's before_attention (the layers' boundaries)."""
+    t, before = StepTrace(), cache.before_attention
+    cache.before_attention = lambda *a: (t.mark(), before(*a))[1]
+    try:
+        with t:
+            out = fn()
+    finally:
+        del cache.before_attention
+    return t, out
+
+
+def summary(a, b) -> dict:
+    """Two consecutive steps' traces: kernels a step and per layer, host reads, where they part (None: nowhere)."""
+    per_layer = [y[1] - x[1] for x, y in zip(a.marks, a.marks[1:])]
+    return {"ops": a.kernels, "per_layer": per_layer, "host_reads": len(a.host_reads), "same": first_difference(a, b)}
+
+
+def _cache(model, method: str, budget: float, ids):
+    import infinigen_kv as ig
+
+    cache = ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
+    if ids.device.type == "cpu" and method != "full":
+        from conftest import on_fake_cuda
+
+        on_fake_cuda(cache)  # the GPU's transfer (CudaTransfer on CPU stand-ins): the ops a GPU step runs
+    return cache
+
+
+def run(model, method: str, ids, budget: float) -> dict:
+    """Trace the 3rd and 4th decode steps of `method` after a prefill of ids (B, n) (summary)."""
+    from infinigen_kv.model.step import decode
+    from infinigen_kv.runtime.generation import prefill
+
+    cache = _cache(model, method, budget, ids)
+    B, n = ids.shape
+    tok = prefill(model, ids, None, cache, 8).argmax(-1)  # the step's inputs in buffers of their own, refilled
+    pos = torch.full((B, 1), n, device=ids.device)  # in place (as a graph replays them)
+    traces = []
+    for i in range(4):  # two warm-up steps, two traced
+        pos.fill_(n + i)
+        t, logits = traced(cache, lambda: decode(model, cache, tok, pos, None))
+        tok.copy_(logits.argmax(-1))
+        traces.append(t)
+    return summary(*traces[2:])
+
+
+def run_static(model, method: str, ids, budget: float) -> dict:
+    """The same, through static steps (model/static.py: what a CUDA graph replays)."""
+    from infinigen_kv.model.static import StaticDecoder
+    from infinigen_kv.runtime.generation import prefill
+
+    cache = _cache(model, method, budget, ids)
+    B, n = ids.shape
+    tok = prefill(model, ids, None, cache, 8).argmax(-1)
+    dec = StaticDecoder(model, cache, None, torch.full((B, 1), n, device=ids.device))
+    traces = []
+    for _ in range(4):
+        dec.refill(tok)
+        t, logits = traced(cache, dec.forward)
+        dec.advance()
+        tok = logits.argmax(-1)
+        traces.append(t)
+    return summary(*traces[2:])

@@ -139,8 +139,8 @@ def cmd_bench_accuracy(args) -> dict:
         raise CLIError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
     if NEEDS_TEXT & set(tasks):
         if args.data is None:
-            raise CLIError(f"tasks {', '.join(sorted(NEEDS_TEXT & set(tasks)))} need text: pass --data ../shared/data "
-                           "(WikiText-2 test, PG-19 excerpt) or any text file")
+            raise CLIError(f"tasks {', '.join(sorted(NEEDS_TEXT & set(tasks)))} need text: pass --data DIR, a "
+                           "folder with wikitext-2/test.txt and pg19/*.txt (WikiText-2's test split, PG-19 books), or any text file")
         if not Path(args.data).exists():
             raise CLIError(f"--data path not found: {args.data}")
     lmeval = None

@@ -49,7 +49,7 @@ class DataError(ValueError):
 def load_text(data: str | None) -> str:
     """The evaluation text: a file, or a directory (its wikitext-2/test.txt if present, else all *.txt)."""
     if data is None:
-        raise DataError("tasks ppl and agreement need text: pass --data ../shared/data (or any text file)")
+        raise DataError("tasks ppl and agreement need text: pass --data DIR with wikitext-2/test.txt inside (or any text file)")
     path = Path(data)
     if path.is_file():
         return path.read_text(encoding="utf-8", errors="replace")
@@ -67,7 +67,7 @@ def load_essay(data: str | None) -> str:
     its other text."""
     if data is None:
         raise DataError(f"RULER's essay haystacks ({', '.join(sorted(ruler.NEEDS_ESSAY))}) need text: pass --data "
-                        "../shared/data (or any text file)")
+                        "DIR with pg19/*.txt (PG-19 books) inside, or any text file")
     path = Path(data)
     books = sorted((path / "pg19").glob("*.txt")) if path.is_dir() else []
     if books:

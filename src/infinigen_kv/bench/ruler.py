@@ -112,7 +112,7 @@ def niah(task: str, tokenizer, length: int, seed: int = 0, essay: str | None = N
         units, unit_tokens = [NOISE.strip()] * (length // 10 + 1), 30
     elif haystack == "essay":
         if not essay:
-            raise ValueError(f"{task} needs real prose for its haystack: pass --data (e.g. ../shared/data)")
+            raise ValueError(f"{task} needs real prose for its haystack: pass --data (a folder with pg19/*.txt, or a text file)")
         words = essay.split()
         units, unit_tokens = [words[i % len(words)] for i in range(length * 2)], 1
     else:  # distractor needles with other keys (and values) of the same kinds

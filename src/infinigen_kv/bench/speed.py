@@ -1,5 +1,5 @@
 """`infinigen bench speed`: decode throughput of every method in one process, interleaved, after a warm-up,
-as medians over repeats (see ../shared/docs/benchmarks.md: only ratios measured this way are quoted)."""
+as medians over repeats (ratios of speeds are only quoted when measured this way)."""
 
 from __future__ import annotations
 

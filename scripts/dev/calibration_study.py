@@ -2,7 +2,7 @@
 `budget` share of tokens, at the last position of held-out prompts, per calibration text, skew and
 channel rule. Speculation as the cache does it: layer l+1 from layer l's input (layer 1 from its own).
 
-    python scripts/calibration_study.py --data ../shared/data [--model M] [--budget 0.2]
+    python scripts/dev/calibration_study.py --data DIR [--model M] [--budget 0.2]
 
 Prints a markdown table (the source of the defaults `skew=auto`, `channel_rule=qk`; docs/BENCHMARKS.md).
 """

@@ -2,7 +2,7 @@
 through --lengths), join each to one running batch, then time decode steps as rows leave (a command, not a
 test; results go to docs/BENCHMARKS.md).
 
-    python scripts/rebatch_bench.py [--model M] [--methods full,infinigen] [--rows 32] [--lengths 60,260,1040,2600]
+    python scripts/dev/rebatch_bench.py [--model M] [--methods full,infinigen] [--rows 32] [--lengths 60,260,1040,2600]
 
 Prints per method: prefill seconds, join seconds (all joins), the padded batch, then ms per decode step
 and tokens/s at --rows, 16, 8, 4 and 1 rows (the first rows kept: the longest prompt stays in the batch).

@@ -3,7 +3,7 @@ full cache, with InfiniGen at `--budget` (recall diagnostic on: the share of eac
 on the entries it fetched), and with InfiniGen with one layer at a time attending densely. The layers whose
 dense attention alone recovers the full cache's score are where the speculation loses the answer.
 
-    python scripts/ruler_miss.py --task niah_single_2 --length 8000 --seed 0 --budget 0.1 --data ../shared/data
+    python scripts/dev/ruler_miss.py --task niah_single_2 --length 8000 --seed 0 --budget 0.1 --data DIR
 
 Prints the outputs, the per-layer recall and those layers (docs/BENCHMARKS.md, "RULER at 8k").
 """
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=_budget, default=0.1, help="a fraction (0.1) or a token count (1024)")
     p.add_argument("--model", default=None)
-    p.add_argument("--data", default=None, help="text for the essay haystacks (../shared/data)")
+    p.add_argument("--data", default=None, help="text for the essay haystacks (a folder with pg19/ inside)")
     args = p.parse_args()
 
     try:

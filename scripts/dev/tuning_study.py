@@ -3,7 +3,7 @@ partial_ratio, GQA combination, channel rule, skew, calibration text), scored on
 (reduced windows), niah and passkey at one budget. The defaults in config.py follow this table
 (docs/BENCHMARKS.md, "Tuning InfiniGen's defaults").
 
-    python scripts/tuning_study.py --data ../shared/data [--budget 0.1] [--samples 5]
+    python scripts/dev/tuning_study.py --data DIR [--budget 0.1] [--samples 5]
 """
 
 import argparse

@@ -9,10 +9,10 @@
   linear  the 121 decode matrices of a step as the own step calls them (30 layers x qkv merged, o, gate/up
           merged, down, and the LM head) in bfloat16, --batch rows each, GB/s of weights read
 
-    python scripts/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096] [--kv-dtype float32,bfloat16]
+    python scripts/dev/kernel_bench.py --kernel attend [--batch 1] [--prompt-len 4096] [--kv-dtype float32,bfloat16]
                                    [--chosen 1024]
-    python scripts/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8] [--alpha 0.01] [--threads 1]
-    python scripts/kernel_bench.py --kernel linear [--batch 4]
+    python scripts/dev/kernel_bench.py --kernel speculate [--batch 4] [--partial-dtype int8] [--alpha 0.01] [--threads 1]
+    python scripts/dev/kernel_bench.py --kernel linear [--batch 4]
 """
 
 import argparse

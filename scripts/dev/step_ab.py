@@ -2,7 +2,7 @@
 Python and its kernels), each prefilled once, take turns at one decode step each, so both see the same machine
 (this 2-core machine's speed drifts by 1.5x between runs minutes apart: separate runs cannot show a few percent).
 
-    python scripts/step_ab.py --rev HEAD~1 [--batch 1] [--prompt-len 4096] [--steps 32] [--methods full,infinigen]
+    python scripts/dev/step_ab.py --rev HEAD~1 [--batch 1] [--prompt-len 4096] [--steps 32] [--methods full,infinigen]
 
 Prints each method's median step (ms) under the revision and the working tree, and their ratio. The step is the one
 `generate` runs (our own where it serves the model), at the defaults, on the default model (--model to change).
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(args) -> None:

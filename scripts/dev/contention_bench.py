@@ -6,7 +6,7 @@ one plain Python busy loop per core) and each setting (extra arguments for `infi
 environment), runs `infinigen bench speed` in a fresh process (settings that act at import, such as
 OMP_WAIT_POLICY, need one) and reports decode tokens/s and the ratio to the same setting alone.
 
-    python scripts/contention_bench.py --shapes 1x1024,4x4096 --settings default,threads1 --out results/busy
+    python scripts/dev/contention_bench.py --shapes 1x1024,4x4096 --settings default,threads1 --out results/busy
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 drifts by 1.5x between runs minutes apart: separate runs cannot show a few percent), and each cache's K/V bytes per
 token of context per sequence.
 
-    python scripts/options_ab.py --configs full,full:kv_dtype=bfloat16,infinigen,infinigen:kv_dtype=bfloat16 \
+    python scripts/dev/options_ab.py --configs full,full:kv_dtype=bfloat16,infinigen,infinigen:kv_dtype=bfloat16 \
         [--batch 1] [--prompt-len 4096] [--steps 24] [--model ID]
 
 A config is a method and its options (`name=value`, joined by `:`). Prints each config's median step (ms), its
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 

@@ -2,7 +2,7 @@
 (speculation with its partial query and kernel, update, attention) summed over the layers of a step. The step
 generate runs: our own (model/step.py) where it serves the model, else the model's forward (--model-step).
 
-    python scripts/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--model-step] [--cprofile 25]
+    python scripts/dev/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--model-step] [--cprofile 25]
 
 --cprofile N: then the same steps again under cProfile, each method's N functions of most own time (the Python
 around the kernels; cProfile slows each call, so its times rank, they do not measure a step).

@@ -3,8 +3,8 @@ alternated call by call (this 2-core machine's speed drifts by 1.5x between runs
 process cancels that), at the default model's shapes (B sequences x 3 KV heads x 3 query heads), checked to give
 the same result.
 
-    python scripts/kernel_ab.py --rev HEAD~1 [--batch 4] [--prompt-len 4096] [--threads 1]
-    python scripts/kernel_ab.py --rev HEAD~1 --kernel attend [--batch 8] [--prompt-len 8192] [--threads 2]
+    python scripts/dev/kernel_ab.py --rev HEAD~1 [--batch 4] [--prompt-len 4096] [--threads 1]
+    python scripts/dev/kernel_ab.py --rev HEAD~1 --kernel attend [--batch 8] [--prompt-len 8192] [--threads 2]
 
 speculate (32 int8 partial channels): the cap binds (alpha 12, a quarter chosen: the default at 4k), few tokens
 within alpha (0.01: scores and passes only), every token within alpha and under the cap; microseconds per
