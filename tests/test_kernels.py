@@ -497,6 +497,42 @@ def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
         threads.set_threads(None)
 
 
+def test_a_prefill_starts_on_the_cores_left(monkeypatch):
+    """Before a prefill the tuner chooses its count from a first look at the machine (taken there, the process idle,
+    when no recent one exists); with a recent look it chooses at once, with no wait."""
+    from infinigen_kv.runtime import threads
+
+    counts = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: counts.append(n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: counts[-1] if counts else 4)
+
+    class IdleLoad:  # 4 cores; `others` busy ones; this process idle while it looks
+        cores, t, busy, own, others = 4, 0.0, 0.0, 0.0, 3.0
+
+        def now(self):
+            return self.t
+
+        def sample(self):
+            return self.t, self.busy, self.own
+
+    load = IdleLoad()
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        load.t += seconds
+        load.busy += seconds * load.others
+
+    monkeypatch.setattr(threads.time, "sleep", sleep)
+    t = threads.Tuner(load=load, interval=0.5)
+    t.before_prefill()
+    assert slept == [threads.FIRST_LOOK] and counts == [1]  # three of four cores busy: one thread from the start
+    load.others = 0.0
+    load.t += 0.6  # a later prefill, 0.6 s after that look: chosen from it, no wait
+    t.before_prefill()
+    assert slept == [threads.FIRST_LOOK] and counts == [1, 4]
+
+
 def test_the_machine_load_is_read_from_proc_stat():
     """On Linux the sample is real: wall time, busy seconds of this process's CPUs and our own CPU seconds all
     grow, and a busy loop of ours shows up as our own time, not as another process's."""

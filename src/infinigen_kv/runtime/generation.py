@@ -72,6 +72,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         ).logits[:, -1]
         if progress is not None:
             progress(end)
+        threads.decode_step(input_ids.device)  # a long prefill follows the machine's load chunk by chunk
     return logits
 
 
@@ -222,7 +223,7 @@ def generate(
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     # a bar only when asked for and on a terminal (disable=None: tqdm's own TTY check)
     bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=True if progress is None else None)
-    threads.watch(device)  # the first look at the machine's load spans the prefill (threads.py)
+    threads.before_prefill(device)  # its thread count from the machine's load now (threads.py)
     _sync(device)
     t0 = time.perf_counter()
     logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix, progress)

@@ -6,7 +6,8 @@ process keeps the cores busy, one descheduled thread stalls the whole team for a
 a step. Measured (docs/BENCHMARKS.md, "Beside other work"): beside a PyTorch process multiplying matrices on both
 cores of a 2-core machine, two threads decode at 0.013x their idle speed and one thread at 0.53x.
 
-So the decode loops look at the machine every `INTERVAL` seconds: `Load` reads how many cores other processes
+So the decode loops (and a prefill, before it starts and between its chunks) look at the machine every
+`INTERVAL` seconds: `Load` reads how many cores other processes
 kept busy on this process's CPUs since the last look (Linux `/proc/stat`, minus this process's own CPU time),
 and `Tuner` runs the next steps on the cores left, at least one, at most the count the process started with. A
 look costs a few microseconds and never runs a slow trial step; a competitor that comes or goes is followed
@@ -27,6 +28,7 @@ import time
 import torch
 
 INTERVAL = 0.5  # seconds between looks at the machine's load
+FIRST_LOOK = 0.1  # seconds of a first look before a prefill, when there is no recent one
 
 # /proc/stat columns after the cpu name: user nice system idle iowait irq softirq steal (guest time is in user)
 _IDLE = (3, 4)
@@ -95,7 +97,7 @@ class Tuner:
         return True
 
     def step(self, device: torch.device | None = None) -> None:
-        """After a decode step: every `interval` seconds, choose the count of the next ones."""
+        """After a decode step (or a prefill chunk): every `interval` seconds, choose the count of the next ones."""
         if not self._active(device):
             return
         if self._last is None:
@@ -103,10 +105,29 @@ class Tuner:
             return
         if self.load.now() - self._last[0] < self.interval:
             return  # (a sample reads /proc/stat: ~0.2 ms, once an interval, not every step)
+        self._choose()
+
+    def before_prefill(self, device: torch.device | None = None) -> None:
+        """Before a prefill: choose the count it runs on now, from the last look if it is recent, else from a look
+        of `FIRST_LOOK` seconds taken here (the process idle meanwhile: what it sees is the others' load). A
+        prefill on every core beside a busy machine stalls at each of its parallel regions as a decode step does."""
+        if not self._active(device):
+            return
+        if self._last is None or self.load.now() - self._last[0] > 4 * self.interval:
+            self._last = self.load.sample()
+            if self._last is None:
+                return
+            time.sleep(FIRST_LOOK)
+        self._choose()
+
+    def _choose(self) -> None:
+        """The cores other processes kept busy since the last look -> the count of what runs next."""
         now = self.load.sample()
         if now is None:
             return
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        if t1 - t0 < FIRST_LOOK / 2:
+            return  # too short a window to tell (a look just taken): the count stays
         self._last = now
         self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         n = max(1, min(self.most, self.load.cores - round(self.others)))
@@ -133,12 +154,18 @@ def set_threads(n: int | None) -> None:
 
 
 def watch(device: torch.device | None = None) -> None:
-    """Called before a prefill whose decode follows (generation.generate)."""
+    """Called before other work whose decode steps follow (the server's engine): the first look spans it."""
     TUNER.watch(device)
 
 
+def before_prefill(device: torch.device | None = None) -> None:
+    """Called before a prefill (generation.generate): the count it runs on, from the machine's load now."""
+    TUNER.before_prefill(device)
+
+
 def decode_step(device: torch.device | None = None) -> None:
-    """Called by the decode loops after each step (generation.generate, the server's engine)."""
+    """Called by the decode loops after each step and by a prefill after each chunk (generation, the server's
+    engine)."""
     TUNER.step(device)
 
 
