@@ -123,3 +123,13 @@ def _budget(text):
 
 def _budget_list(text):
     return [_budget(t) for t in text.split(",") if t]
+
+
+def _text_file(text):
+    """A readable file, named as given."""
+    from pathlib import Path
+
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+

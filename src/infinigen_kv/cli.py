@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .argtypes import (_budget, _budget_list, _capacity, _device, _fraction, _int_list, _non_negative_int, _port,
-                       _positive_int, _seconds, _size, _size_or_off, _temperature)
+                       _positive_int, _seconds, _size, _size_or_off, _temperature, _text_file)
 from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
                      PARTIAL_DTYPES, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
@@ -88,6 +88,16 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                        help="floor of a fractional budget in tokens: at least this many entries, or the whole past "
                        "when shorter, which is then attended densely; 0 = no floor (default: %d)" % DEFAULT_MIN_BUDGET)
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
+    p.add_argument("--gqa-combine", choices=["max", "mean"], default=None,
+                   help="InfiniGen: how the query heads of a KV group vote for tokens (default: %s)" % InfiniGenConfig.gqa_combine)
+    p.add_argument("--channel-rule", choices=["q", "qk"], default=None,
+                   help="InfiniGen calibration: rank partial channels by |q| (paper) or |q|*|k| (default: %s)"
+                   % InfiniGenConfig.channel_rule)
+    p.add_argument("--skew", choices=["auto", "svd", "none"], default=None,
+                   help="InfiniGen calibration: skewing matrices (svd), raw channels (none), or auto (default: %s)"
+                   % InfiniGenConfig.skew)
+    p.add_argument("--calibration-text", type=_text_file, default=None, metavar="FILE",
+                   help="InfiniGen calibration: a text file to calibrate on (default: text the model generates itself)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
     if not serving:
         p.add_argument("--capacity", type=_capacity, default=None,
