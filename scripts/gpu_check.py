@@ -254,14 +254,14 @@ def big_model(c: Check):
 
 
 def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
-    from infinigen_kv.bench.speed import h2d_bandwidth
+    from infinigen_kv.bench.speed import device_bandwidth, h2d_bandwidth
 
     model = big_model(c)
     cal = ig.calibrate(model, tokens=256 if c.dry else 1024)
     cal_path = c.work / "calibration.safetensors"
     cal.save(cal_path)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
-    d2d = d2d_bandwidth(c.device) if c.device.type == "cuda" else None
+    d2d = device_bandwidth(c.device) if c.device.type == "cuda" else None
     embed = model.get_input_embeddings().weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) - (
         0 if embed is model.get_output_embeddings().weight else embed.numel() * embed.element_size())
@@ -341,21 +341,6 @@ def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
     ok = all("error" not in r or r["method"] == "full" for r in rows)
     return {"ok": ok, "h2d_gb_s": round(h2d / 1e9, 2) if h2d else None,
             "d2d_gb_s": round(d2d / 1e9, 1) if d2d else None, "rows": rows}
-
-
-def d2d_bandwidth(device, mbytes: int = 2048, repeats: int = 5) -> float:
-    """The device memory's bandwidth in bytes/s, bytes read and written counted: the best of `repeats` copies."""
-    src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 4 / best
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")

@@ -210,3 +210,22 @@ def test_a_replayed_steps_counts(tiny_models, monkeypatch):
     assert all(a is b for a, b in zip(now, accumulators))  # in place: the very tensors a graph adds to
     cache.replayed(before, after)
     assert cache.counters.snapshot()[0] == after[0][0]
+
+
+def test_the_partial_channels_reach_the_device_at_prefill(tiny_models, monkeypatch):
+    """The PyTorch path's partial query (a GPU's) has every layer's channels on the compute device once the prompt is
+    in: a decode step copies nothing from the host (on a GPU such a copy waits for the device)."""
+    from infinigen_kv.methods.infinigen.partial import PartialQuery
+
+    monkeypatch.setattr(kernels, "_enabled", False)
+    made = []
+    channels_on = PartialQuery.channels_on
+    monkeypatch.setattr(PartialQuery, "channels_on", lambda self, device: made.append(device) or channels_on(self, device))
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40))
+    cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0)
+    prefill(model, ids, mask, cache, 2)
+    assert made and all(torch.device(d) == ids.device for d in made)
+    first = channels_on(cache.pq, ids.device)
+    ig.generate(model, ids, mask, cache=ig.make_cache("infinigen", model, budget=0.2, min_budget=0), max_new_tokens=3)
+    assert channels_on(cache.pq, ids.device) is first  # made once, kept

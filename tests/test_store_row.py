@@ -49,3 +49,22 @@ def test_the_op_is_one_op_of_a_step():
         sr.store_row(*got)
     assert t.kernel_names == ["infinigen::store_row"]
     assert all(torch.equal(e, g) for e, g in zip(expect, got) if isinstance(e, torch.Tensor))
+
+
+def test_a_triton_kernel_that_fails_here_falls_back_once():
+    """A kernel that cannot run (here: a name its module lacks) warns once and gives the reference's result from
+    then on; one that runs gives its own."""
+    import warnings
+
+    from infinigen_kv.model.triton_kernel import TritonKernel
+
+    broken = TritonKernel("model.triton_kernel:no_such_kernel", "test kernel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert broken(lambda x: x + 1, 1) == 2 and broken(lambda x: x + 1, 2) == 3
+    assert not broken.ok and len(caught) == 1 and "test kernel" in str(caught[0].message)
+    works = TritonKernel("methods.infinigen.store_row:reference", "row store")
+    expect, got = buffers(torch.float32, True), buffers(torch.float32, True)
+    sr.reference(*expect)
+    works(lambda *a: None, *got)  # the target itself ran (the fallback writes nothing)
+    assert works.ok and all(torch.equal(e, g) for e, g in zip(expect, got) if isinstance(e, torch.Tensor))

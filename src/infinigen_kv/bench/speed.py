@@ -39,10 +39,8 @@ def memory_bandwidth(device: torch.device, mbytes: int | None = None, repeats: i
     return x.numel() * 4 / best
 
 
-def h2d_bandwidth(device: torch.device, mbytes: int = 256, repeats: int = 5) -> float:
-    """Host-to-device bandwidth in bytes/s from pinned memory: the best of `repeats` copies."""
-    src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, pin_memory=True)
-    dst = torch.empty_like(src, device=device)
+def _best_copy_s(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
+    """The fastest of `repeats` copies src -> dst on the GPU, in seconds (CUDA events)."""
     best = float("inf")
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,7 +49,19 @@ def h2d_bandwidth(device: torch.device, mbytes: int = 256, repeats: int = 5) -> 
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
-    return src.numel() * 4 / best
+    return best
+
+
+def h2d_bandwidth(device: torch.device, mbytes: int = 256, repeats: int = 5) -> float:
+    """Host-to-device bandwidth in bytes/s from pinned memory: the best of `repeats` copies."""
+    src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, pin_memory=True)
+    return src.nbytes / _best_copy_s(torch.empty_like(src, device=device), src, repeats)
+
+
+def device_bandwidth(device: torch.device, mbytes: int = 2048, repeats: int = 5) -> float:
+    """The device memory's bandwidth in bytes/s, bytes read and written counted: the best of `repeats` copies."""
+    src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
+    return 2 * src.nbytes / _best_copy_s(torch.empty_like(src), src, repeats)
 
 
 def machine_info(device: torch.device) -> dict:

@@ -18,10 +18,10 @@ tests compare the kernel against on CPU, through TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
+
+from .triton_kernel import TritonKernel
 
 def reference(q, key, value, mask, scale: float) -> torch.Tensor:
     """The op in PyTorch ops (SDPA; K/V in the query's dtype)."""
@@ -29,21 +29,13 @@ def reference(q, key, value, mask, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
 
 
-_triton_ok = True  # False once the kernel failed here (or Triton is missing): the reference from then on
+KERNEL = TritonKernel("model.decode_attention_triton:triton_decode_attention", "decode attention")
 
 
 def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
     """The module's function (see its docstring): the Triton kernels on a GPU, PyTorch's SDPA elsewhere. A plain
     function, not a custom op: an eager step calls it once a layer, and a custom op's dispatch costs tens of us."""
-    global _triton_ok
-    if q.is_cuda and _triton_ok:
-        try:
-            from .decode_attention_triton import triton_decode_attention
-
-            return triton_decode_attention(q, key, value, mask, scale)
-        except Exception as e:  # no Triton, or one that cannot build it here: PyTorch's attention
-            _triton_ok = False
-            warnings.warn(f"infinigen: the Triton decode attention failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "attending with PyTorch's SDPA", stacklevel=2)
+    if q.is_cuda:
+        return KERNEL(reference, q, key, value, mask, scale)
     return reference(q, key, value, mask, scale)

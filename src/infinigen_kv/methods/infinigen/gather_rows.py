@@ -12,9 +12,9 @@ idx (B, G, m) int64 pool positions; ws_k, ws_v (B, G, 1 + m, dk / dv) contiguous
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from ...model.triton_kernel import TritonKernel
 
 
 def reference(pool_k, pool_v, idx, ws_k, ws_v) -> None:
@@ -26,7 +26,7 @@ def reference(pool_k, pool_v, idx, ws_k, ws_v) -> None:
         torch.gather(pool.reshape(B * G, -1, d), 1, idx.reshape(B * G, m, 1).expand(B * G, m, d), out=out)
 
 
-_triton_ok = True  # False once the kernel failed here (or Triton is missing): the reference from then on
+KERNEL = TritonKernel("methods.infinigen.gather_rows_triton:triton_gather", "row gather")
 
 
 @torch.library.custom_op("infinigen::gather_rows", mutates_args=("ws_k", "ws_v"))
@@ -38,15 +38,4 @@ def gather_rows(pool_k: torch.Tensor, pool_v: torch.Tensor, idx: torch.Tensor, w
 
 @gather_rows.register_kernel("cuda")
 def _gather_rows_cuda(pool_k, pool_v, idx, ws_k, ws_v) -> None:
-    global _triton_ok
-    if _triton_ok:
-        try:
-            from .gather_rows_triton import triton_gather
-
-            triton_gather(pool_k, pool_v, idx, ws_k, ws_v)
-            return
-        except Exception as e:  # no Triton, or one that cannot build it here: the same rows in PyTorch ops
-            _triton_ok = False
-            warnings.warn(f"infinigen: the Triton row gather failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "gathering fetched rows with PyTorch ops", stacklevel=2)
-    reference(pool_k, pool_v, idx, ws_k, ws_v)
+    KERNEL(reference, pool_k, pool_v, idx, ws_k, ws_v)

@@ -13,9 +13,9 @@ pool); at (1,) int64 on the device; ws_k, ws_v (B, G, 1 + m, dk / dv); partial (
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from ...model.triton_kernel import TritonKernel
 
 
 def reference(k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels) -> None:
@@ -30,7 +30,7 @@ def reference(k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels) -> None:
         partial.index_copy_(2, at, rows.to(partial.dtype))
 
 
-_triton_ok = True  # False once the kernel failed here (or Triton is missing): the reference from then on
+KERNEL = TritonKernel("methods.infinigen.store_row_triton:triton_store", "row store")
 
 
 @torch.library.custom_op("infinigen::store_row", mutates_args=("pool_k", "pool_v", "ws_k", "ws_v", "partial"))
@@ -43,14 +43,4 @@ def store_row(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: to
 
 @store_row.register_kernel("cuda")
 def _store_row_cuda(k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels) -> None:
-    global _triton_ok
-    if _triton_ok:
-        try:
-            from .store_row_triton import triton_store  # (imported on a GPU's first store: PyTorch's CUDA wheels
-            triton_store(k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels)  # bring Triton)
-            return
-        except Exception as e:  # no Triton, or one that cannot build it here: the same bytes in PyTorch ops
-            _triton_ok = False
-            warnings.warn(f"infinigen: the Triton row store failed ({type(e).__name__}: {str(e)[:200]}); storing "
-                          "decode rows with PyTorch ops", stacklevel=2)
-    reference(k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels)
+    KERNEL(reference, k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels)
