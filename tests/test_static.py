@@ -220,7 +220,8 @@ def test_the_partial_channels_reach_the_device_at_prefill(tiny_models, monkeypat
     monkeypatch.setattr(kernels, "_enabled", False)
     made = []
     channels_on = PartialQuery.channels_on
-    monkeypatch.setattr(PartialQuery, "channels_on", lambda self, device: made.append(device) or channels_on(self, device))
+    monkeypatch.setattr(PartialQuery, "channels_on",
+                        lambda self, device: made.append(device) or channels_on(self, device))
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(48, 40))
     cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0)
