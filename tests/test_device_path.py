@@ -74,6 +74,25 @@ def test_device_path_selects_as_the_direct_path(device_path, uva):
             assert transfer.bytes_moved == rows
 
 
+@pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
+def test_int8_rows_cross_as_int8(device_path, model, uva):
+    """kv_dtype="int8": a prompt's rows quantized on the device before they are staged, the chosen rows crossing as
+    int8 rows (d values and their scale: 20 bytes a row of d = 16 against bfloat16's 32) and read in the model's
+    dtype on the device: the full cache's tokens at the same storage, at full budget and for offload."""
+    ids, mask = left_padded_batch(lengths=(90, 70, 51))
+    ref, _, _ = run(model, ids, mask, "full", fake=False, kv_dtype="int8")
+    moved = {}
+    for kv in ("int8", "bfloat16"):
+        got, cache, transfer = run(model, ids, mask, alpha=1e9, budget=1.0, uva=uva, kv_dtype=kv)
+        assert cache.layers[1].k.dtype == getattr(torch, kv)
+        moved[kv] = transfer.bytes_moved
+        if kv == "int8":
+            assert torch.equal(got, ref)
+            got, _, _ = run(model, ids, mask, "offload", uva=uva, kv_dtype=kv)
+            assert torch.equal(got, ref)
+    assert moved["int8"] * 32 == moved["bfloat16"] * 20
+
+
 def where() -> str:
     """file:line of the innermost caller outside torch."""
     import traceback

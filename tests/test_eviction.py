@@ -45,12 +45,14 @@ def test_pool_never_exceeds_capacity(tiny_models, eviction):
     assert cache.layers[0].k.length == seen  # layer 0 attends fully from the device: not limited
 
 
-def test_byte_capacity_bounds_the_allocation(tiny_models):
+@pytest.mark.parametrize("kv,row", [("float32", 16 * 4), ("bfloat16", 16 * 2), ("int8", 16 + 4)])  # d = 16
+def test_byte_capacity_bounds_the_allocation(tiny_models, kv, row):
+    """The byte limit counts the rows as they are stored (kv_dtype)."""
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(48, 40))
-    G, d = 2, 16
-    limit = 30 * G * 2 * d * 4  # 30 rows of K+V per sequence and layer, float32
-    cache = ig.make_cache("infinigen", model, budget=0.5, min_budget=0, capacity_bytes=limit)
+    G = 2
+    limit = 30 * G * 2 * row  # 30 rows of K+V per sequence and layer
+    cache = ig.make_cache("infinigen", model, budget=0.5, min_budget=0, capacity_bytes=limit, kv_dtype=kv)
     ig.generate(model, ids, mask, cache=cache, max_new_tokens=10, stop_at_eos=False)
     for layer in cache.layers[1:]:
         assert layer.k.length == 30 and layer.nbytes <= 2 * limit  # two sequences

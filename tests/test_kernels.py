@@ -9,6 +9,7 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.model import kernels
+from infinigen_kv.model.kv import from_rows
 from infinigen_kv.methods.infinigen.speculator import relative
 from conftest import KINDS, left_padded_batch
 from test_exactness import step_logits
@@ -18,18 +19,23 @@ pytestmark = pytest.mark.skipif(K is None, reason="CPU kernels could not be buil
 
 
 def reference_attention(q, Kp, Vp, rows, scale):
-    """q (r, d) over the pool rows `rows` of one (sequence, head): (r, d)."""
-    k, v = Kp[rows].float(), Vp[rows].float()
+    """q (r, d) over the pool rows `rows` of one (sequence, head) (stored rows: int8 ones read by their scale): (r, d)."""
+    k, v = from_rows(Kp[rows], torch.float32), from_rows(Vp[rows], torch.float32)
     return torch.softmax(q @ k.T * scale, -1) @ v
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def stored(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x (..., d) float32 as pool rows of `dtype` (int8: d values and their scale)."""
+    return K.quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("d", [64, 40])  # a compiled size and a run-time one
 def test_attend_selected_rows(dtype, d):
     torch.manual_seed(0)
     B, G, r, cap, n, m = 2, 3, 3, 700, 600, 300
     q = torch.randn(B, G, r, d)
-    Kp, Vp = torch.randn(B, G, cap, d).to(dtype), torch.randn(B, G, cap, d).to(dtype)
+    Kp, Vp = stored(torch.randn(B, G, cap, d), dtype), stored(torch.randn(B, G, cap, d), dtype)
     idx = torch.randint(0, n, (B, G, m))
     count = torch.randint(1, m + 1, (B, G))
     new = torch.randint(0, n, (B, G))
@@ -66,17 +72,22 @@ def test_attend_selected_rows_alone_or_in_a_batch():
                                        rtol=1e-5, atol=1e-5)
 
 
-def test_store_token_writes_what_the_separate_appends_write():
-    """store_token: a decode token's K and V rows (strided views, as the own step hands them) and its int8 partial
-    row into a pool layer at one slot, the same bytes as copies and quantize_rows of the gathered channels."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_store_token_writes_what_the_separate_appends_write(dtype):
+    """store_token: a decode token's K and V rows (strided views, as the own step hands them; int8 rows quantized
+    with their scale) and its int8 partial row into a pool layer at one slot, the same bytes as copies and
+    quantize_rows of the rows and of the gathered channels."""
     torch.manual_seed(7)
     B, G, H, d, p, cap, at = 2, 3, 9, 64, 32, 50, 17
     qkv = torch.randn(B, H + 2 * G, 1, d)  # the merged projection's output, viewed per head
     k, v = qkv[:, H : H + G], qkv[:, H + G :]
     channels = torch.stack([torch.randperm(d)[:p] for _ in range(G)])
-    Kb, Vb, Pb = torch.zeros(B, G, cap, d), torch.zeros(B, G, cap, d), torch.zeros(B, G, cap, p + 4, dtype=torch.int8)
+    w = d + 4 if dtype == torch.int8 else d
+    Kb, Vb = torch.zeros(B, G, cap, w, dtype=dtype), torch.zeros(B, G, cap, w, dtype=dtype)
+    Pb = torch.zeros(B, G, cap, p + 4, dtype=torch.int8)
     K.store_token(Kb, Vb, Pb, k, v, channels, at)
-    assert torch.equal(Kb[:, :, at], k[:, :, 0]) and torch.equal(Vb[:, :, at], v[:, :, 0])
+    assert torch.equal(Kb[:, :, at], stored(k[:, :, 0].contiguous(), dtype))
+    assert torch.equal(Vb[:, :, at], stored(v[:, :, 0].contiguous(), dtype))
     part = k.gather(-1, channels.view(1, G, 1, p).expand(B, G, 1, p)).contiguous()
     assert torch.equal(Pb[:, :, at : at + 1], K.quantize_rows(part))
     assert not Kb[:, :, :at].any() and not Pb[:, :, at + 1 :].any()  # nothing else written
@@ -108,17 +119,19 @@ def test_decode_stores_a_token_in_one_kernel_call(tiny_models, monkeypatch):
         assert x.length == y.length and torch.equal(x.valid(), y.valid())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_attend_dense_with_mask(dtype):
     torch.manual_seed(1)
     B, G, r, d, cap, n = 2, 2, 4, 64, 1100, 1000  # long enough to be split across threads
     q = torch.randn(B, G, r, d)
-    Kp, Vp = torch.randn(B, G, cap, d).to(dtype), torch.randn(B, G, cap, d).to(dtype)
+    Kp, Vp = stored(torch.randn(B, G, cap, d), dtype), stored(torch.randn(B, G, cap, d), dtype)
     keep = torch.rand(B, 1, n) > 0.3
-    out = K.attend(q, Kp, Vp, None, None, None, -1, keep, n, 0.1, dtype)
-    s = (q @ Kp[:, :, :n].float().transpose(-1, -2) * 0.1).masked_fill(~keep.unsqueeze(2), float("-inf"))
-    ref = torch.softmax(s, -1) @ Vp[:, :, :n].float()
-    assert out.dtype == dtype
+    out_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    out = K.attend(q, Kp, Vp, None, None, None, -1, keep, n, 0.1, out_dtype)
+    k, v = from_rows(Kp[:, :, :n], torch.float32), from_rows(Vp[:, :, :n], torch.float32)
+    s = (q @ k.transpose(-1, -2) * 0.1).masked_fill(~keep.unsqueeze(2), float("-inf"))
+    ref = torch.softmax(s, -1) @ v
+    assert out.dtype == out_dtype
     torch.testing.assert_close(out.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
@@ -172,20 +185,21 @@ def test_speculate_breaks_ties_at_the_cap_by_age_in_position_order(dtype):
 
 @pytest.mark.parametrize("p", [32, 64, 24])  # the vector path (multiples of 32) and the plain one
 def test_int8_partial_keys_kernel_matches_pytorch(p):
-    """int8 partial key rows (int8.py): the kernel's quantizer gives the PyTorch one's bytes, and its selection
+    """int8 partial key rows (model/int8_rows.py): the kernel's quantizer gives the PyTorch one's bytes, and its selection
     (integer dot products) the PyTorch scores' to the slot, every row length mod 8 included."""
     from infinigen_kv.methods.infinigen import int8
     from infinigen_kv.methods.infinigen.speculator import select
+    from infinigen_kv.model import int8_rows
 
     torch.manual_seed(5)
     B, G, r, cap, n, k = 2, 3, 3, 420, 413, 50
     x = torch.randn(B, G, cap, p) * torch.rand(B, G, cap, 1) * 4
     x[0, 0, 7] = 0  # an all-zero row: scale 0, values 0
     rows = K.quantize_rows(x)
-    values, scale = int8.quantize(x)
+    values, scale = int8_rows.quantize(x)
     assert rows.shape == (B, G, cap, p + 4) and rows.dtype == torch.int8
     assert torch.equal(rows, torch.cat([values.to(torch.int8), scale.view(torch.int8)], -1))
-    kv, sk = int8.unpack(rows)
+    kv, sk = int8_rows.unpack(rows)
     torch.testing.assert_close(kv * sk.unsqueeze(-1), x, atol=float(x.abs().max()) / 127, rtol=0)  # within a step
     q = torch.randn(B, G, r, p)
     keep = torch.rand(B, 1, n) > 0.1

@@ -1,7 +1,7 @@
-"""The K/V rows' storage (kv_dtype): every method that stores K/V keeps its rows in bfloat16 when asked (half a float32
-model's bytes), attention computed in float32 over the rows as stored; at budget 1.0 each method equals the full cache
-at the same storage, on the CPU kernels and on the PyTorch path a GPU runs. "auto" is bfloat16 for a float32 model on
-CPU and the model's dtype elsewhere."""
+"""The K/V rows' storage (kv_dtype): every method that stores K/V keeps its rows in bfloat16 (half a float32 model's
+bytes) or int8 (a row's values by its absmax, with its float32 scale) when asked, attention computed in float32 over
+the rows as stored; at budget 1.0 each method equals the full cache at the same storage, on the CPU kernels and on the
+PyTorch path a GPU runs. "auto" is bfloat16 for a float32 model on CPU and the model's dtype elsewhere."""
 
 import pytest
 import torch
@@ -12,39 +12,42 @@ from infinigen_kv.config import ConfigError
 from infinigen_kv.model import kernels
 from test_exactness import EXACT, step_logits
 
-KV = {"kv_dtype": "bfloat16"}
 METHODS = [("infinigen", EXACT), ("offload", {}), ("h2o", {"budget": 1.0}), ("streaming", {"budget": 1.0})]
 
 
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "gemma3", "opt"])
-def test_every_method_equals_full_at_the_same_storage(tiny_models, kind, kernel, monkeypatch):
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8])
+def test_every_method_equals_full_at_the_same_storage(tiny_models, kind, kernel, storage, monkeypatch):
     monkeypatch.setattr(kernels, "_enabled", kernel)
     model = tiny_models[kind]
+    KV = {"kv_dtype": str(storage).removeprefix("torch.")}
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     full = ig.make_cache("full", model, **KV)
     ref = step_logits(model, full, ids, mask)
-    assert full.layers[1].k.dtype == torch.bfloat16 and full.layers[1].v.dtype == torch.bfloat16
+    assert full.layers[1].k.dtype == storage and full.layers[1].v.dtype == storage
     f32 = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)
     assert not torch.equal(ref, f32)  # rounded rows: other logits, close ones
     torch.testing.assert_close(ref, f32, atol=0.05, rtol=0.05)
     for method, options in METHODS:
         cache = ig.make_cache(method, model, **options, **KV)
         got = step_logits(model, cache, ids, mask)
-        assert {layer.k.dtype for layer in cache.layers} == {torch.bfloat16}, method
+        assert {layer.k.dtype for layer in cache.layers} == {storage}, method
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"{method}: {m}")
 
 
 def test_bfloat16_rows_take_half_the_bytes_and_are_the_cpu_default(tiny_models):
     model = tiny_models["llama-gqa"]
+    d = model.config.hidden_size // model.config.num_attention_heads
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     nbytes = {}
-    for kv in ("auto", "float32", "bfloat16"):
+    for kv in ("auto", "float32", "bfloat16", "int8"):
         cache = ig.make_cache("infinigen", model, kv_dtype=kv)
         ig.generate(model, ids, mask, cache=cache, max_new_tokens=4, stop_at_eos=False)
         nbytes[kv] = sum(b.nbytes for layer in cache.layers for b in (layer.k, layer.v))
     assert nbytes["bfloat16"] * 2 == nbytes["float32"]
     assert nbytes["auto"] == nbytes["bfloat16"]  # a float32 model on CPU
+    assert nbytes["int8"] * 4 * d == nbytes["float32"] * (d + 4)  # d values and a 4-byte scale a row
 
 
 def test_auto_is_bfloat16_on_cpu_and_the_models_dtype_on_a_gpu():
@@ -71,5 +74,5 @@ def test_the_storage_is_part_of_the_prefix_namespace(tiny_models):
 
 def test_a_bad_storage_is_refused(tiny_models):
     for method in ("full", "infinigen", "h2o"):
-        with pytest.raises(ConfigError, match="kv_dtype must be one of auto, float32, bfloat16"):
+        with pytest.raises(ConfigError, match="kv_dtype must be one of auto, float32, bfloat16, int8"):
             ig.make_cache(method, tiny_models["llama-gqa"], kv_dtype="int4")

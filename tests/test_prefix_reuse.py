@@ -154,6 +154,29 @@ def test_disk_tier_serves_a_new_process_and_survives_damage(tmp_path, caplog):
     assert same(decode(model, got), ref)
 
 
+def test_int8_rows_are_stored_as_they_are_held(tmp_path):
+    """kv_dtype="int8": blocks stored (in memory and on disk) as int8 rows with their scales, a namespace of their
+    own, restored exactly."""
+    from safetensors.torch import load_file
+
+    model = tiny_model("llama-gqa")
+    a, b = prompts(4)
+    ns = cache_namespace(model, make(model, "infinigen", kv_dtype="int8"), BLOCK)
+    assert ns != cache_namespace(model, make(model, "infinigen"), BLOCK)
+
+    def store(**kw):
+        return PrefixStore(ns, memory_bytes=1 << 30, block=BLOCK, **kw)
+
+    ref = decode(model, run(model, "infinigen", b, store(), budget=0.25, kv_dtype="int8"))
+    run(model, "infinigen", a, store(disk_dir=tmp_path), budget=0.25, kv_dtype="int8")
+    fresh = store(disk_dir=tmp_path)
+    got = run(model, "infinigen", b, fresh, budget=0.25, kv_dtype="int8")
+    assert got.cached == 3 * BLOCK and fresh.stats.disk_hits == 3
+    assert same(decode(model, got), ref)
+    entry = load_file(next(tmp_path.rglob("*.safetensors")))
+    assert {t.dtype for t in entry.values()} == {torch.int8}  # K/V rows and the int8 partial keys
+
+
 def test_methods_that_cannot_reuse_say_so_and_other_namespaces_never_mix():
     model = tiny_model("llama-gqa")
     for method in ("h2o", "streaming"):

@@ -103,6 +103,26 @@ def test_static_offload_steps(tiny_models, fake_cuda, monkeypatch):
         assert first_difference(a, b) is None and a.host_reads == []
 
 
+@pytest.mark.parametrize("method,fake_cuda", [("full", False), ("infinigen", False), ("infinigen", True)])
+def test_static_steps_over_int8_rows(tiny_models, method, fake_cuda, monkeypatch):
+    """int8 K/V rows (kv_dtype="int8") in static steps: the new row quantized at the device column, the chosen rows
+    gathered as stored (on the CUDA path as int8 into the working set) and read in the model's dtype: the eager
+    steps' tokens, the same ops every step."""
+    monkeypatch.setattr(kernels, "_enabled", False)
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(48, 40, 31))
+    opts = dict(kv_dtype="int8", **(dict(budget=0.1, min_budget=0) if method == "infinigen" else {}))
+    eager_cache = ig.make_cache(method, model, **opts)
+    if fake_cuda:
+        on_fake_cuda(eager_cache)
+    eager = ig.generate(model, ids, mask, cache=eager_cache, max_new_tokens=NEW, stop_at_eos=False)
+    tokens, traces, cache = static_run(model, method, ids, mask, trace=True, fake_cuda=fake_cuda, **opts)
+    assert cache.layers[1].k.dtype == torch.int8
+    assert torch.equal(tokens, eager.tokens)
+    for a, b in zip(traces[1:], traces[2:]):
+        assert first_difference(a, b) is None and a.host_reads == []
+
+
 @pytest.mark.parametrize("method", ["full", "offload", "infinigen"])
 def test_nothing_is_allocated_after_the_first_step(tiny_models, method, monkeypatch):
     """After its first step (a graph's warm-up), a static step keeps no memory it did not hold before: every tensor

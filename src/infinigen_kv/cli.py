@@ -113,8 +113,9 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                    "per-row scale scored by integer dot products, bfloat16, or the model's dtype (default: %s)" % InfiniGenConfig.partial_dtype)
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="storage of the K/V rows of every method that keeps them: auto (bfloat16 for a float32 model on CPU, "
-                   "the model's dtype on a GPU), float32, or bfloat16 (half a float32 model's bytes per token; attention "
-                   "computed in float32) (default: auto)")
+                   "the model's dtype on a GPU), float32, bfloat16 (half a float32 model's bytes per token; attention "
+                   "computed in float32), or int8 (each row's values by its absmax with its scale: 0.53x bfloat16's "
+                   "bytes) (default: auto)")
     p.add_argument("--layer-budget", choices=list(LAYER_BUDGETS), default=None,
                    help="InfiniGen: the same budget for every layer, or more for the layers whose speculation recalls "
                    "least on the calibration text (measured once per model), the mean unchanged (default: %s)"

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..model.install import compute_dtype, install
-from ..model.kv import KVView, StepCache, kv_storage
+from ..model.kv import KVView, StepCache, from_rows, kv_storage, to_rows
 from .rows import PIN_ROUNDING, release_pinned
 
 
@@ -60,6 +60,8 @@ class LogicalLayer(CacheLayerMixin):
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt's own K, V as the layer stores them (kv_dtype): the prompt attends over the rows its later chunks
         and decode steps read, so a prompt prefilled in chunks attends as one prefilled at once."""
+        if self.k.dtype == torch.int8:  # the values the rows hold, in the model's dtype
+            return from_rows(to_rows(k, torch.int8), k.dtype), from_rows(to_rows(v, torch.int8), v.dtype)
         return k.to(self.k.dtype), v.to(self.v.dtype)
 
     # --- continuous batching (Rebatch): columns are positions, left-padded to a common length ------------

@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_kv_dtype, check_min_budget
 from ..model.install import install
-from ..model.kv import KVView, kv_storage
+from ..model.kv import KVView, kv_storage, row_width, to_rows
 from .base import LogicalLayer, Rebatch
 from .budget import budget_caps
 from .keep import keep_source, valid_keys
@@ -35,8 +35,8 @@ class EvictingLayer(LogicalLayer):
         B, G, _, d = key_states.shape
         dev = key_states.device
         dtype = kv_storage(self.cache.kv_dtype, key_states.dtype, dev)
-        self.k = RowBuffer(B, G, d, dtype, dev)
-        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, dev)
+        self.k = RowBuffer(B, G, row_width(d, dtype), dtype, dev)
+        self.v = RowBuffer(B, G, row_width(value_states.shape[-1], dtype), dtype, dev)
         self.pos = RowBuffer(B, G, 1, torch.long, dev)  # original position of each slot
         self.score = RowBuffer(B, G, 1, torch.float32, dev)  # accumulated attention (H2O)
         self.seen = 0  # logical length
@@ -94,8 +94,8 @@ class EvictingLayer(LogicalLayer):
                 buf.data[:, :, buf.length : need].zero_()
                 buf.length = need
         rows = (slot.view(B, G, 1) + self.k.row_base()).view(-1)
-        self.k.data.view(-1, self.k.width).index_copy_(0, rows, key_states.reshape(-1, self.k.width).to(self.k.dtype))
-        self.v.data.view(-1, self.v.width).index_copy_(0, rows, value_states.reshape(-1, self.v.width).to(self.v.dtype))
+        self.k.data.view(-1, self.k.width).index_copy_(0, rows, to_rows(key_states, self.k.dtype).view(-1, self.k.width))
+        self.v.data.view(-1, self.v.width).index_copy_(0, rows, to_rows(value_states, self.v.dtype).view(-1, self.v.width))
         self.pos.data.view(-1).index_fill_(0, rows, self.seen)
         self.score.data.view(-1).index_fill_(0, rows, 0.0)
         self.kept += (~full).long()

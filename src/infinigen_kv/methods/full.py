@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from ..model.arch import UnsupportedModelError
 from ..model.install import install
 from ..config import check_kv_dtype
-from ..model.kv import KVView, kv_storage
+from ..model.kv import KVView, kv_storage, row_width, to_rows
 from .base import LogicalLayer, Rebatch, read_stats
 from .rows import RowBuffer
 
@@ -29,8 +29,8 @@ class FullLayer(LogicalLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, G, _, d = key_states.shape
         dtype = kv_storage(self.kv_dtype, key_states.dtype, key_states.device)
-        self.k = RowBuffer(B, G, d, dtype, key_states.device)
-        self.v = RowBuffer(B, G, value_states.shape[-1], dtype, value_states.device)
+        self.k = RowBuffer(B, G, row_width(d, dtype), dtype, key_states.device)
+        self.v = RowBuffer(B, G, row_width(value_states.shape[-1], dtype), dtype, value_states.device)
         for buf in (self.k, self.v):
             buf.reserve(self.reserved, room=False)
         self.is_initialized = True
@@ -42,8 +42,8 @@ class FullLayer(LogicalLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if at is not None:
-            self.k.data.index_copy_(2, at, key_states.to(self.k.dtype))  # (B, G, capacity, d) <- (B, G, 1, d)
-            self.v.data.index_copy_(2, at, value_states.to(self.v.dtype))
+            self.k.data.index_copy_(2, at, to_rows(key_states, self.k.dtype))  # (B, G, capacity, w) <- (B, G, 1, w)
+            self.v.data.index_copy_(2, at, to_rows(value_states, self.v.dtype))
             return KVView(self.k.data, self.v.data)
         first = self.k.length == 0
         k, v = self.slide(key_states, value_states)

@@ -13,6 +13,8 @@ import mmap
 
 import torch
 
+from ..model.kv import to_rows
+
 CHUNK = 1024  # rows; growth is at least this and at least 50% of the current capacity
 
 
@@ -125,10 +127,11 @@ class RowBuffer:
         self._set(store, mapping)
 
     def append(self, x: torch.Tensor) -> None:
-        """Append rows x (B, G, T, width) after the valid ones."""
+        """Append rows x (B, G, T, width), or values (B, G, T, d) to store as rows (model/kv.to_rows), after the
+        valid ones."""
         T = x.shape[2]
         self.reserve(self.length + T)
-        self.data[:, :, self.length : self.length + T].copy_(x)
+        self.data[:, :, self.length : self.length + T].copy_(to_rows(x, self.dtype))
         self.length += T
 
     def zero_past_valid(self) -> None:
@@ -167,9 +170,10 @@ class RowBuffer:
         return self.gather_flat(idx + self.row_base(idx.device), out)
 
     def put(self, slot: torch.Tensor, x: torch.Tensor) -> None:
-        """Overwrite one row per (sequence, head): x (B, G, 1, width) at slots slot (B, G)."""
+        """Overwrite one row per (sequence, head): x (B, G, 1, width) (or values to store as rows) at slots slot (B, G)."""
         rows = (slot.unsqueeze(-1).to(self.device) + self.row_base()).view(-1)
-        self.data.view(-1, self.width).index_copy_(0, rows, x.reshape(-1, self.width).to(self.device, self.dtype))
+        x = to_rows(x, self.dtype).reshape(-1, self.width)
+        self.data.view(-1, self.width).index_copy_(0, rows, x.to(self.device, self.dtype))
 
     def reset(self) -> None:
         self.length = 0

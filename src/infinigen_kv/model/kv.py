@@ -9,6 +9,8 @@ from typing import Protocol
 
 import torch
 
+from . import int8_rows
+
 
 def kv_storage(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype K/V rows are stored in (config.KV_DTYPES) for a model computing in `dtype` on `device`: "auto" is
@@ -16,7 +18,26 @@ def kv_storage(option: str, dtype: torch.dtype, device: torch.device) -> torch.d
     model's dtype otherwise (a GPU model computes in bf16/fp16 already)."""
     if option == "auto":
         return torch.bfloat16 if dtype == torch.float32 and torch.device(device).type == "cpu" else dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[option]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[option]
+
+
+def row_width(d: int, storage: torch.dtype) -> int:
+    """Elements a stored row of d values takes: int8 rows end with their scale's 4 bytes (model/int8_rows.py)."""
+    return d + 4 if storage == torch.int8 else d
+
+
+def to_rows(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """x (..., d) as rows of `storage` (..., row_width): int8 rows quantized with their scale (rows already int8 are
+    taken as stored); other storage is a cast."""
+    if storage == torch.int8:
+        return x if x.dtype == torch.int8 else int8_rows.pack(x)
+    return x.to(storage)
+
+
+def from_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows (..., row_width) -> the values they hold (..., d) in `dtype` (for PyTorch's attention: the CPU
+    kernels read the rows as they are)."""
+    return int8_rows.unpacked(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
 
 
 class StepCache:

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ...model.kv import to_rows
 from ..rows import RowBuffer
 from .fetch import Fetch, Scratch, work_mask
 from .gather_rows import gather_rows
@@ -254,8 +255,8 @@ class CudaTransfer:
             if fetch.count is None:
                 return dk, dv, layer.static_mask(B, G, m)  # the speculation wrote which slots are real
             return dk, dv, (self._positions(m + 1) <= fetch.count.unsqueeze(-1)).unsqueeze(2)
-        K = torch.cat([k_new, dk], dim=2)  # [new token, fetched rows]: the slot is free once this is done
-        V = torch.cat([v_new, dv], dim=2)
+        K = torch.cat([to_rows(k_new, dk.dtype), dk], dim=2)  # [new token, fetched rows]: the slot is free once
+        V = torch.cat([to_rows(v_new, dv.dtype), dv], dim=2)  # this is done
         self.ring.release(slot, self.compute_stream())
         fetch.rows = None
         m = dk.shape[2]
@@ -299,14 +300,15 @@ class CudaTransfer:
                 if rows is None or buf.capacity != layer.k.capacity:  # V's rows at K's flat index, sizes alike
                     base = buf.row_base(self.device)  # (B, G, 1)
                     rows = (base + start if slot is None else base + slot.unsqueeze(-1)).view(-1)
-                self._view(layer, name, buf).index_copy_(0, rows, x.reshape(-1, buf.width).to(buf.dtype))
+                self._view(layer, name, buf).index_copy_(0, rows, to_rows(x, buf.dtype).reshape(-1, buf.width))
             self.unflushed[layer.layer_idx] = self._record(self.events[layer.layer_idx]["written"])
             return
         rows = self.rows[layer.layer_idx]
-        sk = rows.get("k", k.shape, layer.k.dtype)  # staged as the pool stores it (kv_dtype): the bytes it crosses
-        sv = rows.get("v", v.shape, layer.v.dtype)
-        sk.copy_(k.to(sk.dtype), non_blocking=True)
-        sv.copy_(v.to(sv.dtype), non_blocking=True)
+        k, v = to_rows(k, layer.k.dtype), to_rows(v, layer.v.dtype)  # staged as the pool stores it: the bytes it crosses
+        sk = rows.get("k", k.shape, k.dtype)
+        sv = rows.get("v", v.shape, v.dtype)
+        sk.copy_(k, non_blocking=True)
+        sv.copy_(v, non_blocking=True)
         if slot is None:
             target = self._claim(layer, 1)
         else:
@@ -331,6 +333,7 @@ class CudaTransfer:
         self.prefill_next ^= 1
         if self.prefill_jobs[i] is not None:
             self.prefill_jobs[i].result()  # the worker has landed what the buffer held (two layers ago)
+        k, v = to_rows(k, layer.k.dtype), to_rows(v, layer.v.dtype)  # int8 rows quantized on the device
         sk = self.prefill[i].get("k", k.shape, k.dtype)
         sv = self.prefill[i].get("v", v.shape, v.dtype)
         sk.copy_(k, non_blocking=True)

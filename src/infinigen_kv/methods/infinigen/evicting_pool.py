@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...model.kv import KVView
+from ...model.kv import KVView, kv_storage, row_width
 from .fetch import PrefillQuery
 from .layer import PoolLayer
 from .pool import Slots
@@ -19,7 +19,8 @@ class EvictingPoolLayer(PoolLayer):
         self.slots = Slots(B, G, dev, c.eviction)  # positions and fetch statistics of the pool's slots
         self.max_rows = None  # rows per (sequence, head) a byte-limited pool may hold
         if c.capacity_bytes is not None:
-            row = G * (d + dv) * dtype.itemsize  # one token, all KV heads
+            kv = kv_storage(c.kv_dtype, dtype, dev)
+            row = G * (row_width(d, kv) + row_width(dv, kv)) * kv.itemsize  # one token, all KV heads, as stored
             self.max_rows = max(1, c.capacity_bytes // row)
         super().make_buffers(B, G, d, dv, dtype, dev, pool_dev, pin, self.max_rows)
 

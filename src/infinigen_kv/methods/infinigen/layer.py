@@ -17,10 +17,10 @@ import torch
 
 from ...config import InfiniGenConfig
 from ...model import backend as backends
-from ...model.kv import KVView, kv_storage
+from ...model import int8_rows
+from ...model.kv import KVView, kv_storage, row_width, to_rows
 from ..base import LogicalLayer
 from ..rows import RowBuffer
-from . import int8
 from .contracts import Transfer
 from .fetch import Fetch
 from .speculator import fetch_cap
@@ -100,8 +100,8 @@ class DeviceLayer(LogicalLayer):
     def make_buffers(self, B, G, d, dv, dtype, dev, pool_dev, pin, max_rows=None) -> None:
         """K, V in kv_dtype's storage for a model computing in `dtype` (config.KV_DTYPES)."""
         kv = kv_storage(self.spec.config.kv_dtype, dtype, dev)
-        self.k = RowBuffer(B, G, d, kv, pool_dev, pin=pin, max_rows=max_rows)
-        self.v = RowBuffer(B, G, dv, kv, pool_dev, pin=pin, max_rows=max_rows)
+        self.k = RowBuffer(B, G, row_width(d, kv), kv, pool_dev, pin=pin, max_rows=max_rows)
+        self.v = RowBuffer(B, G, row_width(dv, kv), kv, pool_dev, pin=pin, max_rows=max_rows)
 
     def limit(self, seen: int) -> int | None:
         """Entries the pool may hold per (sequence, KV head) after `seen` tokens (None: no limit)."""
@@ -267,9 +267,10 @@ class PoolLayer(DeviceLayer):
         set K, V (B, G, m + 1, d), and its partial key into the partial key cache, in one op (store_row.py) where
         the partial keys are raw channels stored as floats; else the partial key by its own ops."""
         pool_k, pool_v = self.transfer.device_pool(self)
-        fused = self.key_channels is not None and self.partial.dtype != torch.int8
-        store_row(k, v, pool_k, pool_v, at, K, V, self.partial.data if fused else None,
-                  self.key_channels if fused else None)
+        rows = pool_k.dtype == torch.int8  # int8 rows: quantized first, then stored as bytes
+        fused = self.key_channels is not None and self.partial.dtype != torch.int8 and not rows
+        store_row(to_rows(k, pool_k.dtype) if rows else k, to_rows(v, pool_v.dtype) if rows else v, pool_k, pool_v, at,
+                  K, V, self.partial.data if fused else None, self.key_channels if fused else None)
         if self.partial is not None and not fused:
             self.partial.data.index_copy_(2, at, self.partial_rows(k))
 
@@ -302,7 +303,7 @@ class PoolLayer(DeviceLayer):
         ops). False where that does not serve: no kernel, a GPU's transfer, a skewed or non-int8 partial cache."""
         kern = self.backend.ops
         if (kern is None or self.partial is None or self.key_channels is None or self.partial.dtype != torch.int8
-                or not self.transfer.host_compute or self.k.dtype not in (torch.float32, torch.bfloat16)
+                or not self.transfer.host_compute or self.k.dtype not in (torch.float32, torch.bfloat16, torch.int8)
                 or k.dtype != torch.float32
                 or not self.v.length == self.partial.length == self.k.length):
             return False
@@ -324,7 +325,7 @@ class PoolLayer(DeviceLayer):
     def partial_rows(self, k: torch.Tensor) -> torch.Tensor:
         """The partial keys of k (B, G, T, d) as the partial key cache stores them: in its dtype, or int8 rows."""
         kp = self.partial_keys(k)
-        return int8.pack(kp) if self.partial.dtype == torch.int8 else kp.to(self.partial.dtype)
+        return int8_rows.pack(kp) if self.partial.dtype == torch.int8 else kp.to(self.partial.dtype)
 
     def buffers(self) -> list:
         return [b for b in (self.k, self.v, self.partial) if b is not None]

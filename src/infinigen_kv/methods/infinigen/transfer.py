@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ...model.kv import to_rows
 from .fetch import Fetch, Scratch, work_mask
 
 
@@ -53,7 +54,7 @@ class DirectTransfer:
         """A static step's row k, v (B, G, 1, d) at column `at` (1,) of the pool as the compute device writes it
         (device_pool; the host's lengths follow after)."""
         for pool, x in zip(self.device_pool(layer), (k, v)):
-            pool.index_copy_(2, at, x.to(pool.dtype))
+            pool.index_copy_(2, at, to_rows(x, pool.dtype))
 
     def device_pool(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K, V (B, G, capacity, d) as the compute device writes them (here: the buffers)."""
@@ -68,8 +69,8 @@ class DirectTransfer:
         B, G, m = fetch.idx.shape
         K = self.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
         V = self.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
-        torch.cat([k_new.to(K.dtype), layer.k.gather(fetch.idx)], dim=2, out=K)
-        torch.cat([v_new.to(V.dtype), layer.v.gather(fetch.idx)], dim=2, out=V)
+        torch.cat([to_rows(k_new, K.dtype), layer.k.gather(fetch.idx)], dim=2, out=K)
+        torch.cat([to_rows(v_new, V.dtype), layer.v.gather(fetch.idx)], dim=2, out=V)
         return K, V, work_mask(fetch.real_mask())
 
     def dense(self, layer):

@@ -9,7 +9,7 @@
 //
 // Shapes: B sequences, G KV heads, r query heads per KV head, p partial channels, d head size,
 // cap rows allocated per (sequence, head) in the pool, n valid rows.
-// Storage may be float32, bfloat16 or float16; arithmetic is float32.
+// Storage may be float32, bfloat16, float16 or int8 rows with a per-row scale; arithmetic is float32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -45,6 +45,7 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16 bits: the high ha
 }
 inline float load(const at::BFloat16* p, int64_t i) { return load(reinterpret_cast<const uint16_t*>(p), i); }
 inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const int8_t* p, int64_t i) { return float(p[i]); }  // an int8 row's value (its scale apart)
 
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
 inline void store(at::BFloat16* p, int64_t i, float x) { p[i] = at::BFloat16(x); }
@@ -67,6 +68,9 @@ inline __m256 load8(const uint16_t* w) {  // 8 bfloat16 -> float32: the bits shi
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline __m256 load8(const at::BFloat16* w) { return load8(reinterpret_cast<const uint16_t*>(w)); }
+inline __m256 load8(const int8_t* w) {  // 8 int8 values -> float32 (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -91,9 +95,10 @@ inline __m256i hsum8_epi32(const __m256i* a) {
   const __m256i s4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20), _mm256_permute2x128_si256(s0123, s4567, 0x31));
 }
-// rows of N (compile-time) elements of T that the vector paths handle: float32 or bfloat16, N a multiple of 8
+// rows of N (compile-time) elements of T that the vector paths handle: float32, bfloat16 or int8, N a multiple of 8
 template <typename T, int N>
-constexpr bool SIMD_ROWS = N > 0 && N % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>);
+constexpr bool SIMD_ROWS = N > 0 && N % 8 == 0 &&
+                           (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, int8_t>);
 #endif
 
 template <typename T>
@@ -494,6 +499,10 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
                  const int64_t* new_rows, int64_t new_row, const bool* keep, int64_t keep_heads, int64_t n,
                  int64_t B, int64_t G, int64_t r, int64_t d, int64_t cap, float scale, O* out) {
   // Rows of (b, g): the new token's row first (when new_row >= 0 or new_rows), then idx[:count] (or 0..n-1).
+  // int8 rows (I8): d values and their float32 scale (rw = d + 4 elements a row); a score is (q . k8) x k's scale,
+  // and each weight is multiplied by its v row's scale before it sums the row's values.
+  constexpr bool I8 = std::is_same_v<T, int8_t>;
+  const int64_t rw = I8 ? d + 4 : d;
   const int64_t rows = B * G;
   const bool has_new = new_rows != nullptr || new_row >= 0;
   const int64_t max_tokens = (idx ? m : n) + (has_new ? 1 : 0);
@@ -516,6 +525,7 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<float> s(r * BLOCK);
     std::vector<int64_t> blk(BLOCK);
     std::vector<char> mask(BLOCK);
+    std::vector<float> ks(BLOCK, 1.f), vs(BLOCK, 1.f);  // int8 rows' scales
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / splits, sp = item % splits;
       const int64_t b = row / G, g = row % G;
@@ -524,8 +534,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       const int64_t chunk = idx ? even_chunk(ntok, SPLIT_ROWS) : SPLIT;
       const int64_t t0 = sp * chunk, t1 = std::min(ntok, t0 + chunk);
       const float* qr = q + row * r * d;
-      const T* Kr = K + row * cap * d;
-      const T* Vr = V + row * cap * d;
+      const T* Kr = K + row * cap * rw;
+      const T* Vr = V + row * cap * rw;
       const bool* kb = keep ? keep + (b * keep_heads + (keep_heads > 1 ? g : 0)) * n : nullptr;
       float* M = part_m.data() + item * r;
       float* L = part_l.data() + item * r;
@@ -549,10 +559,15 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
           blk[j] = pos;
           mask[j] = ok;
           if (idx) {  // scattered rows: ask for all of the block's K and V lines at once (memory-level parallelism)
-            prefetch_row(Kr + pos * d, d);
-            prefetch_row(Vr + pos * d, d);
+            prefetch_row(Kr + pos * rw, rw);
+            prefetch_row(Vr + pos * rw, rw);
           }
         }
+        if constexpr (I8)
+          for (int64_t j = 0; j < nb; ++j) {
+            ks[j] = row_scale(Kr + blk[j] * rw, d);
+            vs[j] = row_scale(Vr + blk[j] * rw, d);
+          }
         int64_t j0 = 0;
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // 8 tokens at a time per head: no per-token horizontal sum
@@ -560,11 +575,13 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             for (int64_t h = 0; h < r; ++h) {
               const float* qh = qr + h * D;
               __m256 acc[8];
-              for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(Kr + blk[j0 + j] * D));
+              for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(Kr + blk[j0 + j] * rw));
               for (int c = 8; c < D; c += 8)
                 for (int j = 0; j < 8; ++j)
-                  acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(Kr + blk[j0 + j] * D + c), acc[j]);
-              _mm256_storeu_ps(s.data() + h * BLOCK + j0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+                  acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(Kr + blk[j0 + j] * rw + c), acc[j]);
+              __m256 sc = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
+              if constexpr (I8) sc = _mm256_mul_ps(sc, _mm256_loadu_ps(ks.data() + j0));
+              _mm256_storeu_ps(s.data() + h * BLOCK + j0, sc);
             }
           for (int64_t j = 0; j < j0; ++j)
             if (!mask[j])
@@ -572,8 +589,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
         }
 #endif
         for (int64_t j = j0; j < nb; ++j) {
-          const T* kt = Kr + blk[j] * d;
-          for (int64_t h = 0; h < r; ++h) s[h * BLOCK + j] = mask[j] ? dot<D>(qr + h * d, kt, d) * scale : NEG_INF;
+          const T* kt = Kr + blk[j] * rw;
+          for (int64_t h = 0; h < r; ++h) s[h * BLOCK + j] = mask[j] ? dot<D>(qr + h * d, kt, d) * scale * ks[j] : NEG_INF;
         }
         for (int64_t h = 0; h < r; ++h) {
           float* sh = s.data() + h * BLOCK;
@@ -604,8 +621,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
               __m256 acc[C];
               for (int u = 0; u < C; ++u) acc[u] = _mm256_loadu_ps(a + 8 * u);
               for (int64_t j = 0; j < nb; ++j) {
-                const __m256 w = _mm256_set1_ps(s[h * BLOCK + j]);
-                const T* vt = Vr + blk[j] * D + i0;
+                const __m256 w = _mm256_set1_ps(I8 ? s[h * BLOCK + j] * vs[j] : s[h * BLOCK + j]);
+                const T* vt = Vr + blk[j] * rw + i0;
                 for (int u = 0; u < C; ++u) acc[u] = _mm256_fmadd_ps(w, load8(vt + 8 * u), acc[u]);
               }
               for (int u = 0; u < C; ++u) _mm256_storeu_ps(a + 8 * u, acc[u]);
@@ -614,9 +631,9 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
         }
 #endif
         for (int64_t j = 0; j < nb; ++j) {
-          const T* vt = Vr + blk[j] * d;
+          const T* vt = Vr + blk[j] * rw;
           for (int64_t h = 0; h < r; ++h) {
-            const float w = s[h * BLOCK + j];
+            const float w = I8 ? s[h * BLOCK + j] * vs[j] : s[h * BLOCK + j];
             float* a = A + h * d;
             for (int64_t i = 0; i < (D > 0 ? D : d); ++i) a[i] += w * load(vt, i);
           }
@@ -773,6 +790,13 @@ void dispatch_storage(at::ScalarType st, F&& f) {
   else TORCH_CHECK(false, "unsupported storage dtype ", st);
 }
 
+// K/V rows: the float storage above, or int8 rows with their scale (int8_rows.py)
+template <typename F>
+void dispatch_rows(at::ScalarType st, F&& f) {
+  if (st == at::kChar) f(int8_t{});
+  else dispatch_storage(st, f);
+}
+
 }  // namespace
 
 // q (B, G, r, p) float32; kp (B, G, cap, p) partial keys, or (B, G, cap, p + 4) int8 rows (score_rows_i8); keep (B, 1 or G, n) bool or None; caps (B, G) int64 or None.
@@ -826,7 +850,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> speculate(at::Tensor q, at::Tensor k
   return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
 }
 
-// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage; idx (B, G, m) slots or None (slots 0..n-1,
+// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, d + 4) int8 rows; idx (B, G, m) slots or None (slots 0..n-1,
 // masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot first: new_rows
 // (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
 at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Tensor> idx,
@@ -838,7 +862,8 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   TORCH_CHECK(K.scalar_type() == V.scalar_type() && K.sizes() == V.sizes(), "K and V differ");
   const int64_t B = q.size(0), G = q.size(1), r = q.size(2), d = q.size(3), cap = K.size(2);
-  TORCH_CHECK(K.size(0) == B && K.size(1) == G && K.size(3) == d, "bad shapes");
+  const bool i8 = K.scalar_type() == at::kChar;  // int8 rows: d values, then their scale's 4 bytes
+  TORCH_CHECK(K.size(0) == B && K.size(1) == G && K.size(3) == d + (i8 ? 4 : 0), "bad shapes");
   const int64_t* idx_p = nullptr;
   int64_t m = 0;
   if (idx.has_value()) {
@@ -867,7 +892,7 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
     keep_heads = keep->size(1);
   }
   auto out = at::empty({B, G, r, d}, q.options().dtype(out_dtype));
-  dispatch_storage(K.scalar_type(), [&](auto tag) {
+  dispatch_rows(K.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     dispatch_storage(out_dtype, [&](auto otag) {
       using O = decltype(otag);
@@ -899,17 +924,19 @@ at::Tensor quantize_rows(at::Tensor x) {
 
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
 // strides above: views of the step's merged q k v output) into K, V (B, G, cap, d) (float32 or bfloat16: the pool's
-// kv_dtype), and the int8 row of k's partial channels (G, p) into P (B, G, cap, p + 4) (pack_row: quantize_rows'
-// bits). The three appends of a layer's step in one call, where they were ~8 PyTorch ops (a channel gather,
-// quantize_rows, three copies).
+// kv_dtype; or (B, G, cap, d + 4) int8 rows, pack_row), and the int8 row of k's partial channels (G, p) into
+// P (B, G, cap, p + 4) (pack_row: quantize_rows' bits). The three appends of a layer's step in one call, where they
+// were ~8 PyTorch ops (a channel gather, quantize_rows, three copies).
 void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Tensor v, at::Tensor channels, int64_t at) {
   for (auto* t : {&K, &V, &P, &channels}) check_cpu_contig(*t, "store_token buffer");
-  TORCH_CHECK((K.scalar_type() == at::kFloat || K.scalar_type() == at::kBFloat16) && V.scalar_type() == K.scalar_type() &&
+  const bool i8 = K.scalar_type() == at::kChar;
+  TORCH_CHECK((K.scalar_type() == at::kFloat || K.scalar_type() == at::kBFloat16 || i8) && V.scalar_type() == K.scalar_type() &&
               k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && P.scalar_type() == at::kChar &&
               channels.scalar_type() == at::kLong,
-              "store_token: float32 or bfloat16 K, V; float32 k, v; int8 P; int64 channels");
-  const int64_t B = K.size(0), G = K.size(1), cap = K.size(2), d = K.size(3), p = channels.size(1);
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && k.size(1) == G && k.size(2) == 1 && k.size(3) == d &&
+              "store_token: float32, bfloat16 or int8 K, V; float32 k, v; int8 P; int64 channels");
+  const int64_t B = K.size(0), G = K.size(1), cap = K.size(2), d = k.size(3), p = channels.size(1);
+  const int64_t rw = d + (i8 ? 4 : 0);  // elements a stored row takes
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && k.size(1) == G && k.size(2) == 1 && K.size(3) == rw &&
               v.sizes() == k.sizes() && V.sizes() == K.sizes() && k.stride(3) == 1 && v.stride(3) == 1 &&
               P.size(0) == B && P.size(1) == G && P.size(2) == cap && P.size(3) == p + 4 && channels.size(0) == G &&
               at >= 0 && at < cap, "store_token: bad shapes");
@@ -918,7 +945,7 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   auto* Pp = reinterpret_cast<int8_t*>(P.data_ptr());
   std::vector<float> part(p);
-  dispatch_storage(K.scalar_type(), [&](auto tag) {
+  dispatch_rows(K.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     T *Kp = reinterpret_cast<T*>(K.data_ptr()), *Vp = reinterpret_cast<T*>(V.data_ptr());
     for (int64_t b = 0; b < B; ++b)
@@ -926,9 +953,14 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
         const float* kr = kp + b * k.stride(0) + g * k.stride(1);
         const float* vr = vp + b * v.stride(0) + g * v.stride(1);
         const int64_t row = (b * G + g) * cap + at;
-        for (int64_t t = 0; t < d; ++t) {
-          store(Kp + row * d, t, kr[t]);
-          store(Vp + row * d, t, vr[t]);
+        if constexpr (std::is_same_v<T, int8_t>) {
+          pack_row(kr, d, Kp + row * rw);
+          pack_row(vr, d, Vp + row * rw);
+        } else {
+          for (int64_t t = 0; t < d; ++t) {
+            store(Kp + row * rw, t, kr[t]);
+            store(Vp + row * rw, t, vr[t]);
+          }
         }
         for (int64_t t = 0; t < p; ++t) part[t] = kr[ch[g * p + t]];
         pack_row(part.data(), p, Pp + row * (p + 4));
