@@ -35,12 +35,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+import infinigen_kv as ig
+from infinigen_kv.methods.infinigen.cache import InfiniGenCache
+from infinigen_kv.runtime.generation import generate
 
-import infinigen_kv as ig  # noqa: E402
-from infinigen_kv.methods.infinigen.cache import InfiniGenCache  # noqa: E402
-from infinigen_kv.runtime.generation import generate  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def log(*a):
@@ -57,7 +56,7 @@ class Check:
         """A cache of `method` whose transfers are CudaTransfer's, also on a dry run."""
         cache = ig.make_cache(method, model, **options)
         if self.dry and isinstance(cache, InfiniGenCache):
-            from conftest import on_fake_cuda
+            from infinigen_kv.testing import on_fake_cuda
 
             on_fake_cuda(cache, os.environ.get("INFINIGEN_CUDA_FETCH", "uva") != "worker")
         return cache
@@ -83,13 +82,13 @@ def step_tests(c: Check) -> dict:
 
 
 def tiny(kind: str, c: Check, dtype):
-    from conftest import tiny_model
+    from infinigen_kv.testing import tiny_model
 
     return tiny_model(kind).to(c.device, dtype)
 
 
 def step_exact(c: Check) -> dict:
-    from conftest import left_padded_batch
+    from infinigen_kv.testing import left_padded_batch
 
     rows, ok = [], True
     kinds = ["llama-gqa", "qwen2"] if c.dry else ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt", "gemma3"]
@@ -122,7 +121,7 @@ def step_exact(c: Check) -> dict:
 def step_race(c: Check) -> dict:
     """Delays where a missing wait would show: the worker sleeps before gathering, the side stream spins before
     its copy, the compute stream spins before reading a slot. Tokens must equal an undelayed run."""
-    from conftest import left_padded_batch
+    from infinigen_kv.testing import left_padded_batch
     from infinigen_kv.methods.infinigen import cuda_transfer as tr
 
     model = tiny("llama-gqa", c, torch.float32)
@@ -176,7 +175,7 @@ class _null:
 
 def step_syncs(c: Check) -> dict:
     """Host syncs of the decode steps by call site, per step (B = 1 unpadded, and a left-padded batch)."""
-    from conftest import left_padded_batch
+    from infinigen_kv.testing import left_padded_batch
 
     model = tiny("llama-gqa", c, torch.float32)
     result, ok = {}, True
@@ -210,7 +209,7 @@ def step_syncs(c: Check) -> dict:
 
 
 def step_batching(c: Check) -> dict:
-    import test_batching as tb
+    import infinigen_kv.testing as tb
 
     models = {k: tiny(k, c, torch.float32) for k in (["llama-gqa"] if c.dry else ["llama-gqa", "qwen2", "gemma3"])}
     ok, rows = True, []
@@ -220,7 +219,7 @@ def step_batching(c: Check) -> dict:
             a = {"a": (0, tb.prompt(40, 1), 14, None)}
             plan = {**a, "long": (3, tb.prompt(70, 2), 6, None), "short": (5, tb.prompt(9, 3), 12, None),
                     "first": (0, tb.prompt(25, 4), 2, None)}
-            alone, shared = tb.run(model, method, options, a), tb.run(model, method, options, plan)
+            alone, shared = tb.run_plan(model, method, options, a), tb.run_plan(model, method, options, plan)
             rows.append({"kind": kind, "method": name, "same_as_alone": shared["a"] == alone["a"]})
             ok &= shared["a"] == alone["a"]
     return {"ok": ok, "rows": rows}
@@ -474,7 +473,7 @@ def step_graph(c: Check) -> dict:
     """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens and fetched
     shares (full, offload, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16; unpadded and a left-padded
     batch)."""
-    from conftest import left_padded_batch
+    from infinigen_kv.testing import left_padded_batch
 
     from infinigen_kv.model import static
 
@@ -512,7 +511,7 @@ def step_trace(c: Check) -> dict:
     """The decode step's ops through the PyTorch path (scripts/dev/step_trace.py): kernels per step and per layer for
     full, offload and infinigen, eager and static (what a graph replays), the extra kernels of a speculated layer,
     host reads, two steps alike or not (static: they must be)."""
-    from steptrace import run, run_static
+    from infinigen_kv.testing.steptrace import run, run_static
 
     model = tiny("llama-gqa", c, torch.float32)
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0)).to(c.device)

@@ -19,9 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,34 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import requests
 
-WORDS = ("the pool keeps every key and value while each layer fetches only the few entries that matter "
-         "speculated one layer ahead so that the transfer hides behind the compute of the previous layer").split()
-
-
-def start(model, method, extra=()):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "infinigen_kv.cli", "serve", "--port", str(port), "--method", method, *extra]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if requests.get(url + "/health", timeout=1).ok:
-                return proc, url
-        except (requests.ConnectionError, requests.Timeout):  # not up yet (Ray's proxy: busy deploying)
-            time.sleep(0.5)
-    raise SystemExit("server did not start")
-
-
-def stop(proc) -> int:
-    proc.send_signal(signal.SIGTERM)
-    return proc.wait(120)
-
+from infinigen_kv.bench.server import WORDS, quantiles, rss, start, stop
 
 def one_request(client, model_id, rng, lengths):
     """One request of a random kind, prompt length and max_tokens; -> (latency, time to first token or None
@@ -82,14 +52,6 @@ def one_request(client, model_id, rng, lengths):
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     return time.perf_counter() - t0, first, tokens
-
-
-def quantiles(xs):
-    """(p50, p99) of xs, rounded."""
-    if not xs:
-        return None, None
-    q = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else xs * 99
-    return round(q[49], 2), round(q[98], 2)
 
 
 def load(url, model_id, clients, per_client, seed, lengths, ramp):
@@ -120,12 +82,6 @@ def load(url, model_id, clients, per_client, seed, lengths, ramp):
     return {"clients": clients, "ramp_s": ramp, "requests": clients * per_client, "errors": len(errors), "error_examples": errors[:3],
             "p50_s": p50, "p99_s": p99, "ttft_n": len(ttfts), "ttft_p50_s": t50, "ttft_p99_s": t99,
             "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 1)}
-
-
-def rss(pid) -> int:
-    """Resident bytes of a process (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def burst(model, method, model_id, limit, clients, words, max_tokens):

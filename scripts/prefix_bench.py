@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,7 @@ from pathlib import Path
 import openai
 import requests
 
-sys.path.insert(0, str(Path(__file__).parent))
-from load_test import WORDS, quantiles, rss, start, stop  # noqa: E402
+from infinigen_kv.bench.server import WORDS, quantiles, rss, start, stop
 
 MODEL_ID = "default"
 QUESTIONS = ["What is this text about?", "Who are the main people in it?", "Where does it take place?",

@@ -19,12 +19,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).parent))
-from load_test import start, stop  # noqa: E402
+from infinigen_kv.bench.server import start, stop
 
 
 def one_stream(client, model_id: str, ids: list[int], new_tokens: int) -> tuple[float, float]:

@@ -6,6 +6,8 @@ import torch
 if not torch.cuda.is_available():  # Triton's kernels run in its interpreter here: read when triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from infinigen_kv.testing import KINDS, left_padded_batch, on_fake_cuda, tiny_model  # noqa: E402, F401 (tests' names)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
@@ -32,81 +34,9 @@ def _fixed_threads():
     threads.TUNER.enabled = True
 
 
-def tiny_model(kind: str, seed: int = 0):
-    """Tiny random models of each supported architecture (built in-process, no download)."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind == "llama-mha":
-        cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=4, **common)
-        model = LlamaForCausalLM(cfg)
-    elif kind == "llama-gqa":
-        cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=2, **common)
-        model = LlamaForCausalLM(cfg)
-    elif kind == "mistral":  # a sliding window wider than any test sequence: same as full attention
-        cfg = MistralConfig(intermediate_size=128, num_key_value_heads=2, sliding_window=4096, **common)
-        model = MistralForCausalLM(cfg)
-    elif kind == "qwen2":
-        cfg = Qwen2Config(intermediate_size=128, num_key_value_heads=2, **common)
-        model = Qwen2ForCausalLM(cfg)
-        with torch.no_grad():  # random init leaves biases at zero: make them matter
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    elif kind == "llama31":  # Llama 3.1's RoPE scaling (rope_type "llama3": low frequencies stretched)
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
-        cfg = LlamaConfig(intermediate_size=128, num_key_value_heads=2, rope_parameters=rope, **common)
-        model = LlamaForCausalLM(cfg)
-    elif kind == "qwen3":  # QK-norm: per-head RMSNorm of q and k before RoPE
-        cfg = Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=16, **common)
-        model = Qwen3ForCausalLM(cfg)
-        with torch.no_grad():  # random init leaves the norm weights at one: make them matter
-            for layer in model.model.layers:
-                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    norm.weight.uniform_(0.5, 2.0)
-    elif kind == "gemma3":  # local (window 16) and global layers, a RoPE base per type, QK-norm, own q scale
-        types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
-        cfg = Gemma3TextConfig(intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                               layer_types=types, rope_parameters=rope, query_pre_attn_scalar=24, **common)
-        model = Gemma3ForCausalLM(cfg)
-        with torch.no_grad():  # random init leaves the (1 + w) norm weights at one: make them matter
-            for layer in model.model.layers:
-                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    norm.weight.uniform_(-0.5, 1.0)
-    elif kind == "opt":
-        cfg = OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
-        model = OPTForCausalLM(cfg)
-    else:
-        raise ValueError(kind)
-    model.config._attn_implementation = "sdpa"
-    return model.eval()
-
-
-KINDS = ["llama-mha", "llama-gqa", "llama31", "mistral", "qwen2", "qwen3", "gemma3", "opt"]
-
-
 @pytest.fixture(scope="session")
 def tiny_models():
     return {k: tiny_model(k) for k in KINDS}
-
-
-def left_padded_batch(vocab: int = 256, lengths=(48, 40, 31), seed: int = 1):
-    """(input_ids, attention_mask) of len(lengths) random prompts, left-padded with pad id 0."""
-    g = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.zeros(len(lengths), n, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for i, L in enumerate(lengths):
-        ids[i, n - L:] = torch.randint(3, vocab, (L,), generator=g)
-        mask[i, n - L:] = 1
-    return ids, mask
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -163,62 +93,3 @@ def row_zero_selections(model, ids, mask, new_tokens=16, **cache_kwargs):
     finally:
         InfiniGenCache.prefetch = real
     return out.tokens[0].tolist(), top, seen
-
-
-class FakeEvent:
-    """torch.cuda.Event on CPU: records where it was recorded; synchronize/query are immediate."""
-
-    def __init__(self, log=None, *args, **kwargs):
-        self.log, self.stream = log, None
-        if log is not None:
-            log.append("made")
-
-    def record(self, stream=None):
-        self.stream = stream
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class FakeStream:
-    def __init__(self, device=None):
-        self.waited = []
-
-    def wait_event(self, event):
-        self.waited.append(event)
-
-
-class FakeCuda:
-    """The torch.cuda names CudaTransfer uses (Stream, Event, stream, current_stream), on CPU: the transfer's
-    own code runs in its own order, with the copies done at once. `events` logs every Event made."""
-
-    def __init__(self):
-        self.events, self.main = [], FakeStream()
-
-    def Event(self, *args, **kwargs):  # noqa: N802 (torch.cuda's name)
-        return FakeEvent(self.events)
-
-    def Stream(self, device=None):  # noqa: N802
-        return FakeStream(device)
-
-    def current_stream(self, device=None):
-        return self.main
-
-    def stream(self, stream):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def on_fake_cuda(cache, uva: bool = True):
-    """Make `cache` (not yet run) move its rows with CudaTransfer on CPU stand-ins: returns the transfer. uva: the
-    side stream gathers from the pool's device view (the default on a GPU that allows it), else the worker."""
-    from infinigen_kv.methods.infinigen.cuda_transfer import CudaTransfer
-
-    transfer = CudaTransfer("cpu", cuda=FakeCuda(), pin=False, uva=uva)
-    cache.transfers.by_device = {torch.device("cpu"): transfer}
-    cache.transfer = transfer
-    return transfer

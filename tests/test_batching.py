@@ -6,6 +6,7 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch
+from infinigen_kv.testing import prompt, run_plan
 from infinigen_kv.runtime.batching import Prefill, RunningBatch
 from infinigen_kv.methods.registry import make_cache
 from infinigen_kv.runtime.generation import generate, prefill
@@ -17,36 +18,6 @@ METHODS = [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0})
            ("h2o", "h2o", {"budget": 0.3, "min_budget": 0}), ("streaming", "streaming", {"budget": 0.3, "min_budget": 0})]
 
 
-def prompt(n, seed):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def run(model, method, options, plan, chunk=16, temperature=0.0):
-    """plan: {name: (step it arrives, prompt ids, max tokens, seed)}. Greedy (or seeded sampling) decode with
-    rows joining at their step and leaving when done; -> {name: generated ids}."""
-    batch, rows, out, step = RunningBatch(model), [], {k: [] for k in plan}, 0
-    while step == 0 or rows or any(s >= step for s, *_ in plan.values()):
-        for name, (start, ids, max_tokens, seed) in plan.items():
-            if start == step:
-                p = Prefill(model, ig.make_cache(method, model, **options), ids, chunk=chunk)
-                while not p.step():
-                    pass
-                batch.join(p, SamplingParams(temperature=temperature, seed=seed), max_tokens)
-                rows.append(name)
-        if rows:
-            ids, _ = batch.sample()
-            for name, t in zip(rows, ids.tolist()):
-                out[name].append(t)
-            live = [i for i, name in enumerate(rows) if len(out[name]) < plan[name][2]]
-            order = batch.retain(live)
-            assert sorted(order) == live
-            rows = [rows[i] for i in order]
-            if rows:
-                batch.forward(ids[order])
-        step += 1
-    return out
-
-
 @pytest.mark.parametrize("name,method,options", METHODS, ids=[m[0] for m in METHODS])
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "gemma3", "opt"])
 def test_a_sequence_does_not_depend_on_its_batch(tiny_models, kind, name, method, options):
@@ -54,12 +25,12 @@ def test_a_sequence_does_not_depend_on_its_batch(tiny_models, kind, name, method
     shorter one, and one that leaves early (the padding columns are trimmed away)."""
     model = tiny_models[kind]
     a = {"a": (0, prompt(40, 1), 14, None)}
-    alone = run(model, method, options, a)
+    alone = run_plan(model, method, options, a)
     plan = {**a, "long": (3, prompt(70, 2), 6, None), "short": (5, prompt(9, 3), 12, None),
             "first": (0, prompt(25, 4), 2, None)}
-    shared = run(model, method, options, plan)
+    shared = run_plan(model, method, options, plan)
     assert shared["a"] == alone["a"]
-    assert run(model, method, options, {"long": (0, plan["long"][1], 6, None)})["long"] == shared["long"]
+    assert run_plan(model, method, options, {"long": (0, plan["long"][1], 6, None)})["long"] == shared["long"]
 
 
 def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatch):
@@ -80,9 +51,9 @@ def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatc
     monkeypatch.setattr(InfiniGenCache, "prefetch", spy)
     model = tiny_models["llama-gqa"]
     a = {"a": (0, prompt(40, 1), 14, None)}
-    run(model, "infinigen", {"min_budget": 0}, a)  # the fraction as named: the tiny past is under the floor
+    run_plan(model, "infinigen", {"min_budget": 0}, a)  # the fraction as named: the tiny past is under the floor
     alone, seen[:] = list(seen), []
-    run(model, "infinigen", {"min_budget": 0}, {**a, "long": (3, prompt(70, 2), 20, None), "short": (5, prompt(9, 3), 4, None)})
+    run_plan(model, "infinigen", {"min_budget": 0}, {**a, "long": (3, prompt(70, 2), 20, None), "short": (5, prompt(9, 3), 4, None)})
     per_step = len(model.model.layers) - 1  # layer 1 for itself, then layers 2.. one layer ahead
     assert len(alone) == 13 * per_step and len(seen) > 13 * per_step  # "long" goes on after "a" is done
     assert seen[: 13 * per_step] == alone  # "a" is row 0 while it runs
@@ -91,8 +62,8 @@ def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatc
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):
     model = tiny_models["llama-gqa"]
     a = {"a": (0, prompt(30, 1), 10, 7)}
-    alone = run(model, "infinigen", {"min_budget": 0}, a, temperature=1.0)
-    shared = run(model, "infinigen", {"min_budget": 0}, {**a, "b": (2, prompt(50, 2), 4, 8)}, temperature=1.0)
+    alone = run_plan(model, "infinigen", {"min_budget": 0}, a, temperature=1.0)
+    shared = run_plan(model, "infinigen", {"min_budget": 0}, {**a, "b": (2, prompt(50, 2), 4, 8)}, temperature=1.0)
     assert shared["a"] == alone["a"]
 
 
@@ -103,7 +74,7 @@ def test_chunked_prefill_equals_one_pass(tiny_models, kind):
     model = tiny_models[kind]
     plan = {"a": (0, prompt(50, 5), 10, None)}
     for method, options in (("full", {}), ("infinigen", {"budget": 1.0})):
-        assert run(model, method, options, plan, chunk=7) == run(model, method, options, plan, chunk=512)
+        assert run_plan(model, method, options, plan, chunk=7) == run_plan(model, method, options, plan, chunk=512)
 
 
 @pytest.mark.parametrize("method,options", [("full", {}), ("infinigen", {"budget": 1.0}), ("h2o", {"budget": 0.5}),
@@ -301,12 +272,12 @@ def test_static_steps_once_the_rows_stay(tiny_models, method, options, monkeypat
     model = tiny_models["llama-gqa"]
     plan = {"a": (0, prompt(40, 1), 16, None), "b": (0, prompt(30, 2), 16, None), "c": (0, prompt(20, 3), 6, None),
             "d": (4, prompt(10, 4), 8, None)}
-    eager = run(model, method, options, plan)
+    eager = run_plan(model, method, options, plan)
     calls = []
     monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: True)
     for cls, name in ((static.StaticDecoder, "__init__"), (Rebatch, "place"), (Rebatch, "move_rows")):
         monkeypatch.setattr(cls, name, lambda *a, f=getattr(cls, name), n=name, **k: calls.append(n) or f(*a, **k))
-    assert run(model, method, options, plan) == eager
+    assert run_plan(model, method, options, plan) == eager
     # three rows in a bucket of 4; "d" joins in place; "c" leaves, "d" moves into its place; "d" leaves: a bucket
     # of 2, static again
     assert calls == ["__init__", "place", "move_rows", "__init__"], calls

@@ -178,7 +178,7 @@ def test_the_row_store_runs_its_triton_kernel():
 def test_a_running_batch_in_graphs(method, monkeypatch):
     """The server's running batch on the GPU: CUDA graphs over its bucket of rows (rows joining and leaving in place)
     give the tokens of eager steps (INFINIGEN_CUDA_GRAPH=0)."""
-    from test_batching import prompt, run
+    from infinigen_kv.testing import prompt, run_plan as run
 
     model = tiny_model("llama-gqa").to("cuda")
     plan = {"a": (0, prompt(40, 1), 16, None), "b": (0, prompt(30, 2), 16, None), "c": (0, prompt(20, 3), 6, None),

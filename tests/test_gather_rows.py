@@ -39,7 +39,7 @@ def test_the_triton_kernel_gathers_what_the_reference_gathers(dtype, monkeypatch
 
 
 def test_the_op_is_one_op_of_a_step():
-    from steptrace import StepTrace
+    from infinigen_kv.testing.steptrace import StepTrace
 
     expect, got = buffers(torch.float32), buffers(torch.float32)
     gr.reference(*expect)

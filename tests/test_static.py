@@ -10,7 +10,7 @@ from conftest import left_padded_batch, on_fake_cuda
 from infinigen_kv.model import kernels
 from infinigen_kv.model.static import StaticDecoder, StaticError
 from infinigen_kv.runtime.generation import prefill
-from steptrace import StepTrace, first_difference, held
+from infinigen_kv.testing.steptrace import StepTrace, first_difference, held
 
 NEW = 6
 

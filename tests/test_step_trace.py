@@ -1,4 +1,4 @@
-"""The decode step as a CUDA graph needs it, checked on CPU through the PyTorch path a GPU runs (tests/steptrace.py):
+"""The decode step as a CUDA graph needs it, checked on CPU through the PyTorch path a GPU runs (infinigen_kv/testing/steptrace.py):
 no host read inside a step, on every method that fetches; the trace itself sees host reads, views and buffers."""
 
 import pytest
@@ -9,7 +9,7 @@ from conftest import left_padded_batch
 from infinigen_kv.model import kernels
 from infinigen_kv.model.step import decode
 from infinigen_kv.runtime.generation import prefill
-from steptrace import StepTrace, first_difference
+from infinigen_kv.testing.steptrace import StepTrace, first_difference
 
 
 def test_the_trace_sees_host_reads_views_and_buffers():

@@ -41,7 +41,7 @@ def test_the_triton_kernel_stores_what_the_reference_stores(dtype, partial, monk
 
 
 def test_the_op_is_one_op_of_a_step():
-    from steptrace import StepTrace
+    from infinigen_kv.testing.steptrace import StepTrace
 
     expect, got = buffers(torch.float32, True), buffers(torch.float32, True)
     sr.reference(*expect)

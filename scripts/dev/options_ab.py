@@ -13,15 +13,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-import torch  # noqa: E402
+import torch
 
-import infinigen_kv as ig  # noqa: E402
-from infinigen_kv.bench.speed import prompts  # noqa: E402
-from infinigen_kv.model import step as step_mod  # noqa: E402
+import infinigen_kv as ig
+from infinigen_kv.bench.speed import prompts
+from infinigen_kv.model import step as step_mod
 
 
 def parse(config: str) -> tuple[str, dict]:

@@ -6,22 +6,20 @@ buffers (what replaying one CUDA graph a step needs).
 
     python scripts/dev/step_trace.py [--model llama-gqa] [--prompt-len 300] [--batch 1] [--budget 0.1]
 
-The model is one of the tests' tiny random models (tests/conftest.py), in float32; the tracing is the tests' own
-(tests/steptrace.py).
+The model is one of the tests' tiny random models (infinigen_kv.testing), in float32; the tracing is the tests' own
+(infinigen_kv/testing/steptrace.py).
 """
 
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-import torch  # noqa: E402
+import torch
 
-from infinigen_kv.model import kernels  # noqa: E402
-from steptrace import run, run_static  # noqa: E402
+from infinigen_kv.model import kernels
+from infinigen_kv.testing import tiny_model
+from infinigen_kv.testing.steptrace import run, run_static
 
 
 def main() -> int:
@@ -31,7 +29,6 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--budget", type=float, default=0.1)
     args = ap.parse_args()
-    from conftest import tiny_model
 
     kernels._enabled = False  # the reference backend: the PyTorch code a GPU runs
     model = tiny_model(args.model)

@@ -145,10 +145,11 @@ def summary(a, b) -> dict:
 
 def _cache(model, method: str, budget: float, ids):
     import infinigen_kv as ig
+    from infinigen_kv.methods.registry import method as spec
 
-    cache = ig.make_cache(method, model, **({"budget": budget, "min_budget": 0} if method == "infinigen" else {}))
-    if ids.device.type == "cpu" and method != "full":
-        from conftest import on_fake_cuda
+    cache = ig.make_cache(method, model, budget=budget, min_budget=0)  # (the options a method does not take dropped)
+    if ids.device.type == "cpu" and spec(method).pool_on_host:
+        from . import on_fake_cuda
 
         on_fake_cuda(cache)  # the GPU's transfer (CudaTransfer on CPU stand-ins): the ops a GPU step runs
     return cache
