@@ -45,7 +45,7 @@ def test_pool_never_exceeds_capacity(tiny_models, eviction):
     assert cache.layers[0].k.length == seen  # layer 0 attends fully from the device: not limited
 
 
-@pytest.mark.parametrize("kv,row", [("float32", 16 * 4), ("bfloat16", 16 * 2), ("int8", 16 + 4)])  # d = 16
+@pytest.mark.parametrize("kv,row", [("float32", 16 * 4), ("bfloat16", 16 * 2), ("int8", 16 + 2)])  # d = 16
 def test_byte_capacity_bounds_the_allocation(tiny_models, kv, row):
     """The byte limit counts the rows as they are stored (kv_dtype)."""
     model = tiny_models["llama-gqa"]

@@ -26,7 +26,7 @@ def reference_attention(q, Kp, Vp, rows, scale):
 
 def stored(x: torch.Tensor, dtype) -> torch.Tensor:
     """x (..., d) float32 as pool rows of `dtype` (int8: d values and their scale)."""
-    return K.quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
+    return K.quantize_kv_rows(x) if dtype == torch.int8 else x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -72,17 +72,38 @@ def test_attend_selected_rows_alone_or_in_a_batch():
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [64, 40, 16, 256])  # whole groups of 32, a shorter last group, one short group
+def test_int8_kv_rows_kernel_matches_pytorch(d, monkeypatch):
+    """int8 K/V rows (model/int8_rows.py: q8_0's groups of 32 with float16 scales): the kernel's quantizer gives the
+    PyTorch one's bytes, the values read back within half a step of their group, an all-zero group reads zeros."""
+    from infinigen_kv.model import int8_rows
+
+    torch.manual_seed(8)
+    x = torch.randn(3, 5, d) * torch.rand(3, 5, 1) * 4
+    x[0, 1, :] = 0
+    x[1, 2, : min(d, 32)] = 0
+    rows = K.quantize_kv_rows(x)
+    assert rows.shape == (3, 5, int8_rows.kv_width(d)) and int8_rows.kv_dim(rows.shape[-1]) == d
+    monkeypatch.setattr(kernels, "_enabled", False)  # the PyTorch path
+    assert torch.equal(int8_rows.pack_kv(x), rows)
+    back = int8_rows.unpacked_kv(rows, torch.float32)
+    groups = torch.nn.functional.pad(x, (0, -d % 32)).view(3, 5, -1, 32).abs().amax(-1)  # (3, 5, groups)
+    step = groups.repeat_interleave(32, -1)[..., :d] / 127
+    assert ((back - x).abs() <= step * 0.5 * 1.01 + 1e-12).all()
+    assert not back[0, 1].any() and not back[1, 2, : min(d, 32)].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 def test_store_token_writes_what_the_separate_appends_write(dtype):
     """store_token: a decode token's K and V rows (strided views, as the own step hands them; int8 rows quantized
-    with their scale) and its int8 partial row into a pool layer at one slot, the same bytes as copies and
-    quantize_rows of the rows and of the gathered channels."""
+    in groups with their scales) and its int8 partial row into a pool layer at one slot, the same bytes as copies and
+    quantize_kv_rows / quantize_rows of the rows and of the gathered channels."""
     torch.manual_seed(7)
     B, G, H, d, p, cap, at = 2, 3, 9, 64, 32, 50, 17
     qkv = torch.randn(B, H + 2 * G, 1, d)  # the merged projection's output, viewed per head
     k, v = qkv[:, H : H + G], qkv[:, H + G :]
     channels = torch.stack([torch.randperm(d)[:p] for _ in range(G)])
-    w = d + 4 if dtype == torch.int8 else d
+    w = d + 4 if dtype == torch.int8 else d  # two groups of 32, a float16 scale each
     Kb, Vb = torch.zeros(B, G, cap, w, dtype=dtype), torch.zeros(B, G, cap, w, dtype=dtype)
     Pb = torch.zeros(B, G, cap, p + 4, dtype=torch.int8)
     K.store_token(Kb, Vb, Pb, k, v, channels, at)

@@ -47,7 +47,7 @@ def test_bfloat16_rows_take_half_the_bytes_and_are_the_cpu_default(tiny_models):
         nbytes[kv] = sum(b.nbytes for layer in cache.layers for b in (layer.k, layer.v))
     assert nbytes["bfloat16"] * 2 == nbytes["float32"]
     assert nbytes["auto"] == nbytes["bfloat16"]  # a float32 model on CPU
-    assert nbytes["int8"] * 4 * d == nbytes["float32"] * (d + 4)  # d values and a 4-byte scale a row
+    assert nbytes["int8"] * 4 * d == nbytes["float32"] * (d + 2)  # d = 16 values and one 2-byte scale a row
 
 
 def test_auto_is_bfloat16_on_cpu_and_the_models_dtype_on_a_gpu():

@@ -1,7 +1,7 @@
 """Which int8 format for K/V rows? Decode-mode perplexity (windows of W tokens of WikiText-2, the first P prefilled)
-of the full cache with every stored K/V row passed through symmetric int8 quantization of a given group size along
-the head dimension: the whole row (one scale per (token, head)) against llama.cpp's q8_0 (one scale per 32 values),
-beside float32 and bfloat16 rows.
+of the full cache over float32 rows, rows passed through symmetric int8 quantization with one float32 scale per
+(token, head) row, and the int8 rows as `kv_dtype="int8"` stores them (llama.cpp's q8_0: a float16 scale per 32
+values).
 
     python scripts/dev/kv_format_study.py --data DIR [--model M] [--windows 8] [--window 2048] [--prefix 1024]
 
@@ -41,9 +41,9 @@ def main():
     d = model.config.head_dim if getattr(model.config, "head_dim", None) else model.config.hidden_size // model.config.num_attention_heads
     view = FullLayer.view
     rows = []
-    for name, kv_dtype, group in (("float32", "float32", None), ("bfloat16", "bfloat16", None),
-                                  (f"int8, a scale per row ({d} values)", "float32", d),
-                                  ("int8, a scale per 32 values (q8_0)", "float32", 32)):
+    for name, kv_dtype, group in (("float32", "float32", None),
+                                  (f"int8, a float32 scale per row ({d} values)", "float32", d),
+                                  ("int8, a float16 scale per 32 values (q8_0; `kv_dtype=int8`)", "int8", None)):
         if group:
             FullLayer.view = lambda self, k, v, *a, g=group, **kw: view(self, fake_int8(k, g), fake_int8(v, g), *a, **kw)
         t = time.time()

@@ -22,22 +22,22 @@ def kv_storage(option: str, dtype: torch.dtype, device: torch.device) -> torch.d
 
 
 def row_width(d: int, storage: torch.dtype) -> int:
-    """Elements a stored row of d values takes: int8 rows end with their scale's 4 bytes (model/int8_rows.py)."""
-    return d + 4 if storage == torch.int8 else d
+    """Elements a stored row of d values takes: int8 rows end with their groups' scales (model/int8_rows.py)."""
+    return int8_rows.kv_width(d) if storage == torch.int8 else d
 
 
 def to_rows(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
-    """x (..., d) as rows of `storage` (..., row_width): int8 rows quantized with their scale (rows already int8 are
+    """x (..., d) as rows of `storage` (..., row_width): int8 rows quantized with their scales (rows already int8 are
     taken as stored); other storage is a cast."""
     if storage == torch.int8:
-        return x if x.dtype == torch.int8 else int8_rows.pack(x)
+        return x if x.dtype == torch.int8 else int8_rows.pack_kv(x)
     return x.to(storage)
 
 
 def from_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows (..., row_width) -> the values they hold (..., d) in `dtype` (for PyTorch's attention: the CPU
     kernels read the rows as they are)."""
-    return int8_rows.unpacked(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
+    return int8_rows.unpacked_kv(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
 
 
 class StepCache:

@@ -9,7 +9,7 @@
 //
 // Shapes: B sequences, G KV heads, r query heads per KV head, p partial channels, d head size,
 // cap rows allocated per (sequence, head) in the pool, n valid rows.
-// Storage may be float32, bfloat16, float16 or int8 rows with a per-row scale; arithmetic is float32.
+// Storage may be float32, bfloat16, float16 or int8 rows (q8_0 groups); arithmetic is float32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -395,6 +395,36 @@ inline float row_scale(const int8_t* row, int64_t p) {
   return sc;
 }
 
+// int8 K/V rows (kv_dtype "int8"), llama.cpp's q8_0 in a row: d values quantized in groups of KV_GROUP (the last one
+// may be shorter) by the group's absmax / 127, that scale rounded to float16 first (the values are divided by the
+// scale they are read back with), then the groups' scales as float16, 2 bytes each: kv_width(d) = d + 2 ceil(d / 32)
+// (68 bytes for d = 64, q8_0's).
+constexpr int64_t KV_GROUP = 32;
+inline int64_t kv_groups(int64_t d) { return (d + KV_GROUP - 1) / KV_GROUP; }
+inline int64_t kv_width(int64_t d) { return d + 2 * kv_groups(d); }
+
+inline void pack_kv_row(const float* x, int64_t d, int8_t* row) {
+  for (int64_t g = 0; g < kv_groups(d); ++g) {
+    const int64_t a = g * KV_GROUP, b = std::min(d, a + KV_GROUP);
+    float m = 0.f;
+    for (int64_t i = a; i < b; ++i) m = std::max(m, std::fabs(x[i]));
+    const at::Half h(std::min(m / 127.f, 65504.f));
+    const float sc = static_cast<float>(h);
+    for (int64_t i = a; i < b; ++i)
+      row[i] = sc > 0.f ? int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] / sc)))) : 0;
+    std::memcpy(row + d + 2 * g, &h, 2);
+  }
+}
+
+// the float32 scales of a K/V row's groups into sc[0, kv_groups(d))
+inline void kv_scales(const int8_t* row, int64_t d, float* sc) {
+  for (int64_t g = 0; g < kv_groups(d); ++g) {
+    at::Half h;
+    std::memcpy(&h, row + d + 2 * g, 2);
+    sc[g] = static_cast<float>(h);
+  }
+}
+
 template <int P>
 void score_rows_i8(const float* qs, const int8_t* kr, int64_t r, int64_t p, int64_t n, float* s) {
   const int64_t w = p + 4;
@@ -499,10 +529,10 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
                  const int64_t* new_rows, int64_t new_row, const bool* keep, int64_t keep_heads, int64_t n,
                  int64_t B, int64_t G, int64_t r, int64_t d, int64_t cap, float scale, O* out) {
   // Rows of (b, g): the new token's row first (when new_row >= 0 or new_rows), then idx[:count] (or 0..n-1).
-  // int8 rows (I8): d values and their float32 scale (rw = d + 4 elements a row); a score is (q . k8) x k's scale,
-  // and each weight is multiplied by its v row's scale before it sums the row's values.
+  // int8 rows (I8): d values and their groups' float16 scales (rw = kv_width(d) elements a row): each group of 8
+  // loaded values is multiplied by its scale, k's before the dot product, v's folded into the weight.
   constexpr bool I8 = std::is_same_v<T, int8_t>;
-  const int64_t rw = I8 ? d + 4 : d;
+  const int64_t rw = I8 ? kv_width(d) : d, ng = I8 ? kv_groups(d) : 1;
   const int64_t rows = B * G;
   const bool has_new = new_rows != nullptr || new_row >= 0;
   const int64_t max_tokens = (idx ? m : n) + (has_new ? 1 : 0);
@@ -525,7 +555,7 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<float> s(r * BLOCK);
     std::vector<int64_t> blk(BLOCK);
     std::vector<char> mask(BLOCK);
-    std::vector<float> ks(BLOCK, 1.f), vs(BLOCK, 1.f);  // int8 rows' scales
+    std::vector<float> ks(BLOCK * ng, 1.f), vs(BLOCK * ng, 1.f);  // int8 rows' group scales, token by token
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / splits, sp = item % splits;
       const int64_t b = row / G, g = row % G;
@@ -565,8 +595,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
         }
         if constexpr (I8)
           for (int64_t j = 0; j < nb; ++j) {
-            ks[j] = row_scale(Kr + blk[j] * rw, d);
-            vs[j] = row_scale(Vr + blk[j] * rw, d);
+            kv_scales(Kr + blk[j] * rw, d, ks.data() + j * ng);
+            kv_scales(Vr + blk[j] * rw, d, vs.data() + j * ng);
           }
         int64_t j0 = 0;
 #ifdef IG_AVX2
@@ -575,13 +605,16 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             for (int64_t h = 0; h < r; ++h) {
               const float* qh = qr + h * D;
               __m256 acc[8];
-              for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(Kr + blk[j0 + j] * rw));
+              // K's 8 values at channel c of token j (int8: times their group's scale)
+              auto kload = [&](int j, int c) {
+                const __m256 k = load8(Kr + blk[j0 + j] * rw + c);
+                if constexpr (I8) return _mm256_mul_ps(k, _mm256_set1_ps(ks[(j0 + j) * ng + c / KV_GROUP]));
+                else return k;
+              };
+              for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), kload(j, 0));
               for (int c = 8; c < D; c += 8)
-                for (int j = 0; j < 8; ++j)
-                  acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), load8(Kr + blk[j0 + j] * rw + c), acc[j]);
-              __m256 sc = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
-              if constexpr (I8) sc = _mm256_mul_ps(sc, _mm256_loadu_ps(ks.data() + j0));
-              _mm256_storeu_ps(s.data() + h * BLOCK + j0, sc);
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), kload(j, c), acc[j]);
+              _mm256_storeu_ps(s.data() + h * BLOCK + j0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
             }
           for (int64_t j = 0; j < j0; ++j)
             if (!mask[j])
@@ -590,7 +623,16 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 #endif
         for (int64_t j = j0; j < nb; ++j) {
           const T* kt = Kr + blk[j] * rw;
-          for (int64_t h = 0; h < r; ++h) s[h * BLOCK + j] = mask[j] ? dot<D>(qr + h * d, kt, d) * scale * ks[j] : NEG_INF;
+          for (int64_t h = 0; h < r; ++h) {
+            float dt;
+            if constexpr (I8) {
+              dt = 0.f;
+              for (int64_t i = 0; i < d; ++i) dt += qr[h * d + i] * (load(kt, i) * ks[j * ng + i / KV_GROUP]);
+            } else {
+              dt = dot<D>(qr + h * d, kt, d);
+            }
+            s[h * BLOCK + j] = mask[j] ? dt * scale : NEG_INF;
+          }
         }
         for (int64_t h = 0; h < r; ++h) {
           float* sh = s.data() + h * BLOCK;
@@ -621,9 +663,12 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
               __m256 acc[C];
               for (int u = 0; u < C; ++u) acc[u] = _mm256_loadu_ps(a + 8 * u);
               for (int64_t j = 0; j < nb; ++j) {
-                const __m256 w = _mm256_set1_ps(I8 ? s[h * BLOCK + j] * vs[j] : s[h * BLOCK + j]);
+                const float p = s[h * BLOCK + j];
                 const T* vt = Vr + blk[j] * rw + i0;
-                for (int u = 0; u < C; ++u) acc[u] = _mm256_fmadd_ps(w, load8(vt + 8 * u), acc[u]);
+                for (int u = 0; u < C; ++u) {
+                  const float w = I8 ? p * vs[j * ng + (i0 + 8 * u) / KV_GROUP] : p;
+                  acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(w), load8(vt + 8 * u), acc[u]);
+                }
               }
               for (int u = 0; u < C; ++u) _mm256_storeu_ps(a + 8 * u, acc[u]);
             }
@@ -633,9 +678,9 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
         for (int64_t j = 0; j < nb; ++j) {
           const T* vt = Vr + blk[j] * rw;
           for (int64_t h = 0; h < r; ++h) {
-            const float w = I8 ? s[h * BLOCK + j] * vs[j] : s[h * BLOCK + j];
+            const float w = s[h * BLOCK + j];
             float* a = A + h * d;
-            for (int64_t i = 0; i < (D > 0 ? D : d); ++i) a[i] += w * load(vt, i);
+            for (int64_t i = 0; i < (D > 0 ? D : d); ++i) a[i] += (I8 ? w * vs[j * ng + i / KV_GROUP] : w) * load(vt, i);
           }
         }
       }
@@ -850,7 +895,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> speculate(at::Tensor q, at::Tensor k
   return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
 }
 
-// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, d + 4) int8 rows; idx (B, G, m) slots or None (slots 0..n-1,
+// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, kv_width(d)) int8 rows; idx (B, G, m) slots or None (slots 0..n-1,
 // masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot first: new_rows
 // (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
 at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Tensor> idx,
@@ -862,8 +907,8 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   TORCH_CHECK(K.scalar_type() == V.scalar_type() && K.sizes() == V.sizes(), "K and V differ");
   const int64_t B = q.size(0), G = q.size(1), r = q.size(2), d = q.size(3), cap = K.size(2);
-  const bool i8 = K.scalar_type() == at::kChar;  // int8 rows: d values, then their scale's 4 bytes
-  TORCH_CHECK(K.size(0) == B && K.size(1) == G && K.size(3) == d + (i8 ? 4 : 0), "bad shapes");
+  const bool i8 = K.scalar_type() == at::kChar;  // int8 rows: d values, then their groups' scales (pack_kv_row)
+  TORCH_CHECK(K.size(0) == B && K.size(1) == G && K.size(3) == (i8 ? kv_width(d) : d), "bad shapes");
   const int64_t* idx_p = nullptr;
   int64_t m = 0;
   if (idx.has_value()) {
@@ -922,9 +967,25 @@ at::Tensor quantize_rows(at::Tensor x) {
   return out;
 }
 
+// x (..., d) float32 -> (..., kv_width(d)) int8 K/V rows (pack_kv_row)
+at::Tensor quantize_kv_rows(at::Tensor x) {
+  check_cpu_contig(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "x must be float32");
+  const int64_t d = x.size(-1), R = x.numel() / std::max<int64_t>(d, 1), w = kv_width(d);
+  auto sizes = x.sizes().vec();
+  sizes.back() = w;
+  auto out = at::empty(sizes, x.options().dtype(at::kChar));
+  const float* xp = x.data_ptr<float>();
+  auto* op = reinterpret_cast<int8_t*>(out.data_ptr());
+  at::parallel_for(0, R, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) pack_kv_row(xp + i * d, d, op + i * w);
+  });
+  return out;
+}
+
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
 // strides above: views of the step's merged q k v output) into K, V (B, G, cap, d) (float32 or bfloat16: the pool's
-// kv_dtype; or (B, G, cap, d + 4) int8 rows, pack_row), and the int8 row of k's partial channels (G, p) into
+// kv_dtype; or (B, G, cap, kv_width(d)) int8 rows, pack_kv_row), and the int8 row of k's partial channels (G, p) into
 // P (B, G, cap, p + 4) (pack_row: quantize_rows' bits). The three appends of a layer's step in one call, where they
 // were ~8 PyTorch ops (a channel gather, quantize_rows, three copies).
 void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Tensor v, at::Tensor channels, int64_t at) {
@@ -935,7 +996,7 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
               channels.scalar_type() == at::kLong,
               "store_token: float32, bfloat16 or int8 K, V; float32 k, v; int8 P; int64 channels");
   const int64_t B = K.size(0), G = K.size(1), cap = K.size(2), d = k.size(3), p = channels.size(1);
-  const int64_t rw = d + (i8 ? 4 : 0);  // elements a stored row takes
+  const int64_t rw = i8 ? kv_width(d) : d;  // elements a stored row takes
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && k.size(1) == G && k.size(2) == 1 && K.size(3) == rw &&
               v.sizes() == k.sizes() && V.sizes() == K.sizes() && k.stride(3) == 1 && v.stride(3) == 1 &&
               P.size(0) == B && P.size(1) == G && P.size(2) == cap && P.size(3) == p + 4 && channels.size(0) == G &&
@@ -954,8 +1015,8 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
         const float* vr = vp + b * v.stride(0) + g * v.stride(1);
         const int64_t row = (b * G + g) * cap + at;
         if constexpr (std::is_same_v<T, int8_t>) {
-          pack_row(kr, d, Kp + row * rw);
-          pack_row(vr, d, Vp + row * rw);
+          pack_kv_row(kr, d, Kp + row * rw);
+          pack_kv_row(vr, d, Vp + row * rw);
         } else {
           for (int64_t t = 0; t < d; ++t) {
             store(Kp + row * rw, t, kr[t]);
@@ -1168,6 +1229,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("r"), py::arg("d_head") = 0);
   mod.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
+  mod.def("quantize_kv_rows", &quantize_kv_rows, "int8 K/V rows: groups of 32 values, a float16 scale each");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
