@@ -112,7 +112,7 @@ def test_no_buffer_grows_inside_decode(tiny_models, method, monkeypatch):
 def test_staging_ring_is_shared_in_turn_and_refuses_overrun():
     """The CUDA path's staging slots are used in turn by every layer; a slot is held from its prefetch to
     its layer's fetch, and more fetches in flight than slots is a bug that must not pass silently."""
-    from conftest import FakeCuda
+    from infinigen_kv.testing import FakeCuda
     from infinigen_kv.methods.infinigen.cuda_transfer import StagingRing
 
     cuda = FakeCuda()

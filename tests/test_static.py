@@ -17,7 +17,7 @@ NEW = 6
 
 def static_run(model, method, ids, mask, trace=False, fake_cuda=False, **options):
     """Greedy tokens (B, NEW) through a StaticDecoder after a prefill, and each step's trace (the step itself).
-    fake_cuda: the CUDA transfer on CPU stand-ins (conftest.on_fake_cuda)."""
+    fake_cuda: the CUDA transfer on CPU stand-ins (infinigen_kv.testing.on_fake_cuda)."""
     cache = ig.make_cache(method, model, **options)
     if fake_cuda:
         on_fake_cuda(cache)
