@@ -1,7 +1,7 @@
 """The CUDA transfer path (CudaTransfer, pinned pool, side stream, events) run on CPU with stand-ins for torch.cuda
-(infinigen_kv.testing.FakeCuda): the same code in the same order, the copies done at once, in both of its modes (`uva`: the
-side stream gathers through a device view of the pool; `worker`: a thread gathers on the host). What a GPU run
-would show of its results, host syncs, allocations and bytes moved, checked here on every commit
+(infinigen_kv.testing.FakeCuda): the same code in the same order, the copies done at once, in both of its modes
+(`uva`: the side stream gathers through a device view of the pool; `worker`: a thread gathers on the host). What a
+GPU run would show of its results, host syncs, allocations and bytes moved, checked here on every commit
 (tests/test_cuda.py runs the real thing on a GPU)."""
 
 import threading

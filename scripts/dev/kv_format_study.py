@@ -38,20 +38,25 @@ def main():
     args = ap.parse_args()
     model, tok = ig.load_model(args.model)
     ids = torch.tensor(tok(load_text(args.data))["input_ids"])
-    d = model.config.head_dim if getattr(model.config, "head_dim", None) else model.config.hidden_size // model.config.num_attention_heads
+    c = model.config
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     view = FullLayer.view
     rows = []
     for name, kv_dtype, group in (("float32", "float32", None),
                                   (f"int8, a float32 scale per row ({d} values)", "float32", d),
                                   ("int8, a float16 scale per 32 values (q8_0; `kv_dtype=int8`)", "int8", None)):
         if group:
-            FullLayer.view = lambda self, k, v, *a, g=group, **kw: view(self, fake_int8(k, g), fake_int8(v, g), *a, **kw)
+            def fake(self, k, v, *a, g=group, **kw):
+                return view(self, fake_int8(k, g), fake_int8(v, g), *a, **kw)
+
+            FullLayer.view = fake
         t = time.time()
         ppl, _ = run_ppl(model, ids, "full", None, {"kv_dtype": kv_dtype}, args.window, args.prefix, args.windows)
         FullLayer.view = view
         rows.append((name, ppl, time.time() - t))
     base = rows[0][1]
-    print(f"\n{Path(args.model or 'default model').name}: {args.windows} windows of {args.window}, {args.prefix} prefilled\n")
+    name = Path(args.model or "default model").name
+    print(f"\n{name}: {args.windows} windows of {args.window}, {args.prefix} prefilled\n")
     print("| K/V rows | perplexity | vs float32 |\n|---|---|---|")
     for name, ppl, _ in rows:
         print(f"| {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.3f}% |")

@@ -1,6 +1,7 @@
 """What the tests, `scripts/gpu_check.py` and the tools under `scripts/dev/` build on: tiny random models of every
 supported architecture (made in-process, no download), left-padded batches of random prompts, a plan of sequences
-joining and leaving a running batch (`run_plan`), and the CUDA transfer run on CPU with stand-ins for torch.cuda (the same code in the same order, the copies done at once)."""
+joining and leaving a running batch (`run_plan`), and the CUDA transfer run on CPU with stand-ins for torch.cuda
+(the same code in the same order, the copies done at once)."""
 
 from __future__ import annotations
 
