@@ -114,8 +114,8 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="storage of the K/V rows of every method that keeps them: auto (bfloat16 for a float32 model on CPU, "
                    "the model's dtype on a GPU), float32, bfloat16 (half a float32 model's bytes per token; attention "
-                   "computed in float32), or int8 (each row's values by its absmax with its scale: 0.53x bfloat16's "
-                   "bytes) (default: auto)")
+                   "computed in float32), or int8 (llama.cpp's q8_0: groups of 32 values, a float16 scale each; 0.53x "
+                   "bfloat16's bytes) (default: auto)")
     p.add_argument("--layer-budget", choices=list(LAYER_BUDGETS), default=None,
                    help="InfiniGen: the same budget for every layer, or more for the layers whose speculation recalls "
                    "least on the calibration text (measured once per model), the mean unchanged (default: %s)"

@@ -82,8 +82,8 @@ class InfiniGenConfig:
     # kv_dtype: the storage of the K/V rows of the pool and of the device layers. "auto": bfloat16 for a float32
     # model on CPU (half the bytes a token, attention computed in float32 over the rows as stored; RULER, perplexity
     # and passkey as float32's: docs/BENCHMARKS.md), the model's dtype otherwise; "float32", "bfloat16" as named;
-    # "int8": a row's values quantized by its absmax, with its float32 scale (model/int8_rows.py: 68 bytes a row of
-    # 64, 0.53x bfloat16's).
+    # "int8": llama.cpp's q8_0 in a row, groups of 32 values with a float16 scale each (model/int8_rows.py: 68 bytes
+    # a row of 64, 0.53x bfloat16's).
     kv_dtype: str = "auto"
     # local_layers: what InfiniGen does on the local (sliding-window) layers of a model that also has global
     # ones (Gemma 3): "dense" attends each one's whole window, kept with the layer, as layer 0;

@@ -8,7 +8,7 @@ same bits.
 - K/V rows (`pack_kv`): llama.cpp's q8_0 in a row: the d values in groups of 32 (the last may be shorter), each by
   its absmax / 127 rounded to float16 (the values are divided by the scale they are read back with), then the
   groups' float16 scales: (..., d + 2 ceil(d / 32)), 68 bytes for d = 64 as q8_0. One scale a row over 256 values
-  cost Gemma 3 0.9% perplexity, groups of 32 0.17% (docs/BENCHMARKS.md, "K/V rows").
+  cost Gemma 3 0.9% perplexity, groups of 32 0.19% (docs/BENCHMARKS.md, "K/V rows in int8").
 """
 
 from __future__ import annotations

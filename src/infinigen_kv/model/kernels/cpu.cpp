@@ -835,7 +835,7 @@ void dispatch_storage(at::ScalarType st, F&& f) {
   else TORCH_CHECK(false, "unsupported storage dtype ", st);
 }
 
-// K/V rows: the float storage above, or int8 rows with their scale (int8_rows.py)
+// K/V rows: the float storage above, or int8 rows with their groups' scales (pack_kv_row)
 template <typename F>
 void dispatch_rows(at::ScalarType st, F&& f) {
   if (st == at::kChar) f(int8_t{});
@@ -895,9 +895,9 @@ std::tuple<at::Tensor, at::Tensor, int64_t> speculate(at::Tensor q, at::Tensor k
   return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
 }
 
-// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, kv_width(d)) int8 rows; idx (B, G, m) slots or None (slots 0..n-1,
-// masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot first: new_rows
-// (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
+// q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, kv_width(d)) int8 rows; idx (B, G, m)
+// slots or None (slots 0..n-1, masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot
+// first: new_rows (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
 at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Tensor> idx,
                   c10::optional<at::Tensor> count, c10::optional<at::Tensor> new_rows, int64_t new_row,
                   c10::optional<at::Tensor> keep, int64_t n, double scale, at::ScalarType out_dtype) {
