@@ -1,6 +1,7 @@
 """Task generators (deterministic, answer in the prompt) and the bench commands on a tiny model."""
 
 import json
+import sys
 
 import pytest
 
@@ -115,6 +116,47 @@ def test_bench_speed_contract_floor_and_plots(tmp_path, capsys):
     assert by[("infinigen", 2, 96)]["bytes_read_per_step"] < by[("full", 2, 96)]["bytes_read_per_step"]
     for name in ("speed.json", "speed.md", "speed-batch1.png", "speed-batch2.png"):
         assert (out / name).is_file(), name
+
+
+def test_bench_busy_runs_fresh_processes_beside_the_competitor(tmp_path, capsys, monkeypatch):
+    """`bench busy`: each cell a fresh `bench speed` process started while the competitor spins, the competitor's
+    processes gone after it; speeds against the same setting alone; the table and files."""
+    from infinigen_kv.bench import busy
+    from infinigen_kv.cli import main
+
+    started = []
+    popen = busy.subprocess.Popen
+    monkeypatch.setattr(busy.subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    cmd = [sys.executable, "-c", "import json, os; print(json.dumps({'pid': os.getpid()}))"]
+    assert busy.beside("busy-loops", cmd, {})["pid"] > 0
+    assert len(started) == len(busy.COMPETITORS["busy-loops"]) + 1  # the competitors, then the measured command
+    assert all(p.poll() is not None for p in started)
+
+    model_dir = save_tiny(tmp_path / "model")
+    assert main(["bench", "busy", "--model", model_dir, "--methods", "full,infinigen", "--shapes", "1x32",
+                 "--competitors", "none", "--settings", "default", "--new-tokens", "2", "--repeats", "1",
+                 "--out", str(tmp_path / "busy"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["method"], r["batch"], r["prompt_len"], r["competitor"]) for r in rows] == [
+        ("full", 1, 32, "none"), ("infinigen", 1, 32, "none")]
+    assert all(r["decode_tokens_per_s"] > 0 and r["decode_vs_alone"] == 1.0 and r["prefill_tokens_per_s"] > 0
+               for r in rows)
+    assert (tmp_path / "busy" / "busy.md").read_text().count("| B1 x 32 |") == 2
+    ratios = busy.with_ratios([{**rows[0]}, {**rows[0], "competitor": "busy-loops",
+                                             "decode_tokens_per_s": rows[0]["decode_tokens_per_s"] / 4}])
+    assert ratios[1]["decode_vs_alone"] == 0.25
+
+
+@pytest.mark.parametrize("args,text", [(["--shapes", "4y4096"], "a shape is batch x prompt tokens"),
+                                       (["--competitors", "none,idle"], "idle is not one of"),
+                                       (["--generate", "/no/such/prompt.txt"], "no such file")])
+def test_bench_busy_bad_input(args, text, capsys):
+    from infinigen_kv.cli import main
+
+    with pytest.raises(SystemExit) as exit:  # argparse's exit, in process (the subprocess path: test_cli.py)
+        main(["bench", "busy", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and err[0].startswith("infinigen: error: ") and text in err[0]
 
 
 ESSAY = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "

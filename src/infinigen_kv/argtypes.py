@@ -108,6 +108,30 @@ def _int_list(text):
     return [_positive_int(t) for t in text.split(",") if t]
 
 
+def _shape_list(text):
+    """Shapes "BxN" (batch x prompt tokens), comma-separated: [(B, N), ...]."""
+    shapes = []
+    for t in filter(None, text.split(",")):
+        b, sep, n = t.lower().partition("x")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"a shape is batch x prompt tokens, e.g. 4x4096, not {t!r}")
+        shapes.append((_positive_int(b), _positive_int(n)))
+    if not shapes:
+        raise argparse.ArgumentTypeError("no shape given")
+    return shapes
+
+
+def _choices(names):
+    """A comma-separated list of names, each one of `names`."""
+    def parse(text):
+        got = [t for t in text.split(",") if t]
+        bad = [t for t in got if t not in names]
+        if bad or not got:
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else 'nothing'} is not one of {', '.join(names)}")
+        return got
+    return parse
+
+
 def _budget(text):
     """A fraction of the past in (0, 1] (0.1), or a token count, an integer > 1 (1024)."""
     try:

@@ -1,4 +1,4 @@
-"""`infinigen` command line: generate, calibrate, bench speed/accuracy, serve.
+"""`infinigen` command line: generate, calibrate, bench speed/accuracy/busy, serve.
 
 Progress goes to stderr; `--json` prints one JSON document on stdout. Bad input exits non-zero with one
 line on stderr (no traceback).
@@ -16,11 +16,11 @@ from pathlib import Path
 
 from . import __version__
 from .argtypes import (_budget, _budget_list, _capacity, _device, _fraction, _int_list, _non_negative_int, _port,
-                       _positive_int, _seconds, _size, _size_or_off, _temperature, _text_file)
+                       _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file, _choices)
 from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
                      PARTIAL_DTYPES, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
-from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_speed,
+from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_busy, cmd_bench_speed,
                        cmd_calibrate, cmd_generate, cmd_serve)
 from .methods.registry import METHODS
 
@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
     _add_speed(bsub)
     _add_accuracy(bsub)
+    _add_busy(bsub)
     _add_serve(sub)
     return parser
 
@@ -181,6 +182,28 @@ def _add_speed(bsub) -> None:
     s.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median)")
     s.add_argument("--data", default=None, help="text file or directory for the prompts (default: built-in filler)")
     s.add_argument("--out", default=None, help="directory for JSON and markdown results (default: none, stdout only)")
+    s.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+def _add_busy(bsub) -> None:
+    from .bench.busy import COMPETITORS, SETTINGS
+
+    s = bsub.add_parser("busy", help="speed alone and beside processes that keep every core busy, each run a fresh "
+                        "process (bench speed, or generate on --generate's prompt)")
+    s.add_argument("--model", default=None, help=f"hub id, checkpoint directory or .gguf file (default: {DEFAULT_MODEL})")
+    s.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
+    s.add_argument("--shapes", type=_shape_list, default="1x1024,4x4096", help="batch x prompt tokens, e.g. 1x1024,4x4096")
+    s.add_argument("--competitors", type=_choices(COMPETITORS), default=",".join(COMPETITORS),
+                   help=f"from {', '.join(COMPETITORS)}: none (alone), another PyTorch process multiplying matrices, "
+                   "one Python busy loop per core")
+    s.add_argument("--settings", type=_choices(SETTINGS), default="default,fixed,threads1",
+                   help=f"from {', '.join(SETTINGS)}: threads from the load (the default), --threads 1, every core "
+                   "fixed, that with OMP_WAIT_POLICY=PASSIVE, the PyTorch path")
+    s.add_argument("--generate", type=_text_file, default=None, metavar="PROMPT.txt",
+                   help="run `infinigen generate` on this prompt file (prefill and decode speeds) instead of bench speed")
+    s.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps per run")
+    s.add_argument("--repeats", type=_positive_int, default=3, help="bench speed's timed runs per method (median)")
+    s.add_argument("--out", default=None, help="directory for busy.json and busy.md (default: none, stdout only)")
     s.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
@@ -292,7 +315,7 @@ def main(argv=None) -> int:
         return 2
     handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate, "serve": cmd_serve}
     if args.command == "bench":
-        handler = cmd_bench_speed if args.bench == "speed" else cmd_bench_accuracy
+        handler = {"speed": cmd_bench_speed, "accuracy": cmd_bench_accuracy, "busy": cmd_bench_busy}[args.bench]
     else:
         handler = handlers[args.command]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -176,6 +176,16 @@ def cmd_bench_speed(args) -> dict:
                      _method_options(args), data=args.data, out=args.out, model_name=args.model)
 
 
+def cmd_bench_busy(args) -> dict:
+    from .bench.busy import BusyError, run_busy
+
+    try:
+        return run_busy(args.shapes, _methods(args), args.settings, args.competitors, args.new_tokens, args.repeats,
+                        model=args.model, prompt_file=args.generate, out=args.out)
+    except BusyError as e:
+        raise RunError(str(e)) from None
+
+
 def cmd_serve(args) -> None:
     try:
         from .serve import Engine, listen, run_server
@@ -229,6 +239,10 @@ def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
 
 
 def _summary(result: dict) -> str:
+    if result.get("benchmark") == "busy":
+        from .bench.busy import markdown_table
+
+        return markdown_table(result)
     if "rows" in result and "machine" in result:
         from .bench.speed import markdown_table
 

@@ -64,17 +64,19 @@ def device_bandwidth(device: torch.device, mbytes: int = 2048, repeats: int = 5)
     return 2 * src.nbytes / _best_copy_s(torch.empty_like(src), src, repeats)
 
 
-def machine_info(device: torch.device) -> dict:
-    cpu = platform.processor()
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor()
+
+
+def machine_info(device: torch.device) -> dict:
     info = {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
