@@ -5,7 +5,8 @@ token of context per sequence.
     python scripts/dev/options_ab.py --configs full,full:kv_dtype=bfloat16,infinigen,infinigen:kv_dtype=bfloat16 \
         [--batch 1] [--prompt-len 4096] [--steps 24] [--model ID]
 
-A config is a method and its options (`name=value`, joined by `:`). Prints each config's median step (ms), its
+A config is a method and its options (`name=value`, joined by `:`). The prompt is prefilled once into every cache
+whose method shares a prefill (bench/tee.py), each storing the rows in its own format. Prints each config's median step (ms), its
 decode tokens/s and its ratio to the first config's step time.
 """
 
@@ -19,6 +20,9 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.bench.speed import prompts
+from infinigen_kv.bench.tee import TeeCache
+from infinigen_kv.methods.registry import METHODS
+from infinigen_kv.runtime.generation import prefill
 from infinigen_kv.model import step as step_mod
 
 
@@ -43,10 +47,14 @@ def main() -> int:
     caches, pos, times = {}, {}, {c: [] for c in configs}
     for c in configs:
         method, options = parse(c)
-        cache = ig.make_cache(method, model, **options)
-        cache.reserve(n + 2 + args.steps)  # no buffer grows while timed
-        ig.generate(model, ids, mask, cache=cache, max_new_tokens=2, stop_at_eos=False)
-        caches[c], pos[c] = cache, n + 2
+        caches[c], pos[c] = ig.make_cache(method, model, **options), n
+        caches[c].reserve(n + args.steps)  # no buffer grows while timed
+    shared = [c for c in configs if METHODS[parse(c)[0]].shares_prefill]
+    if len(shared) > 1:  # one prefill into all of them: their K/V rows as each stores them
+        prefill(model, ids, mask, TeeCache([caches[c] for c in shared]), args.steps)
+    for c in configs:
+        if c not in shared or len(shared) == 1:
+            prefill(model, ids, mask, caches[c], args.steps)
     x = torch.full((B,), 100)
     for _ in range(args.steps):
         for c in configs:
