@@ -310,29 +310,32 @@ def test_rope_in_place_has_transformers_bits(d):
     assert torch.equal(after[:, rotated:], before[:, rotated:])
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row, two
 def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
     """Decode through the `linear` kernel equals the plain model (--dtype bf16-weights: with its linear and
-    embedding weights rounded to bfloat16)."""
+    embedding weights rounded to bfloat16; --weights int8: the values its int8 rows hold)."""
     import copy
 
+    from infinigen_kv.model import int8_rows
     from infinigen_kv.model.load import fast_cpu_linears
 
     ref = copy.deepcopy(tiny_models["qwen2"])  # biases too
     fast = copy.deepcopy(ref)
     fast_cpu_linears(fast, weights=weights)
+    held = {"bfloat16": lambda w: w.bfloat16(),
+            "int8": lambda w: int8_rows.unpacked_kv(int8_rows.pack_kv(w), torch.float32)}.get(weights)
     with torch.no_grad():
         for module in ref.modules():
-            if (type(module) is torch.nn.Linear or module is ref.get_input_embeddings()) and weights == "bfloat16":
-                module.weight.copy_(module.weight.bfloat16())
+            if (type(module) is torch.nn.Linear or module is ref.get_input_embeddings()) and held is not None:
+                module.weight.copy_(held(module.weight))
     ids, mask = left_padded_batch(lengths=lengths)
     torch.testing.assert_close(step_logits(fast, ig.make_cache("full", fast), ids, mask),
                                step_logits(ref, ig.make_cache("full", ref), ids, mask), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     """The partial query through the kernel (only the q_proj rows of P and their RoPE partners; the folded
     weights without RoPE) equals the full query's skewed channels."""
@@ -387,12 +390,14 @@ def test_bf16_weights_default(monkeypatch):
     assert not bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3", "opt"])
-def test_bf16_weights_are_held_once(tiny_models, kind):
-    """bf16-weights holds the linear and embedding weights once, in bfloat16 (a tied LM head stays the embedding);
-    norms, biases and positions stay float32, and the bytes model counts what is held."""
+@pytest.mark.parametrize("kind,weights", [("llama-gqa", "bfloat16"), ("gemma3", "bfloat16"), ("opt", "bfloat16"),
+                                          ("gemma3", "int8"), ("opt", "int8")])
+def test_weights_are_held_once(tiny_models, kind, weights):
+    """bf16-weights holds the linear and embedding weights once, in bfloat16, --weights int8 as int8 rows (a tied LM
+    head stays the embedding); norms, biases and positions stay float32, and the bytes model counts what is held."""
     import copy
 
+    from infinigen_kv.model.int8_rows import kv_width
     from infinigen_kv.model.load import fast_cpu_linears, model_dtype
     from infinigen_kv.bench.report import weight_bytes
 
@@ -400,15 +405,16 @@ def test_bf16_weights_are_held_once(tiny_models, kind):
     tied = model.get_input_embeddings().weight is model.lm_head.weight
     before = weight_bytes(model)
     emb = model.get_input_embeddings()
-    halved = emb.weight.numel() + sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear
-                                      and m.weight is not emb.weight)
-    fast_cpu_linears(model, weights="bfloat16")
-    assert model_dtype(model) == "bf16-weights"
-    assert weight_bytes(model) == before - 2 * halved
+    held = [emb.weight] + [m.weight for m in model.modules() if type(m) is torch.nn.Linear and m.weight is not emb.weight]
+    size = {"bfloat16": lambda w: 2 * w.numel(), "int8": lambda w: w.shape[0] * kv_width(w.shape[1])}[weights]
+    fast_cpu_linears(model, weights=weights)
+    assert model_dtype(model) == {"bfloat16": "bf16-weights", "int8": "int8-weights"}[weights]
+    assert weight_bytes(model) == before - sum(4 * w.numel() - size(w) for w in held)
     assert (model.get_input_embeddings().weight is model.lm_head.weight) == tied
+    dtype = getattr(torch, weights)
     for name, p in model.named_parameters():
         linear = name.endswith("weight") and type(model.get_submodule(name.rsplit(".", 1)[0])) is torch.nn.Linear
-        assert p.dtype == (torch.bfloat16 if linear or p is model.get_input_embeddings().weight else torch.float32), name
+        assert p.dtype == (dtype if linear or p is model.get_input_embeddings().weight else torch.float32), name
     assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
     assert model.get_input_embeddings()(torch.tensor([[3, 4]])).dtype == torch.float32
 

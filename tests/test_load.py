@@ -1,4 +1,5 @@
-"""Loading a local checkpoint on CPU: tensor by tensor into the model, its weights held once in bfloat16."""
+"""Loading a local checkpoint on CPU: tensor by tensor into the model, its weights held once in bfloat16 or as int8
+rows."""
 
 import json
 
@@ -7,25 +8,27 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from infinigen_kv.model import checkpoint
-from infinigen_kv.model.load import load_model
+from infinigen_kv.model import checkpoint, int8_rows
+from infinigen_kv.model.load import ModelLoadError, load_model, model_dtype
 from conftest import save_tiny
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "gemma3", "llama-gqa"])
-def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, monkeypatch):
-    """The streamed load gives what from_pretrained gives (then rounded as bf16-weights rounds): the same
-    parameters, a tied LM head still tied, float32 norms and biases, and the same logits."""
+@pytest.mark.parametrize("kind,weights", [("qwen2", None), ("gemma3", None), ("llama-gqa", None), ("gemma3", "int8"),
+                                          ("qwen2", "int8")])
+def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, weights, monkeypatch):
+    """The streamed load gives what from_pretrained gives (then rounded as bf16-weights rounds, or quantized to int8
+    rows as --weights int8 does): the same parameters, a tied LM head still tied, float32 norms and biases, and
+    the same logits."""
     path = save_tiny(tmp_path / kind, kind=kind)
     streamed = []
     real = checkpoint.load_streamed
     monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: streamed.append(real(*a)) or streamed[-1])
-    model, _ = load_model(path, device="cpu")
+    model, _ = load_model(path, device="cpu", weights=weights)
     assert streamed and streamed[0] is model  # not a fallback to from_pretrained
     monkeypatch.undo()
     monkeypatch.setattr(checkpoint, "load_streamed", lambda *a: None)
     monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: None)
-    ref, _ = load_model(path, device="cpu")  # from_pretrained
+    ref, _ = load_model(path, device="cpu", weights=weights)  # from_pretrained
     assert type(model) is type(ref)
     got, want = model.state_dict(), ref.state_dict()
     assert got.keys() == want.keys()
@@ -35,6 +38,20 @@ def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, monkeypatch):
     ids = torch.randint(3, 256, (2, 12))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+    if weights == "int8":
+        assert model_dtype(model) == "int8-weights" and model.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+
+
+def test_int8_rows_of_q8_0_values_are_those_values():
+    """A GGUF's Q8_0 tensors (converted to their float values) load as they were: quantizing the values of int8 rows
+    again gives the same rows (the scales are float16, the values were divided by them)."""
+    rows = int8_rows.pack_kv(torch.randn(64, 96) * torch.logspace(-3, 2, 64).unsqueeze(1))
+    assert torch.equal(int8_rows.pack_kv(int8_rows.unpacked_kv(rows, torch.float32)), rows)
+
+
+def test_int8_weights_need_the_cpu():
+    with pytest.raises(ModelLoadError, match="int8 weights run on CPU"):
+        load_model(None, device="cpu", dtype="float32", weights="int8")
 
 
 def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
@@ -44,10 +61,10 @@ def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
     sd = load_file(f"{path}/model.safetensors")
     config = AutoConfig.from_pretrained(path)
     save_file({("x." + k): v for k, v in sd.items()}, f"{path}/model.safetensors", metadata={"format": "pt"})
-    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False) is None
+    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None) is None
     save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
     config.vocab_size = 300  # the model's shapes are not the checkpoint's
-    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False) is None
+    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None) is None
     config.vocab_size = 256
     names = sorted(sd)
     (tmp_path / "m" / "model.safetensors").unlink()
@@ -56,5 +73,5 @@ def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
         save_file({k: sd[k] for k in keys}, f"{path}/{f}", metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
     (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
-    model = checkpoint.load_streamed(tmp_path / "m", config, torch.float32, False)
+    model = checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None)
     assert model is not None and torch.equal(model.model.norm.weight, sd["model.norm.weight"])

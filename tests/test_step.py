@@ -101,3 +101,23 @@ def test_the_working_set_reaches_attention_as_a_value(tiny_models, monkeypatch):
             left = {"working", "work_mask", "fused", "kv_offset", "selection", "new_slot", "pending"} & set(dir(layer))
             assert not left, (method, left)
         assert "keep_mask" not in dir(cache), method  # a prompt's valid positions reach each layer's view as a value
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "gemma3", "opt"])
+def test_int8_weights_step_equals_the_forward_and_stays_exact(tiny_models, kind, monkeypatch):
+    """--weights int8: the step (the kernel path over merged int8 rows on Llama-layout models) gives the forward's
+    tokens and log-probabilities to the last bit, and InfiniGen at budget 1.0 the full cache's logits."""
+    from test_exactness import EXACT, step_logits
+
+    model = copy.deepcopy(tiny_models[kind])
+    fast_cpu_linears(model, weights="int8")
+    ids, mask = left_padded_batch(lengths=(40, 33, 21))
+    for method in ("full", "infinigen"):
+        tokens, lps, used = run(model, ids, mask, method, True, monkeypatch)
+        ref_tokens, ref_lps, _ = run(model, ids, mask, method, False, monkeypatch)
+        assert used and torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps), (kind, method)
+    if kind in step.KERNEL_TYPES:
+        assert model._infinigen_merged[0][0][0].dtype == torch.int8
+    full = step_logits(model, ig.make_cache("full", model), ids, mask)
+    torch.testing.assert_close(step_logits(model, ig.make_cache("infinigen", model, **EXACT), ids, mask), full,
+                               atol=1e-4, rtol=1e-4)

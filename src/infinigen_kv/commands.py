@@ -35,7 +35,8 @@ def _load(args):
 
     set_threads(getattr(args, "threads", None))
 
-    return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None))
+    return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None),
+                      weights=getattr(args, "weights", None))
 
 
 def cmd_generate(args) -> dict:
@@ -228,7 +229,8 @@ def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
 
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     app = ray_app.application(
-        args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map},
+        args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map,
+                        "weights": args.weights},
         args.method, options, engine_args,
         {"model_id": model_id, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
          "max_tokens_limit": args.max_tokens_limit},

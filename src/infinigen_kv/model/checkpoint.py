@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .install import bfloat16_weights
+from . import int8_rows
+from .install import bfloat16_weights, int8_weights
 
 
 def shards(source: Path) -> list[Path] | None:
@@ -29,9 +30,10 @@ def shards(source: Path) -> list[Path] | None:
     return [single] if single.is_file() else None
 
 
-def load_streamed(source: Path, config, dtype: torch.dtype, bf16_weights: bool):
-    """The model of checkpoint directory `source` on CPU, its parameters in `dtype` (bf16_weights: bfloat16 linear
-    and embedding weights, float32 elsewhere), or None where the checkpoint's names are not the model's."""
+def load_streamed(source: Path, config, dtype: torch.dtype, weights: str | None):
+    """The model of checkpoint directory `source` on CPU, its parameters in `dtype` (weights "bfloat16" or "int8":
+    the linear and embedding weights held so, each slice quantized as it is read, float32 elsewhere), or None
+    where the checkpoint's names are not the model's."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.initialization import no_init_weights
@@ -42,15 +44,18 @@ def load_streamed(source: Path, config, dtype: torch.dtype, bf16_weights: bool):
     with no_init_weights():  # uninitialized storage, filled below; buffers (RoPE frequencies) computed as usual
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.tie_weights()  # (no_init_weights skips it with the initialization)
-    if bf16_weights:
+    if weights == "bfloat16":
         bfloat16_weights(model)
+    elif weights == "int8":
+        int8_weights(model, values=False)  # the rows allocated; _read_shard quantizes into them
     targets = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer (tied ones share one)
     shapes = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as h:
             shapes.update((k, list(h.get_slice(k).get_shape())) for k in h.keys())
     missing = {id(targets[k]) for k in targets if k not in shapes} - {id(targets[k]) for k in shapes if k in targets}
-    if missing or any(k not in targets or list(targets[k].shape) != shape for k, shape in shapes.items()):
+    if missing or any(k not in targets or list(targets[k].shape) != _held_shape(targets[k], shape)
+                      for k, shape in shapes.items()):
         return None  # names transformers would rename, shapes it would report, or weights the checkpoint lacks
     with torch.no_grad():
         for f in files:
@@ -58,6 +63,13 @@ def load_streamed(source: Path, config, dtype: torch.dtype, bf16_weights: bool):
     if (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(source))
     return model.eval()
+
+
+def _held_shape(target: torch.Tensor, shape: list) -> list:
+    """The shape a checkpoint tensor of `shape` has as `target` holds it: int8 rows are kv_width(in) bytes wide."""
+    if target.dtype == torch.int8 and len(shape) == 2:
+        return [shape[0], int8_rows.kv_width(shape[1])]
+    return shape
 
 
 READ_BYTES = 64 << 20  # most bytes of a shard mapped at once (a float32 LM head of a large vocabulary: in slices)
@@ -89,7 +101,8 @@ def _read_shard(path: Path, targets: dict) -> None:
                     target.copy_(h.get_tensor(name))
                 else:
                     e = min(s + step, rows)  # (a slice past the end is an error)
-                    target[s:e].copy_(h.get_slice(name)[s:e])
+                    part = h.get_slice(name)[s:e]
+                    target[s:e].copy_(int8_rows.pack_kv(part) if target.dtype == torch.int8 else part)
                 mapped += 4 * target.numel() * min(step, rows - s) // rows
     finally:
         if h is not None:

@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import backend as backends
+from . import int8_rows
 from .arch import Arch, get_arch, step_inputs
 from .attention import attention_block, infinigen_attention
 from .kv import StepCache
@@ -91,17 +92,23 @@ def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
 CONVERT_ELEMENTS = 1 << 24  # most weights converted to float32 at once (64 MB): the LM head of a large vocabulary
 
 
+def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of a weight as held, in `dtype`: int8 rows (int8_weights) dequantized, others converted."""
+    return int8_rows.unpacked_kv(w, dtype) if w.dtype == torch.int8 else w.to(dtype)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of x with w as it is held: a bfloat16 weight of a float32 model is converted for the call (the
-    BLAS then computes as with float32 weights of the same values; ~3% of a 2,048-row product), in slices of
-    its output rows where it is large, so the conversion never holds a float32 copy of a whole LM head."""
+    """F.linear of x with w as it is held: a bfloat16 weight of a float32 model is converted for the call, int8
+    rows dequantized (the BLAS then computes as with float32 weights of the same values; ~3% of a 2,048-row
+    product), in slices of its output rows where it is large, so the conversion never holds a float32 copy of a
+    whole LM head."""
     if w.dtype == x.dtype:
         return torch.nn.functional.linear(x, w, bias)
     step = max(1, CONVERT_ELEMENTS // w.shape[1])
     if w.shape[0] <= step:
-        return torch.nn.functional.linear(x, w.to(x.dtype), bias)
+        return torch.nn.functional.linear(x, dense(w, x.dtype), bias)
     parts = [(w[s : s + step], None if bias is None else bias[s : s + step]) for s in range(0, w.shape[0], step)]
-    return torch.cat([torch.nn.functional.linear(x, wp.to(x.dtype), bp) for wp, bp in parts], dim=-1)
+    return torch.cat([torch.nn.functional.linear(x, dense(wp, x.dtype), bp) for wp, bp in parts], dim=-1)
 
 
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,11 +121,11 @@ def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if rows > SMALL_BATCH or not x.is_cpu or x.dtype != torch.float32:
         return linear(x, w, self.bias)
-    bf16 = w.dtype == torch.bfloat16
-    if rows <= (SMALL_BATCH if bf16 else KERNEL_ROWS) and (kern := backends.cpu().ops) is not None:
+    held = w.dtype != torch.float32  # bfloat16 or int8 rows: the kernel reads them as they lie
+    if rows <= (SMALL_BATCH if held else KERNEL_ROWS) and (kern := backends.cpu().ops) is not None:
         y = kern.linear(x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1).contiguous(), w, self.bias)
         return y.view(*x.shape[:-1], -1)
-    if rows < 2 or bf16:
+    if rows < 2 or held:
         return linear(x, w, self.bias)
     y = torch.mm(w, x.reshape(rows, -1).t()).t()  # (rows, out)
     if self.bias is not None:
@@ -158,6 +165,8 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
         model._infinigen_phase_hook = True
     if weights == "bfloat16":
         bfloat16_weights(model)
+    elif weights == "int8":
+        int8_weights(model)
     for module in model.modules():
         if type(module).__name__ in RMS_NORMS and module.weight.dtype == torch.float32 and "forward" not in vars(module):
             module.forward = types.MethodType(_fast_rms_norm, module)  # every path through the model, prefill too
@@ -171,14 +180,29 @@ def bfloat16_weights(model) -> None:
     to the embedding), and every other parameter and buffer (norms, biases, learned positions) in float32: the
     model computes in float32 over bfloat16 weights, as load_model loads it (in bfloat16, then this). A float32
     weight is rounded once; the embedding's forward returns float32 rows (`_float32_embedding`)."""
+    _hold_weights(model, torch.bfloat16, lambda w: w.to(torch.bfloat16))
+
+
+def int8_weights(model, values: bool = True) -> None:
+    """Hold a model's linear weights and its input embedding as int8 rows, one copy (`--weights int8`): each
+    weight row in llama.cpp's q8_0 layout (int8_rows.pack_kv: groups of 32 values, a float16 scale each, 1.06 bytes
+    a weight), quantized from the values as held; everything else as bfloat16_weights holds it. The decode
+    kernels read the rows as they lie; prefills dequantize them in slices (`linear`). Weights already held as int8
+    rows are kept. values=False: the rows allocated, not filled (a streamed load quantizes into them)."""
+    def empty(w):
+        return torch.empty(w.shape[0], int8_rows.kv_width(w.shape[1]), dtype=torch.int8)
+
+    _hold_weights(model, torch.int8, int8_rows.pack_kv if values else empty)
+
+
+def _hold_weights(model, dtype: torch.dtype, convert) -> None:
     held = {}
     embedding = model.get_input_embeddings()
     for module in model.modules():
         if type(module) is torch.nn.Linear or module is embedding:
             w = module.weight
             if id(w) not in held:
-                held[id(w)] = w if w.dtype == torch.bfloat16 else torch.nn.Parameter(
-                    w.detach().to(torch.bfloat16), requires_grad=False)
+                held[id(w)] = w if w.dtype == dtype else torch.nn.Parameter(convert(w.detach()), requires_grad=False)
             module.weight = held[id(w)]
     kept = {id(w) for w in held.values()}
     with torch.no_grad():
@@ -192,10 +216,21 @@ def bfloat16_weights(model) -> None:
     scaled = isinstance(getattr(embedding, "scalar_embed_scale", None), float)  # Gemma's sqrt(D)
     if scaled:  # (its buffer was made in bfloat16 where the model was built in it)
         embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale, dtype=torch.float32)
-    if "forward" not in vars(embedding):
-        embedding.forward = types.MethodType(_float32_scaled_embedding if scaled else _float32_embedding, embedding)
+    forwards = {torch.bfloat16: (_float32_embedding, _float32_scaled_embedding),
+                torch.int8: (_int8_embedding, _int8_scaled_embedding)}[dtype]
+    embedding.forward = types.MethodType(forwards[scaled], embedding)
     model.__dict__.pop("_infinigen_merged", None)  # the decode step's merged matrices (step.py) follow the weights
-    model._infinigen_weights = torch.bfloat16
+    model._infinigen_weights = dtype
+
+
+def _int8_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+    """The input embedding of int8 rows: the rows of ids, dequantized to float32."""
+    return int8_rows.unpacked_kv(torch.nn.functional.embedding(ids, self.weight, self.padding_idx), torch.float32)
+
+
+def _int8_scaled_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+    """The same for an embedding with a scale (Gemma's sqrt(D))."""
+    return _int8_embedding(self, ids) * self.embed_scale
 
 
 def _float32_embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -209,8 +244,8 @@ def _float32_scaled_embedding(self, ids: torch.Tensor) -> torch.Tensor:
 
 
 def compute_dtype(model) -> torch.dtype:
-    """The dtype a model computes in: float32 for bfloat16 weights in a float32 model (bfloat16_weights),
-    otherwise its parameters'."""
+    """The dtype a model computes in: float32 for bfloat16 weights or int8 rows in a float32 model
+    (bfloat16_weights, int8_weights), otherwise its parameters'."""
     if getattr(model, "_infinigen_weights", None) is not None:
         return torch.float32
     return next(model.parameters()).dtype

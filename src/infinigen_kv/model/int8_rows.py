@@ -78,6 +78,9 @@ def unpacked_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored K/V rows (..., kv_width(d)) int8 -> the values they hold (..., d) in `dtype`."""
     *lead, w = rows.shape
     d = kv_dim(w)
+    kern = backends.for_device(rows.device).ops
+    if kern is not None and dtype == torch.float32:
+        return kern.dequantize_kv_rows(rows.contiguous(), d)
     scale = rows[..., d:].contiguous().view(torch.float16).float()  # (..., groups)
     values = torch.nn.functional.pad(rows[..., :d].float(), (0, -d % GROUP)).view(*lead, -1, GROUP)
     out = (values * scale.unsqueeze(-1)).view(*lead, -1)[..., :d]

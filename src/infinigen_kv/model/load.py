@@ -163,24 +163,35 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+INT8_WEIGHTS = "int8-weights"  # float32 compute, linear and embedding weights held as int8 rows (CPU, --weights int8)
+WEIGHTS = ("auto", "bfloat16", "int8")  # how a CPU model holds its linear and embedding weights (--weights)
+
+
 def model_dtype(model) -> str:
-    """How the model computes, as --dtype names it: "bf16-weights", or its parameters' dtype."""
-    if getattr(model, "_infinigen_weights", None) == torch.bfloat16:
-        return BF16_WEIGHTS
+    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", or its parameters' dtype."""
+    held = getattr(model, "_infinigen_weights", None)
+    if held is not None:
+        return INT8_WEIGHTS if held == torch.int8 else BF16_WEIGHTS
     return str(compute_dtype(model)).replace("torch.", "")
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-               device_map: str | dict | None = None):
+               device_map: str | dict | None = None, weights: str | None = None):
     """(model, tokenizer) in eval mode: on CPU float32 with bfloat16 linear weights (BF16_WEIGHTS), on CUDA
-    bfloat16/float16, unless `dtype` says.
+    bfloat16/float16, unless `dtype` says. weights="int8" (CPU): the linear and embedding weights as int8 rows
+    (install.int8_weights), loaded into them tensor by tensor.
     `device_map` (e.g. "auto") spreads the layers over several GPUs with accelerate; the InfiniGen cache
     then keeps each layer's partial keys and working set on that layer's device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
+    if weights not in (None, *WEIGHTS):
+        raise ModelLoadError(f"unknown weights {weights!r}: choose from {', '.join(WEIGHTS)}")
+    int8w = weights == "int8"
+    if int8w and (dev.type != "cpu" or device_map is not None or dtype not in (None, "", "auto", BF16_WEIGHTS)):
+        raise ModelLoadError("int8 weights run on CPU, in float32 compute: drop --device, --device-map and --dtype")
     # bfloat16 weights on CPU: a local checkpoint loads straight into them, never held in float32
-    bf16w = dev.type == "cpu" and device_map is None and bf16_weights(dtype, dev)
+    bf16w = dev.type == "cpu" and device_map is None and (bf16_weights(dtype, dev) or weights == "bfloat16" or int8w)
     dt = torch.bfloat16 if bf16w else resolve_dtype(dtype, dev)
     source = resolve_source(name)
     # a hub id with no way to the hub: the local cache only (huggingface_hub would retry for ~30 s)
@@ -198,7 +209,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         model = None
         local = local_checkpoint(source) if dev.type == "cpu" and device_map is None else None
         if local is not None:  # tensor by tensor, in place
-            model = load_streamed(local, config, dt, bf16w)
+            model = load_streamed(local, config, dt, "int8" if int8w else "bfloat16" if bf16w else None)
         if model is None:  # (bf16-weights: loaded in float32, then rounded once, norms and biases kept exact)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if bf16w else dt,
                                                          attn_implementation="sdpa", device_map=device_map,
@@ -209,7 +220,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         model.to(dev)
     model.eval()
     if dev.type == "cpu" and device_map is None:
-        fast_cpu_linears(model, weights="bfloat16" if bf16w else "float32")
+        fast_cpu_linears(model, weights="int8" if int8w else "bfloat16" if bf16w else "float32")
         prepare(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

@@ -204,8 +204,8 @@ def prepare(model) -> None:
 
 
 def _merged(model) -> list:
-    """Per decoder layer, its q, k, v and its gate, up projections' bfloat16 weights as one matrix each, and
-    o's and down's (or None where a layer's weights are not bfloat16): ((W (Hd + 2Gd, D), bias or None, split sizes),
+    """Per decoder layer, its q, k, v and its gate, up projections' weights as one matrix each, and o's and
+    down's (or None where a layer's weights are not all bfloat16 or all int8 rows): ((W (Hd + 2Gd, D), bias or None, split sizes),
     (W (2F, D), F), (W_o, bias or None), (W_down, bias or None)).
     Made once per model, when the model loads (prepare); each projection's weight then becomes its rows of the
     merged matrix (a view: the weights stay one copy), so the model's forward reads the same bytes. The kernel
@@ -221,7 +221,7 @@ def _merged(model) -> list:
 def _merge_layer(layer):
     a, m = layer.self_attn, layer.mlp
     qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-    if any(p.weight.dtype != torch.bfloat16 for p in qkv + gu + (a.o_proj, m.down_proj)):
+    if {p.weight.dtype for p in qkv + gu + (a.o_proj, m.down_proj)} not in ({torch.bfloat16}, {torch.int8}):
         return None
     if any(p.bias is not None for p in gu):
         return None  # (an MLP with biases keeps its separate calls)

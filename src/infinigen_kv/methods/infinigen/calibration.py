@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from ...config import cache_dir
 from ...model.arch import Arch, get_arch
+from ...model.install import dense
 
 
 FORMAT_VERSION = 1
@@ -175,7 +176,7 @@ def partial_query_weights(arch: Arch, skew: torch.Tensor, channels: torch.Tensor
     r = arch.group
     ws, bs = [], []
     for l, attn in enumerate(arch.attns):
-        W = attn.q_proj.weight.detach().float().cpu().view(arch.num_heads, d, -1)  # (H, d, D)
+        W = dense(attn.q_proj.weight.detach(), torch.float32).cpu().view(arch.num_heads, d, -1)  # (H, d, D)
         b = attn.q_proj.bias
         b = b.detach().float().cpu().view(arch.num_heads, d) if b is not None else torch.zeros(arch.num_heads, d)
         AP = torch.gather(skew[l], 2, channels[l].unsqueeze(1).expand(G, d, p))  # (G, d, p)

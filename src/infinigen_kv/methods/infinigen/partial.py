@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model import backend as backends
+from ...model.install import dense
 
 
 def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
@@ -125,7 +126,7 @@ class PartialQuery:
         heads = torch.arange(G * a.group).view(G, a.group, 1)
         rows = (heads * a.head_dim + both.view(G, 1, -1)).reshape(-1)  # (H 2p,)
         proj = a.attns[layer].q_proj
-        W = proj.weight.detach()[rows.to(proj.weight.device)].to(device, self.dtype)  # (bfloat16 weights: computed in float32)
+        W = dense(proj.weight.detach()[rows.to(proj.weight.device)], self.dtype).to(device)  # (bfloat16 or int8 weights: in float32)
         b = proj.bias.detach()[rows.to(proj.bias.device)].to(device, self.dtype) if proj.bias is not None else None
         memo = self._rows_memo[layer] = (W, b)
         return memo

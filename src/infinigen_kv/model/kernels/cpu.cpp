@@ -711,14 +711,74 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear: y (R, out) = x (R, in) W^T + bias for a few rows R (a decode step), W float32 or bfloat16.
+// linear: y (R, out) = x (R, in) W^T + bias for a few rows R (a decode step), W float32, bfloat16 or int8 rows.
 // A decode step's linears are bound by reading W: each weight row is streamed from memory once for all R
 // rows (blocks of up to 4 rows share each load; further blocks find the row in L1). The CPU BLAS reaches
 // 10-20 GB/s on these shapes with cold weights; this loop runs near the machine's read bandwidth.
 
+// int8 weights: a weight row is a K/V row's q8_0 layout (kv_width(in) bytes: in values in groups of 32, then the
+// groups' float16 scales). Each group's 8-value loads are converted and multiplied by the group's scale, which gives
+// the dequantized weights' values exactly (value x scale in float32), then the same FMA chains as a float row.
+template <int RB>
+inline void rows_dot_q8(const int8_t* __restrict w, const float* __restrict x, int64_t in, float* y, int64_t ldy) {
+  const int64_t ng = kv_groups(in);
+  float sum[RB] = {};
+  int64_t g = 0;
+#ifdef IG_AVX2
+  constexpr int U = 2;
+  __m256 acc[RB][U];
+  for (int b = 0; b < RB; ++b)
+    for (int u = 0; u < U; ++u) acc[b][u] = _mm256_setzero_ps();
+  for (; (g + 1) * KV_GROUP <= in; ++g) {
+    at::Half h;
+    std::memcpy(&h, w + in + 2 * g, 2);
+    const __m256 sc = _mm256_set1_ps(static_cast<float>(h));
+    const int64_t i = g * KV_GROUP;
+    for (int k = 0; k < int(KV_GROUP / 8); ++k) {
+      const __m256 wv = _mm256_mul_ps(load8(w + i + 8 * k), sc);
+      for (int b = 0; b < RB; ++b)
+        acc[b][k % U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * in + i + 8 * k), acc[b][k % U]);
+    }
+  }
+  if (g < ng) {  // a last, shorter group: zero-padded to 32, the same vector arithmetic (a row's sum whatever RB)
+    at::Half h;
+    std::memcpy(&h, w + in + 2 * g, 2);
+    const float sc = static_cast<float>(h);
+    const int64_t i = g * KV_GROUP, len = in - i;
+    alignas(32) float wt[KV_GROUP] = {}, xt[RB][KV_GROUP] = {};
+    for (int64_t j = 0; j < len; ++j) wt[j] = float(w[i + j]) * sc;
+    for (int b = 0; b < RB; ++b) std::memcpy(xt[b], x + b * in + i, len * sizeof(float));
+    for (int k = 0; k < int(KV_GROUP / 8); ++k) {
+      const __m256 wv = _mm256_load_ps(wt + 8 * k);
+      for (int b = 0; b < RB; ++b) acc[b][k % U] = _mm256_fmadd_ps(wv, _mm256_load_ps(xt[b] + 8 * k), acc[b][k % U]);
+    }
+    ++g;
+  }
+  for (int b = 0; b < RB; ++b) {
+    __m256 a = acc[b][0];
+    for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[b][u]);
+    sum[b] = hsum(a);
+  }
+#endif
+  for (; g < ng; ++g) {
+    at::Half h;
+    std::memcpy(&h, w + in + 2 * g, 2);
+    const float sc = static_cast<float>(h);
+    for (int64_t i = g * KV_GROUP; i < std::min(in, (g + 1) * KV_GROUP); ++i) {
+      const float wi = float(w[i]) * sc;
+      for (int b = 0; b < RB; ++b) sum[b] += wi * x[b * in + i];
+    }
+  }
+  for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
+}
+
 // y[b * ldy] = x[b] . w for the RB rows of x starting at x (row stride in)
 template <int RB, typename W>
 inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t in, float* y, int64_t ldy) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    rows_dot_q8<RB>(w, x, in, y, ldy);
+    return;
+  }
   int64_t i = 0;
   float sum[RB] = {};
 #ifdef IG_AVX2
@@ -749,9 +809,10 @@ inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t i
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
                  float* y) {
+  const int64_t ldw = std::is_same_v<W, int8_t> ? kv_width(in) : in;  // a weight row's elements
   at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) {
-      const W* w = wp + o * in;
+      const W* w = wp + o * ldw;
       int64_t b = 0;
       // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not
       // depend on how many rows share the call (an 8-row block, one chain per row, did)
@@ -784,7 +845,7 @@ void partial_query_impl(const float* x, const W* wp, const float* bias, const in
   at::parallel_for(0, H * c, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / c, ch = S[(h / r) * c + i % c];
-      const W* w = wp + (gathered ? i : h * d + ch) * D;  // gathered: row h c + t holds q_proj row h d + S[g, t]
+      const W* w = wp + (gathered ? i : h * d + ch) * (std::is_same_v<W, int8_t> ? kv_width(D) : D);  // gathered: row h c + t holds q_proj row h d + S[g, t]
       float* yo = y.data() + h * d + ch;  // row b at yo + b * H * d
       int64_t b = 0;
       for (; b + 4 <= B; b += 4) rows_dot<4>(w, x + b * D, D, yo + b * H * d, H * d);
@@ -983,6 +1044,29 @@ at::Tensor quantize_kv_rows(at::Tensor x) {
   return out;
 }
 
+// int8 rows (..., kv_width(d)) -> their values (..., d) float32, value x its group's scale (unpacked_kv's bits)
+at::Tensor dequantize_kv_rows(at::Tensor rows, int64_t d) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kChar && rows.dim() >= 1 && rows.size(-1) == kv_width(d), "bad int8 rows");
+  const int64_t w = kv_width(d), R = rows.numel() / w, ng = kv_groups(d);
+  auto sizes = rows.sizes().vec();
+  sizes.back() = d;
+  auto out = at::empty(sizes, rows.options().dtype(at::kFloat));
+  const int8_t* rp = rows.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc(ng);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int8_t* row = rp + i * w;
+      float* o = op + i * d;
+      kv_scales(row, d, sc.data());
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t j = g * KV_GROUP; j < std::min(d, (g + 1) * KV_GROUP); ++j) o[j] = float(row[j]) * sc[g];
+    }
+  });
+  return out;
+}
+
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
 // strides above: views of the step's merged q k v output) into K, V (B, G, cap, d) (float32 or bfloat16: the pool's
 // kv_dtype; or (B, G, cap, kv_width(d)) int8 rows, pack_kv_row), and the int8 row of k's partial channels (G, p) into
@@ -1058,15 +1142,18 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return y;
 }
 
-// x (R, in) float32, W (out, in) float32 or bfloat16, bias (out) float32 or None -> (R, out) float32
+// x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, bias (out) float32 or None
+// -> (R, out) float32
 // residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
-  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16, "W must be float32 or bfloat16");
+  const bool i8 = W.scalar_type() == at::kChar;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8,
+              "W must be float32, bfloat16 or int8 rows");
   const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && W.size(1) == in, "bad shapes");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && W.size(1) == (i8 ? kv_width(in) : in), "bad shapes");
   const float* bp = nullptr;
   if (bias.has_value()) {
     check_cpu_contig(*bias, "bias");
@@ -1082,6 +1169,8 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
   auto y = at::empty({R, out}, x.options());
   if (W.scalar_type() == at::kFloat)
     linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i8)
+    linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
   else
     linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, rp, R, in, out,
                 y.data_ptr<float>());
@@ -1097,12 +1186,14 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
                          c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, int64_t r, int64_t d_head) {
   for (auto* t : {&x, &W, &S, &P}) check_cpu_contig(*t, "partial_query input");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
-  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16, "W must be float32 or bfloat16");
+  const bool i8 = W.scalar_type() == at::kChar;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8,
+              "W must be float32, bfloat16 or int8 rows");
   TORCH_CHECK(S.scalar_type() == at::kLong && P.scalar_type() == at::kLong, "S and P must be int64");
   const int64_t B = x.size(0), D = x.size(1), G = S.size(0), c = S.size(1), p = P.size(1), H = G * r;
   const bool gathered = d_head > 0;
-  TORCH_CHECK((!gathered || W.size(0) == H * c) && W.size(0) % H == 0 && W.size(1) == D && P.size(0) == G,
-              "bad shapes");
+  TORCH_CHECK((!gathered || W.size(0) == H * c) && W.size(0) % H == 0 && W.size(1) == (i8 ? kv_width(D) : D) &&
+              P.size(0) == G, "bad shapes");
   const int64_t d = gathered ? d_head : W.size(0) / H;
   for (auto* t : {&S, &P})
     for (int64_t i = 0; i < t->numel(); ++i) {
@@ -1129,6 +1220,9 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
   if (W.scalar_type() == at::kFloat)
     partial_query_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(),
                        p, cp, sp, B, G, r, d, D, gathered, out.data_ptr<float>());
+  else if (i8)
+    partial_query_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, S.data_ptr<int64_t>(), c,
+                       P.data_ptr<int64_t>(), p, cp, sp, B, G, r, d, D, gathered, out.data_ptr<float>());
   else
     partial_query_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp,
                        S.data_ptr<int64_t>(), c, P.data_ptr<int64_t>(), p, cp, sp, B, G, r, d, D, gathered,
@@ -1220,7 +1314,7 @@ at::Tensor silu_mul(at::Tensor gu, int64_t lanes) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear", &linear, "few-row linear layer, float32 or bfloat16 weights, plus a residual", py::arg("x"),
+  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16 or int8-row weights, plus a residual", py::arg("x"),
           py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
@@ -1230,6 +1324,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
   mod.def("quantize_kv_rows", &quantize_kv_rows, "int8 K/V rows: groups of 32 values, a float16 scale each");
+  mod.def("dequantize_kv_rows", &dequantize_kv_rows, "int8 K/V rows' values in float32");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
