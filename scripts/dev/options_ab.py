@@ -5,7 +5,8 @@ token of context per sequence.
     python scripts/dev/options_ab.py --configs full,full:kv_dtype=bfloat16,infinigen,infinigen:kv_dtype=bfloat16 \
         [--batch 1] [--prompt-len 4096] [--steps 24] [--model ID]
 
-A config is a method and its options (`name=value`, joined by `:`). The prompt is prefilled once into every cache
+A config is a method and its options (`name=value`, joined by `:`; `weights=int8` runs it on the model loaded
+with those weights, a second copy in the process). The prompt is prefilled once into every cache
 whose method shares a prefill (bench/tee.py), each storing the rows in its own format. Prints each config's median step (ms), its
 decode tokens/s and its ratio to the first config's step time.
 """
@@ -40,21 +41,29 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    model, tok = ig.load_model(args.model)
-    B, n = args.batch, args.prompt_len
-    ids, mask = prompts(tok, B, n)
     configs = args.configs.split(",")
+    models = {}  # weights -> (model, tokenizer): a config's `weights=` option picks the model it runs on
+    for c in configs:
+        w = parse(c)[1].get("weights")
+        if w not in models:
+            models[w] = ig.load_model(args.model, weights=w)
+    B, n = args.batch, args.prompt_len
+    ids, mask = prompts(next(iter(models.values()))[1], B, n)
     caches, pos, times = {}, {}, {c: [] for c in configs}
+    model_of = {c: models[parse(c)[1].get("weights")][0] for c in configs}
     for c in configs:
         method, options = parse(c)
-        caches[c], pos[c] = ig.make_cache(method, model, **options), n
+        options.pop("weights", None)
+        caches[c], pos[c] = ig.make_cache(method, model_of[c], **options), n
         caches[c].reserve(n + args.steps)  # no buffer grows while timed
-    shared = [c for c in configs if METHODS[parse(c)[0]].shares_prefill]
-    if len(shared) > 1:  # one prefill into all of them: their K/V rows as each stores them
-        prefill(model, ids, mask, TeeCache([caches[c] for c in shared]), args.steps)
-    for c in configs:
-        if c not in shared or len(shared) == 1:
-            prefill(model, ids, mask, caches[c], args.steps)
+    for model in dict.fromkeys(model_of.values()):
+        mine = [c for c in configs if model_of[c] is model]
+        shared = [c for c in mine if METHODS[parse(c)[0]].shares_prefill]
+        if len(shared) > 1:  # one prefill into all of them: their K/V rows as each stores them
+            prefill(model, ids, mask, TeeCache([caches[c] for c in shared]), args.steps)
+        for c in mine:
+            if c not in shared or len(shared) == 1:
+                prefill(model, ids, mask, caches[c], args.steps)
     x = torch.full((B,), 100)
     for _ in range(args.steps):
         for c in configs:
@@ -62,7 +71,7 @@ def main() -> int:
             p = torch.full((B, 1), pos[c])
             pos[c] += 1
             t = time.perf_counter()
-            step_mod.decode(model, cache, x, p, None)
+            step_mod.decode(model_of[c], cache, x, p, None)
             times[c].append(time.perf_counter() - t)
     first = statistics.median(times[configs[0]])
     print(f"B={B} n={n}, median of {args.steps} steps, alternated step by step")

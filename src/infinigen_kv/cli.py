@@ -198,7 +198,7 @@ def _add_busy(bsub) -> None:
     s.add_argument("--shapes", type=_shape_list, default="1x1024,4x4096", help="batch x prompt tokens, e.g. 1x1024,4x4096")
     s.add_argument("--competitors", type=_choices(COMPETITORS), default=",".join(COMPETITORS),
                    help=f"from {', '.join(COMPETITORS)}: none (alone), another PyTorch process multiplying matrices, "
-                   "one Python busy loop per core")
+                   "one Python busy loop per core (default: all three)")
     s.add_argument("--settings", type=_choices(SETTINGS), default="default,fixed,threads1",
                    help=f"from {', '.join(SETTINGS)}: threads from the load (the default), --threads 1, every core "
                    "fixed, that with OMP_WAIT_POLICY=PASSIVE, the PyTorch path")

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import json
+import platform
 import sys
 from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def write_tables(result: dict, out: Path, stem: str, table: str) -> tuple[list[Path], object]:

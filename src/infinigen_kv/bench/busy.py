@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .speed import cpu_name
+from . import cpu_name
 
 COMPETITORS = {
     "none": [],

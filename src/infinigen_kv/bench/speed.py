@@ -4,7 +4,6 @@ as medians over repeats (ratios of speeds are only quoted when measured this way
 from __future__ import annotations
 
 import sys
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from ..methods.registry import REFERENCE, make_cache
 from ..model.load import model_dtype
 from ..runtime.generation import generate
 from .report import bytes_read_per_step
-from . import save_plot, write_tables
+from . import cpu_name, save_plot, write_tables
 from .tasks import passkey
 
 
@@ -62,16 +61,6 @@ def device_bandwidth(device: torch.device, mbytes: int = 2048, repeats: int = 5)
     """The device memory's bandwidth in bytes/s, bytes read and written counted: the best of `repeats` copies."""
     src = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
     return 2 * src.nbytes / _best_copy_s(torch.empty_like(src), src, repeats)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def machine_info(device: torch.device) -> dict:

@@ -81,7 +81,12 @@ def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
     same bits at any row count and offset (measured), below it its small-matrix path does not, so a short
     prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie selections)."""
     if rows == 0:  # no position kept (logits_to_keep: a chunk before the last)
-        return x.new_empty(*x.shape[:-1], self.weight.shape[0])
+        return x.new_empty(*x.shape[:-1], self.out_features)
+    if getattr(self, "_infinigen_head", False) and rows <= SMALL_BATCH and self.weight.dtype != torch.float32 \
+            and x.dtype == torch.float32 and (kern := backends.cpu().ops) is not None:
+        # the LM head over the last position of each sequence (B rows, as in decode): the kernel reads its bfloat16
+        # or int8 rows once, where converting them for the BLAS would write a float32 copy of a whole vocabulary
+        return kern.linear(x.reshape(rows, -1).contiguous(), self.weight, self.bias).view(*x.shape[:-1], -1)
     if rows >= PREFILL_MIN_ROWS or not x.is_cpu:
         return linear(x, self.weight, self.bias)
     padded = x.new_zeros(PREFILL_MIN_ROWS, x.shape[-1])
@@ -167,6 +172,9 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
         bfloat16_weights(model)
     elif weights == "int8":
         int8_weights(model)
+    head = model.get_output_embeddings()
+    if head is not None:
+        head._infinigen_head = True  # its prefill rows are one per sequence (_prefill_linear)
     for module in model.modules():
         if type(module).__name__ in RMS_NORMS and module.weight.dtype == torch.float32 and "forward" not in vars(module):
             module.forward = types.MethodType(_fast_rms_norm, module)  # every path through the model, prefill too
