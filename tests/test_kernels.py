@@ -93,6 +93,28 @@ def test_int8_kv_rows_kernel_matches_pytorch(d, monkeypatch):
     assert not back[0, 1].any() and not back[1, 2, : min(d, 32)].any()
 
 
+@pytest.mark.parametrize("inputs", [576, 40, 300])  # whole groups (eight at a time and alone), a short last group
+def test_int8_weight_rows_linear(inputs, monkeypatch):
+    """`linear` over int8 weight rows (--weights int8): the dequantized weights' product within the int16 activations'
+    rounding; the rows dequantized by the kernel as by PyTorch; a row's result whatever rows share the call."""
+    from infinigen_kv.model import int8_rows
+
+    torch.manual_seed(9)
+    W = torch.randn(37, inputs) * torch.rand(37, 1)
+    W[3, :32] = 0  # a zero group
+    rows = int8_rows.pack_kv(W)
+    x = torch.randn(6, inputs) * 3
+    y = K.linear(x, rows, None, None)
+    dense = K.dequantize_kv_rows(rows, inputs)
+    ref = torch.nn.functional.linear(x, dense)
+    assert (y - ref).abs().max() <= 1e-4 * (x.abs() @ dense.abs().t()).max()
+    for r in (1, 2, 4, 5):
+        assert torch.equal(K.linear(x[:r].contiguous(), rows, None, None), y[:r])
+    assert torch.equal(K.linear(x[3:4].contiguous(), rows, None, None), y[3:4])
+    monkeypatch.setattr(kernels, "_enabled", False)  # the PyTorch path
+    assert torch.equal(int8_rows.unpacked_kv(rows, torch.float32), dense)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 def test_store_token_writes_what_the_separate_appends_write(dtype):
     """store_token: a decode token's K and V rows (strided views, as the own step hands them; int8 rows quantized

@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -416,13 +417,22 @@ inline void pack_kv_row(const float* x, int64_t d, int8_t* row) {
   }
 }
 
+// the float16 at p as float32 (exact): one instruction with F16C, else c10's conversion
+inline float half_at(const int8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(IG_AVX2) && defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  at::Half h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+#endif
+}
+
 // the float32 scales of a K/V row's groups into sc[0, kv_groups(d))
 inline void kv_scales(const int8_t* row, int64_t d, float* sc) {
-  for (int64_t g = 0; g < kv_groups(d); ++g) {
-    at::Half h;
-    std::memcpy(&h, row + d + 2 * g, 2);
-    sc[g] = static_cast<float>(h);
-  }
+  for (int64_t g = 0; g < kv_groups(d); ++g) sc[g] = half_at(row + d + 2 * g);
 }
 
 template <int P>
@@ -717,68 +727,107 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 // 10-20 GB/s on these shapes with cold weights; this loop runs near the machine's read bandwidth.
 
 // int8 weights: a weight row is a K/V row's q8_0 layout (kv_width(in) bytes: in values in groups of 32, then the
-// groups' float16 scales). Each group's 8-value loads are converted and multiplied by the group's scale, which gives
-// the dequantized weights' values exactly (value x scale in float32), then the same FMA chains as a float row.
+// groups' float16 scales), read by integer products. The activations are made int16 once per call (QuantizedX):
+// each row's groups of 32 by their absmax / 32767, an error of at most 2^-16 of a group's largest value, far below
+// the weights' own rounding (2^-8 of theirs). A group's 32 products are summed exactly in int32 (madd_epi16; at
+// most 32 x 127 x 32767), converted to float once, times the weight's and the activation's scales; eight groups'
+// sums are reduced into one vector and scaled at once. Every row of a call the same way. Converting int8
+// weights to float32 instead costs two instructions per 8 weights, which bounded a one-row product at ~12 G
+// weights/s on the dev machine (bfloat16's at ~25).
+struct QuantizedX {
+  int64_t ng, pad;  // groups a row, values a row padded to whole groups (zeros)
+  std::vector<int16_t> q;  // (R, pad)
+  std::vector<float> s;  // (R, ng)
+  QuantizedX(const float* x, int64_t R, int64_t in) : ng(kv_groups(in)), pad(kv_groups(in) * KV_GROUP) {
+    q.assign(R * pad, 0);
+    s.assign(R * ng, 0.f);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < ng; ++g) {
+        const float* xg = x + r * in + g * KV_GROUP;
+        const int64_t len = std::min(KV_GROUP, in - g * KV_GROUP);
+        float m = 0.f;
+        for (int64_t i = 0; i < len; ++i) m = std::max(m, std::fabs(xg[i]));
+        const float sc = m / 32767.f, inv = m > 0.f ? 32767.f / m : 0.f;
+        s[r * ng + g] = sc;
+        int16_t* qg = q.data() + r * pad + g * KV_GROUP;
+        for (int64_t i = 0; i < len; ++i) qg[i] = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(xg[i] * inv))));
+      }
+  }
+};
+
+// y[b * ldy] = x[b] . w for RB rows of quantized activations (row b at xq + b pad, its scales at xs + b ng)
 template <int RB>
-inline void rows_dot_q8(const int8_t* __restrict w, const float* __restrict x, int64_t in, float* y, int64_t ldy) {
+inline void rows_dot_q8(const int8_t* __restrict w, const int16_t* __restrict xq, const float* __restrict xs,
+                        int64_t in, int64_t pad, float* y, int64_t ldy) {
   const int64_t ng = kv_groups(in);
   float sum[RB] = {};
-  int64_t g = 0;
 #ifdef IG_AVX2
-  constexpr int U = 2;
-  __m256 acc[RB][U];
-  for (int b = 0; b < RB; ++b)
-    for (int u = 0; u < U; ++u) acc[b][u] = _mm256_setzero_ps();
-  for (; (g + 1) * KV_GROUP <= in; ++g) {
-    at::Half h;
-    std::memcpy(&h, w + in + 2 * g, 2);
-    const __m256 sc = _mm256_set1_ps(static_cast<float>(h));
-    const int64_t i = g * KV_GROUP;
-    for (int k = 0; k < int(KV_GROUP / 8); ++k) {
-      const __m256 wv = _mm256_mul_ps(load8(w + i + 8 * k), sc);
-      for (int b = 0; b < RB; ++b)
-        acc[b][k % U] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * in + i + 8 * k), acc[b][k % U]);
+  __m256 acc[RB][2];  // two chains a row: groups eight at a time, then one at a time
+  for (int b = 0; b < RB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; (g + 8) * KV_GROUP <= in; g += 8) {  // eight whole groups: their dot products as one vector, scaled at once
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + in + 2 * g)));
+    const int8_t* wg = w + g * KV_GROUP;
+    auto w16 = [&](int j) {  // the j-th 16 weights of the 8 groups as int16
+      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * j)));
+    };
+    alignas(32) int16_t wide[8 * KV_GROUP];  // several rows: the weights widened once, read from L1 by each row
+    if constexpr (RB > 1)
+      for (int j = 0; j < 16; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(wide) + j, w16(j));
+    for (int b = 0; b < RB; ++b) {
+      const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * pad + g * KV_GROUP);
+      __m256i p[8];
+      for (int k = 0; k < 8; ++k) {
+        __m256i w0, w1;
+        if constexpr (RB > 1) {
+          w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wide) + 2 * k);
+          w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wide) + 2 * k + 1);
+        } else {
+          w0 = w16(2 * k);
+          w1 = w16(2 * k + 1);
+        }
+        p[k] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xg + 2 * k)),
+                                _mm256_madd_epi16(w1, _mm256_loadu_si256(xg + 2 * k + 1)));
+      }
+      const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));  // the 8 groups' integer dot products
+      acc[b][0] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_loadu_ps(xs + b * ng + g)), acc[b][0]);
     }
   }
-  if (g < ng) {  // a last, shorter group: zero-padded to 32, the same vector arithmetic (a row's sum whatever RB)
-    at::Half h;
-    std::memcpy(&h, w + in + 2 * g, 2);
-    const float sc = static_cast<float>(h);
-    const int64_t i = g * KV_GROUP, len = in - i;
-    alignas(32) float wt[KV_GROUP] = {}, xt[RB][KV_GROUP] = {};
-    for (int64_t j = 0; j < len; ++j) wt[j] = float(w[i + j]) * sc;
-    for (int b = 0; b < RB; ++b) std::memcpy(xt[b], x + b * in + i, len * sizeof(float));
-    for (int k = 0; k < int(KV_GROUP / 8); ++k) {
-      const __m256 wv = _mm256_load_ps(wt + 8 * k);
-      for (int b = 0; b < RB; ++b) acc[b][k % U] = _mm256_fmadd_ps(wv, _mm256_load_ps(xt[b] + 8 * k), acc[b][k % U]);
+  for (; g < ng; ++g) {
+    const int8_t* wg = w + g * KV_GROUP;
+    alignas(16) int8_t tail[KV_GROUP];
+    if ((g + 1) * KV_GROUP > in) {  // a last, shorter group: its values, zeros after (the row's scales follow)
+      std::memset(tail, 0, KV_GROUP);
+      std::memcpy(tail, wg, in - g * KV_GROUP);
+      wg = tail;
     }
-    ++g;
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16)));
+    const float ws = half_at(w + in + 2 * g);
+    for (int b = 0; b < RB; ++b) {
+      const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * pad + g * KV_GROUP);
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xg)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(xg + 1)));
+      acc[b][g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ws * xs[b * ng + g]), acc[b][g & 1]);
+    }
   }
-  for (int b = 0; b < RB; ++b) {
-    __m256 a = acc[b][0];
-    for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[b][u]);
-    sum[b] = hsum(a);
+  for (int b = 0; b < RB; ++b) sum[b] = hsum(_mm256_add_ps(acc[b][0], acc[b][1]));
+#else
+  for (int64_t g = 0; g < ng; ++g) {
+    const float ws = half_at(w + in + 2 * g);
+    for (int b = 0; b < RB; ++b) {
+      int32_t dot = 0;
+      for (int64_t i = g * KV_GROUP; i < std::min(in, (g + 1) * KV_GROUP); ++i) dot += int32_t(w[i]) * xq[b * pad + i];
+      sum[b] += float(dot) * (ws * xs[b * ng + g]);
+    }
   }
 #endif
-  for (; g < ng; ++g) {
-    at::Half h;
-    std::memcpy(&h, w + in + 2 * g, 2);
-    const float sc = static_cast<float>(h);
-    for (int64_t i = g * KV_GROUP; i < std::min(in, (g + 1) * KV_GROUP); ++i) {
-      const float wi = float(w[i]) * sc;
-      for (int b = 0; b < RB; ++b) sum[b] += wi * x[b * in + i];
-    }
-  }
   for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
 }
 
 // y[b * ldy] = x[b] . w for the RB rows of x starting at x (row stride in)
 template <int RB, typename W>
 inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t in, float* y, int64_t ldy) {
-  if constexpr (std::is_same_v<W, int8_t>) {
-    rows_dot_q8<RB>(w, x, in, y, ldy);
-    return;
-  }
   int64_t i = 0;
   float sum[RB] = {};
 #ifdef IG_AVX2
@@ -809,19 +858,29 @@ inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t i
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
                  float* y) {
-  const int64_t ldw = std::is_same_v<W, int8_t> ? kv_width(in) : in;  // a weight row's elements
+  constexpr bool I8 = std::is_same_v<W, int8_t>;
+  const int64_t ldw = I8 ? kv_width(in) : in;  // a weight row's elements
+  std::optional<QuantizedX> qx;
+  if constexpr (I8) qx.emplace(x, R, in);
+  // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not depend on
+  // how many rows share the call (an 8-row block, one chain per row, did)
+  auto rows = [&](auto rb, const W* w, int64_t b, float* yo) {
+    constexpr int RB = decltype(rb)::value;
+    if constexpr (I8)
+      rows_dot_q8<RB>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, in, qx->pad, yo, out);
+    else
+      rows_dot<RB>(w, x + b * in, in, yo, out);
+  };
   at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) {
       const W* w = wp + o * ldw;
       int64_t b = 0;
-      // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not
-      // depend on how many rows share the call (an 8-row block, one chain per row, did)
-      for (; b + 4 <= R; b += 4) rows_dot<4>(w, x + b * in, in, y + b * out + o, out);
+      for (; b + 4 <= R; b += 4) rows(std::integral_constant<int, 4>{}, w, b, y + b * out + o);
       if (R - b >= 2) {
-        rows_dot<2>(w, x + b * in, in, y + b * out + o, out);
+        rows(std::integral_constant<int, 2>{}, w, b, y + b * out + o);
         b += 2;
       }
-      if (b < R) rows_dot<1>(w, x + b * in, in, y + b * out + o, out);
+      if (b < R) rows(std::integral_constant<int, 1>{}, w, b, y + b * out + o);
       if (bias)
         for (int64_t j = 0; j < R; ++j) y[j * out + o] += bias[o];
       if (res)
@@ -841,15 +900,25 @@ void partial_query_impl(const float* x, const W* wp, const float* bias, const in
                         const int64_t* P, int64_t p, const float* cos, const float* sin, int64_t B, int64_t G,
                         int64_t r, int64_t d, int64_t D, bool gathered, float* out) {
   const int64_t H = G * r, half = d / 2;
+  constexpr bool I8 = std::is_same_v<W, int8_t>;
+  std::optional<QuantizedX> qx;
+  if constexpr (I8) qx.emplace(x, B, D);
   std::vector<float> y(B * H * d, 0.f);  // (B, H, d): the needed channels of each head's query
   at::parallel_for(0, H * c, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / c, ch = S[(h / r) * c + i % c];
-      const W* w = wp + (gathered ? i : h * d + ch) * (std::is_same_v<W, int8_t> ? kv_width(D) : D);  // gathered: row h c + t holds q_proj row h d + S[g, t]
+      const W* w = wp + (gathered ? i : h * d + ch) * (I8 ? kv_width(D) : D);  // gathered: row h c + t holds q_proj row h d + S[g, t]
       float* yo = y.data() + h * d + ch;  // row b at yo + b * H * d
       int64_t b = 0;
-      for (; b + 4 <= B; b += 4) rows_dot<4>(w, x + b * D, D, yo + b * H * d, H * d);
-      for (; b < B; ++b) rows_dot<1>(w, x + b * D, D, yo + b * H * d, H * d);
+      if constexpr (I8) {
+        for (; b + 4 <= B; b += 4)
+          rows_dot_q8<4>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, D, qx->pad, yo + b * H * d, H * d);
+        for (; b < B; ++b)
+          rows_dot_q8<1>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, D, qx->pad, yo + b * H * d, H * d);
+      } else {
+        for (; b + 4 <= B; b += 4) rows_dot<4>(w, x + b * D, D, yo + b * H * d, H * d);
+        for (; b < B; ++b) rows_dot<1>(w, x + b * D, D, yo + b * H * d, H * d);
+      }
       if (bias)
         for (int64_t j = 0; j < B; ++j) yo[j * H * d] += bias[h * d + ch];
     }
