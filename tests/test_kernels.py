@@ -360,7 +360,7 @@ def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     """The partial query through the kernel (only the q_proj rows of P and their RoPE partners; the folded
-    weights without RoPE) equals the full query's skewed channels."""
+    weights without RoPE) equals the full query's skewed channels (int8 weights: within the activations' rounding)."""
     import copy
 
     from infinigen_kv.model.load import fast_cpu_linears
@@ -382,7 +382,8 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
             monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
             expect = cache.partial_query(layer, x, rope)
             monkeypatch.undo()
-            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+            tol = 1e-4 if weights == "int8" else 1e-5  # int8 rows: the kernel's int16 activations (2^-16 of a group)
+            torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
 
 
 def test_partial_key_storage(tiny_models, monkeypatch):

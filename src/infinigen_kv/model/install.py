@@ -82,11 +82,6 @@ def _prefill_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
     prompt alone and the same prompt in a batch would differ in the last bits (and flip near-tie selections)."""
     if rows == 0:  # no position kept (logits_to_keep: a chunk before the last)
         return x.new_empty(*x.shape[:-1], self.out_features)
-    if getattr(self, "_infinigen_head", False) and rows <= SMALL_BATCH and self.weight.dtype != torch.float32 \
-            and x.dtype == torch.float32 and (kern := backends.cpu().ops) is not None:
-        # the LM head over the last position of each sequence (B rows, as in decode): the kernel reads its bfloat16
-        # or int8 rows once, where converting them for the BLAS would write a float32 copy of a whole vocabulary
-        return kern.linear(x.reshape(rows, -1).contiguous(), self.weight, self.bias).view(*x.shape[:-1], -1)
     if rows >= PREFILL_MIN_ROWS or not x.is_cpu:
         return linear(x, self.weight, self.bias)
     padded = x.new_zeros(PREFILL_MIN_ROWS, x.shape[-1])
@@ -114,6 +109,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
         return torch.nn.functional.linear(x, dense(w, x.dtype), bias)
     parts = [(w[s : s + step], None if bias is None else bias[s : s + step]) for s in range(0, w.shape[0], step)]
     return torch.cat([torch.nn.functional.linear(x, dense(wp, x.dtype), bp) for wp, bp in parts], dim=-1)
+
+
+def _lm_head_linear(self, x: torch.Tensor) -> torch.Tensor:
+    """The LM head: as every linear, but a prefill's rows over the last position of each sequence (B rows, as in
+    decode) go through the kernel, which reads bfloat16 or int8 rows once where converting them for the BLAS would
+    write a float32 copy of a whole vocabulary for every prompt."""
+    rows = x.numel() // x.shape[-1]
+    if _prefilling.get() and 0 < rows <= SMALL_BATCH and self.weight.dtype != torch.float32 \
+            and x.dtype == torch.float32 and x.is_cpu and (kern := backends.cpu().ops) is not None:
+        return kern.linear(x.reshape(rows, -1).contiguous(), self.weight, self.bias).view(*x.shape[:-1], -1)
+    return _small_batch_linear(self, x)
 
 
 def _small_batch_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,13 +179,11 @@ def fast_cpu_linears(model, weights: str = "float32") -> None:
     elif weights == "int8":
         int8_weights(model)
     head = model.get_output_embeddings()
-    if head is not None:
-        head._infinigen_head = True  # its prefill rows are one per sequence (_prefill_linear)
     for module in model.modules():
         if type(module).__name__ in RMS_NORMS and module.weight.dtype == torch.float32 and "forward" not in vars(module):
             module.forward = types.MethodType(_fast_rms_norm, module)  # every path through the model, prefill too
         if type(module) is torch.nn.Linear and not getattr(module, "_infinigen_fast", False):
-            module.forward = types.MethodType(_small_batch_linear, module)
+            module.forward = types.MethodType(_lm_head_linear if module is head else _small_batch_linear, module)
             module._infinigen_fast = True
 
 
