@@ -108,9 +108,10 @@ def test_static_offload_steps(tiny_models, fake_cuda, monkeypatch):
 def test_static_steps_over_int8_rows(tiny_models, method, fake_cuda, budget, monkeypatch):
     """int8 K/V rows (kv_dtype="int8") in static steps: the new row quantized at the device column, the chosen rows
     gathered as stored (on the CUDA path as int8 into the working set) and read in the model's dtype: the eager
-    steps' tokens, the same ops every step. (The direct path at budget 1.0: its float32 partial keys differ from the
-    eager step's in the last bit, the k projections' rounding, which int8 rows absorb and near-tie selections of
-    these random models do not.)"""
+    steps' tokens, the same ops every step. (The direct path at budget 1.0: below it a static step attends over a
+    fixed number of slots under a mask, the eager one over exactly the chosen rows, so their float32 sums differ in
+    the last bit from the first speculated layer on; int8 rows can turn such a bit into a whole quantization step of
+    the next layer's K/V, which moves near-tie selections of these random models.)"""
     monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
