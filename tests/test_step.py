@@ -121,3 +121,25 @@ def test_int8_weights_step_equals_the_forward_and_stays_exact(tiny_models, kind,
     full = step_logits(model, ig.make_cache("full", model), ids, mask)
     torch.testing.assert_close(step_logits(model, ig.make_cache("infinigen", model, **EXACT), ids, mask), full,
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_a_prefill_reads_the_lm_head_as_held(tiny_models, weights, monkeypatch):
+    """A prefill's LM head over one position a sequence goes through the kernel, which reads the bfloat16 or int8
+    rows as they lie: the head's weight is never converted for the BLAS (a float32 copy of a whole vocabulary per
+    prompt); the other linears are, and the logits are the decode path's over the same rows."""
+    from infinigen_kv.model import install
+    from infinigen_kv.runtime.generation import prefill
+
+    model = copy.deepcopy(tiny_models["llama-gqa"])
+    fast_cpu_linears(model, weights=weights)
+    converted, head_in = [], []
+    real = install.linear
+    monkeypatch.setattr(install, "linear", lambda x, w, b: converted.append(w) or real(x, w, b))
+    model.lm_head.register_forward_hook(lambda m, args, out: head_in.append(args[0].clone()))
+    ids, mask = left_padded_batch(lengths=(20, 13))
+    logits = prefill(model, ids, mask, ig.make_cache("full", model), 2)
+    assert converted and not any(w is model.lm_head.weight for w in converted)
+    monkeypatch.undo()
+    install._prefilling.set(False)  # the same rows as a decode step reads them (model/step.py)
+    assert torch.equal(logits, install._small_batch_linear(model.lm_head, head_in[-1])[:, -1])

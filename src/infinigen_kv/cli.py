@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .argtypes import (_budget, _budget_list, _capacity, _device, _fraction, _int_list, _non_negative_int, _port,
-                       _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file, _choices)
+from .argtypes import (_budget, _budget_list, _capacity, _choices, _device, _fraction, _int_list, _non_negative_int,
+                       _port, _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file)
 from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
                      PARTIAL_DTYPES, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)

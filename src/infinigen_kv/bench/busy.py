@@ -120,8 +120,8 @@ def run_busy(shapes: list[tuple[int, int]], methods: list[str], settings: list[s
                 for r in got:
                     print(f"busy: {'generate' if prompt_file else 'B%d x %d' % shape} {setting} {competitor} "
                           f"{r['method']}: {r['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
-    result = {"benchmark": "busy", "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, "model": model,
-              "rows": with_ratios(rows)}
+    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    result = {"benchmark": "busy", "machine": machine, "model": model, "rows": with_ratios(rows)}
     if out:
         path = Path(out)
         path.mkdir(parents=True, exist_ok=True)
