@@ -297,8 +297,12 @@ def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
                     graph = opts.get("cuda_graph")
                     cache = c.cache(method, model, **{k: v for k, v in opts.items() if k != "cuda_graph"})
                     timer = StepTimer(c.device.type == "cuda")
-                    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
-                                   on_step=timer, cuda_graph=graph)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
+                                       on_step=timer, cuda_graph=graph)
+                    if failed := capture_failures(caught):
+                        row["capture_failed"] = failed
                     if hasattr(cache, "transfer"):
                         row["fetch"] = "uva" if getattr(cache.transfer, "uva", False) else "worker"
                     step = statistics.median(timer.steps_ms()) / 1e3  # CUDA events between steps
@@ -340,6 +344,15 @@ def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
     ok = all("error" not in r or r["method"] == "full" for r in rows)
     return {"ok": ok, "h2d_gb_s": round(h2d / 1e9, 2) if h2d else None,
             "d2d_gb_s": round(d2d / 1e9, 1) if d2d else None, "rows": rows}
+
+
+def capture_failures(caught) -> str | None:
+    """The first 'CUDA graph capture failed' warning among those caught (the step then decoded eagerly), else None;
+    every caught warning is logged."""
+    for w in caught:
+        log(f"  warning: {w.category.__name__}: {str(w.message)[:300]}")
+    failed = [str(w.message) for w in caught if "graph capture failed" in str(w.message)]
+    return failed[0][:300] if failed else None
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -494,15 +507,20 @@ def _graph_rows(c: Check, left_padded_batch) -> dict:
             for lengths in ((300,), (300, 210, 120)):
                 ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
                 out = {}
+                failed = None
                 for g in (True, False):
                     cache = c.cache(method, model, **opts)
-                    res = generate(model, ids, mask, cache=cache, max_new_tokens=24, stop_at_eos=False, cuda_graph=g)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        res = generate(model, ids, mask, cache=cache, max_new_tokens=24, stop_at_eos=False,
+                                       cuda_graph=g)
+                    failed = failed or capture_failures(caught)
                     out[g] = (res.tokens, cache.stats.get("fetched_fraction"))
                 same = bool(torch.equal(out[True][0], out[False][0]))
                 frac = out[True][1] == out[False][1] or abs(out[True][1] - out[False][1]) < 1e-6
                 rows.append({"method": method, "dtype": str(dtype), "batch": len(lengths), "same_tokens": same,
-                             "same_fetched": frac})
-                ok &= same and frac
+                             "same_fetched": frac, **({"capture_failed": failed} if failed else {})})
+                ok &= same and frac and (c.dry or not failed)
     log(f"  graph: {rows}")
     return {"ok": ok, "rows": rows}
 
@@ -599,6 +617,8 @@ def summary(report: dict) -> str:
             lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['decode_tok_s']} | {r['step_ms']} | "
                          f"{r.get('h2d_mb_per_step', '-')} | {r.get('transfer_ms', '-')} | "
                          f"{r.get('hidden_share', '-')} | {r.get('peak_gib', '-')} | {r.get('floor_ms', '-')} |")
+        lines += [f"- {r['method']} B{r['batch']} x {r['context']}: graph capture failed, decoded eagerly "
+                  f"({r['capture_failed']})" for r in speed["rows"] if r.get("capture_failed")]
     profile = report["steps"].get("profile", {})
     if profile.get("rows"):
         lines += ["", f"Profile at B{profile['batch']} x {profile['context']}:", "",
