@@ -7,6 +7,8 @@ Steps (each one's result goes to check.json; a step that fails is recorded and t
   race       artificial delays on the worker, the side stream and the compute stream: tokens must not change
   syncs      host syncs per decode step (torch.cuda.set_sync_debug_mode), by call site
   batching   sequences joining and leaving a running batch (chunked prefill) decode as they do alone
+  gather     infinigen 0.1's step (the same model, the last context) for each share of the SMs the row gather's
+             programs may take
   speed      decode speed on a Llama-3.1-8B-shaped model with random bf16 weights: full, offload, transformers'
              offloaded cache, infinigen at budget 0.1 / 0.05; H2D bytes per step, H2D bandwidth, peak device
              memory, the share of the transfer hidden behind compute
@@ -482,6 +484,35 @@ def stream_overlap(trace: dict) -> dict:
     return {"transfer_ms": round(total / 1e3, 2), "hidden_share": round(hidden / total, 3), "streams": len(streams)}
 
 
+def step_gather(c: Check, n: int, batches) -> dict:
+    """The row gather's programs against the step: infinigen 0.1's step (graph) at B x n for each share of the SMs
+    the gather's programs may take (gather_rows_triton.SM_SHARE; "all": a program per 16 rows), in one process."""
+    from infinigen_kv.methods.infinigen import gather_rows_triton as gt
+
+    model = big_model(c)
+    cal_path = c.work / "calibration.safetensors"
+    if not cal_path.is_file():
+        ig.calibrate(model, tokens=256 if c.dry else 1024).save(cal_path)
+    rows, default = [], gt.SM_SHARE
+    try:
+        for B in batches:
+            ids = torch.randint(10, model.config.vocab_size, (B, n), generator=torch.Generator().manual_seed(0))
+            for share in ("all", 1.0, 0.5, 0.25):
+                gt.SM_SHARE = 1e9 if share == "all" else share
+                gt._programs.cache_clear()
+                timer = StepTimer(c.device.type == "cuda")
+                generate(model, ids.to(c.device), cache=c.cache("infinigen", model, budget=0.1,
+                                                                 calibration=str(cal_path)),
+                         max_new_tokens=24, stop_at_eos=False, on_step=timer)
+                rows.append({"batch": B, "context": n, "sm_share": share,
+                             "step_ms": round(statistics.median(timer.steps_ms()[2:]), 2)})
+                log(f"  gather {rows[-1]}")
+    finally:
+        gt.SM_SHARE = default
+        gt._programs.cache_clear()
+    return {"ok": True, "rows": rows}
+
+
 def step_graph(c: Check) -> dict:
     """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens and fetched
     shares (full, offload, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16; unpadded and a left-padded
@@ -581,7 +612,7 @@ def main() -> int:
              "speed": lambda: step_speed(c, contexts, batches, new_tokens,
                                          args.methods.split(",") if args.methods else None),
              "profile": lambda: step_profile(c, contexts[0], batches[0]), "trace": lambda: step_trace(c),
-             "graph": lambda: step_graph(c)}
+             "graph": lambda: step_graph(c), "gather": lambda: step_gather(c, contexts[-1], batches)}
     for name in args.steps.split(","):
         t0 = time.perf_counter()
         log(f"gpu_check: {name} ...")

@@ -12,12 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_dry_run(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    steps = "graph,speed,profile,exact,syncs,race,batching,trace,tests,gather"
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--contexts", "256",
-                        "--batches", "1,2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        "--batches", "1,2", "--steps", steps],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
     assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "graph", "batching", "speed",
-                                     "profile", "trace"}
+                                     "profile", "trace", "gather"}
     assert all(step["ok"] for step in report["steps"].values())
     speed = report["steps"]["speed"]["rows"]
     assert {r["method"] for r in speed} >= {"full", "offload", "infinigen-0.1", "infinigen-0.05"}
@@ -26,5 +28,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert "| method | B | context |" in (tmp_path / "summary.md").read_text()
     profile = report["steps"]["profile"]["rows"]
     assert all(r["step_ms"] > 0 and r["launches_per_step"] == 0 for r in profile.values())  # no GPU: no launches
+    gather = report["steps"]["gather"]["rows"]
+    assert [(r["batch"], r["sm_share"]) for r in gather] == [(b, s) for b in (1, 2) for s in ("all", 1.0, 0.5, 0.25)]
+    assert all(r["step_ms"] > 0 for r in gather)
     trace = report["steps"]["trace"]["rows"]
     assert all(r["host_reads"] == 0 for r in trace.values()) and trace["infinigen"]["extra_per_layer"] > 0
