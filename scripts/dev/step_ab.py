@@ -79,7 +79,7 @@ def main() -> None:
 def compare(args, trees: dict) -> None:
     procs = {}
     for name, tree in trees.items():  # one after the other: the prefills do not share the machine
-        cmd = [sys.executable, str(ROOT / "scripts" / "step_ab.py"), "--child", "--batch", str(args.batch),
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--batch", str(args.batch),
                "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--methods", args.methods]
         if args.model:
             cmd += ["--model", args.model]

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from . import backend as backends
+from .. import heap
 from ..config import DEFAULT_MODEL, cache_dir
 from . import gguf
 from .arch import check_supported
@@ -181,7 +182,13 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     bfloat16/float16, unless `dtype` says. weights="int8" (CPU): the linear and embedding weights as int8 rows
     (install.int8_weights), loaded into them tensor by tensor.
     `device_map` (e.g. "auto") spreads the layers over several GPUs with accelerate; the InfiniGen cache
-    then keeps each layer's partial keys and working set on that layer's device."""
+    then keeps each layer's partial keys and working set on that layer's device.
+    What loading frees (tensors converted, dequantized) goes back to the OS at once (heap.mapped)."""
+    with heap.mapped():
+        return _load(name, device, dtype, device_map, weights)
+
+
+def _load(name, device, dtype, device_map, weights):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
+
+from .. import heap
 
 
 def available_memory() -> int:
@@ -18,21 +19,9 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _libc_trim():
-    """glibc's malloc_trim, or None: what a prefill chunk or a rebatch frees in pieces below malloc's mmap
-    threshold (activations, masks, per-row state) stays in the heap, resident, until it is trimmed (KV
-    buffers are mappings of their own: methods/rows.host_mapped). Without the trims after joins and retires, the
-    admission burst grew RSS by 1.06x the pool limit, 1.03x with them (one run each)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-malloc_trim = _libc_trim()
-
-
 def release_memory() -> None:
-    """Return the heap's free pages to the OS (after a batch's cache moved or shrank)."""
-    if malloc_trim is not None:
-        malloc_trim(0)
+    """Return the heap's free pages to the OS (after a batch's cache moved or shrank): what a prefill chunk or a
+    rebatch frees in pieces below malloc's mmap threshold (activations, masks, per-row state) stays resident until
+    then (KV buffers are mappings of their own: methods/rows.host_mapped). Without the trims after joins and
+    retires, the admission burst grew RSS by 1.06x the pool limit, 1.03x with them (one run each)."""
+    heap.trim()
