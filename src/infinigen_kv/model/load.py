@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import backend as backends
 from .. import heap
 from ..config import DEFAULT_MODEL, cache_dir
+from . import backend as backends
 from . import gguf
 from .arch import check_supported
 from .checkpoint import load_streamed

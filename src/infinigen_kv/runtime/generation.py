@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .. import heap
 from ..model import static, step
 from ..model.kv import StepCache
-from .. import heap
 from . import threads
 from .batching import prefill_prefix
 from .sampling import Sampler, params_list, token_logprobs

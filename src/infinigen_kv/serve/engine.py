@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import heap
 from ..config import DEFAULT_METHOD
 from ..methods.registry import make_cache
 from ..methods.registry import method as method_traits
@@ -264,8 +265,8 @@ class Engine:
             return
         t0, start = time.perf_counter(), p.done
         try:
-            done = p.step()
-            release_memory()  # a chunk's activations (tens of MB, larger as the prompt goes on)
+            with heap.mapped():  # a chunk's activations (tens of MB) leave the process when freed
+                done = p.step()
             self.metrics.prefill_tokens.inc(p.done - start)
         except Exception as e:
             self.prefill = None
