@@ -167,14 +167,18 @@ def cmd_bench_accuracy(args) -> dict:
 
 
 def cmd_bench_speed(args) -> dict:
-    from .bench.speed import run_speed
+    from .bench.speed import machine_info, run_speed
+    from .model.load import resolve_device
+    from .runtime.threads import set_threads
 
     methods = _methods(args)
     if args.data is not None and not Path(args.data).exists():
         raise CLIError(f"--data path not found: {args.data}")
+    set_threads(args.threads)
+    machine = machine_info(resolve_device(args.device))  # before the model: its probe buffer is not in the peak RSS
     model, tok = _load(args)
     return run_speed(model, tok, methods, args.batch, args.prompt_len, args.new_tokens, args.repeats,
-                     _method_options(args), data=args.data, out=args.out, model_name=args.model)
+                     _method_options(args), data=args.data, out=args.out, model_name=args.model, machine=machine)
 
 
 def cmd_bench_busy(args) -> dict:

@@ -23,7 +23,8 @@ from .tasks import passkey
 
 def memory_bandwidth(device: torch.device, mbytes: int | None = None, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of `repeats` reductions over a buffer far larger than caches (256 MB on
-    CPU, ~4x a large L3: it counts in the process's peak memory, which the benchmark reports; 512 MB on a GPU)."""
+    CPU, ~4x a large L3; 512 MB on a GPU). `bench speed` measures it before loading the model, so that the buffer
+    (freed) is not part of the peak memory it reports."""
     mbytes = mbytes or (512 if device.type == "cuda" else 256)
     x = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
@@ -107,11 +108,13 @@ def run_once(model, method, ids, mask, new_tokens, options):
 
 
 def run_speed(model, tokenizer, methods, batches, prompt_lens, new_tokens, repeats, options,
-              data=None, out=None, model_name=None) -> dict:
+              data=None, out=None, model_name=None, machine=None) -> dict:
+    """`machine`: machine_info(device), measured before the model loaded (so that the bandwidth probe's buffer is
+    not part of the process's peak memory), or measured here."""
     device = next(model.parameters()).device
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("tokenizer", tokenizer)
-    machine = machine_info(device)
+    machine = machine or machine_info(device)
     # Warm-up (also calibrates on first use, outside the timings).
     wids, wmask = prompts(tokenizer, 1, 128, data)
     for method in methods:
