@@ -1,13 +1,13 @@
-"""The process heap (glibc's malloc): while a model loads or a prompt prefills, large allocations are mappings of
-their own, so that what those phases free goes back to the OS at once instead of staying resident.
+"""The process heap (glibc's malloc): while a model loads, large allocations are mappings of their own, so that what
+loading frees goes back to the OS at once instead of staying resident.
 
 glibc serves an allocation from its heap below a threshold that starts at 128 KiB and rises to the size of each
 mapped block freed, up to 32 MiB. Once a load has freed its first large block (a tensor dequantized, converted,
-dropped), every tensor under that size comes from the heap, and what the load and the prefill free there stays
-resident: at B1 x 4k on a 0.5B model that was ~0.7 GB of peak RSS over the live tensors. `mapped()` holds the
-threshold at 256 KiB for its block; after it, at 32 MiB (where glibc's own threshold settles: a decode step's
-temporaries are reused from the heap, and the heap's top is kept up to 64 MiB, as glibc keeps it) and trims the
-heap. Elsewhere (another libc) it does nothing.
+dropped), every tensor under that size comes from the heap, and what the load frees there stays resident.
+`mapped()` holds the threshold at 256 KiB for its block; after it, at 32 MiB (where glibc's own threshold settles:
+a decode step's temporaries are reused from the heap, and the heap's top is kept up to 64 MiB, as glibc keeps it)
+and trims the heap. A prefill is not mapped (its activations, faulted in afresh at every op, made it 1.1-1.3x
+slower); it trims the heap after its last chunk. Elsewhere (another libc) it does nothing.
 """
 
 from __future__ import annotations

@@ -66,15 +66,15 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         cache.reserve(n + max_new_tokens)
         bounds = chunks(n, PREFILL_CHUNK)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
-    with heap.mapped():  # what a chunk frees goes back to the OS (heap.py)
-        for start, end in bounds:
-            logits = model(
-                input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
-                position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1]
-            if progress is not None:
-                progress(end)
-            threads.decode_step(input_ids.device)  # a long prefill follows the machine's load chunk by chunk
+    for start, end in bounds:
+        logits = model(
+            input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+            position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]
+        if progress is not None:
+            progress(end)
+        threads.decode_step(input_ids.device)  # a long prefill follows the machine's load chunk by chunk
+    heap.trim()  # what the chunks freed (their activations) back to the OS before decode (heap.py)
     return logits
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import heap
 from ..config import DEFAULT_METHOD
 from ..methods.registry import make_cache
 from ..methods.registry import method as method_traits
@@ -265,8 +264,8 @@ class Engine:
             return
         t0, start = time.perf_counter(), p.done
         try:
-            with heap.mapped():  # a chunk's activations (tens of MB) leave the process when freed
-                done = p.step()
+            done = p.step()
+            release_memory()  # a chunk's activations (tens of MB, larger as the prompt goes on)
             self.metrics.prefill_tokens.inc(p.done - start)
         except Exception as e:
             self.prefill = None
