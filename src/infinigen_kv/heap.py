@@ -7,7 +7,8 @@ dropped), every tensor under that size comes from the heap, and what the load fr
 `mapped()` holds the threshold at 256 KiB for its block; after it, at 32 MiB (where glibc's own threshold settles:
 a decode step's temporaries are reused from the heap, and the heap's top is kept up to 64 MiB, as glibc keeps it)
 and trims the heap. A prefill is not mapped (its activations, faulted in afresh at every op, made it 1.1-1.3x
-slower); it trims the heap after its last chunk. Elsewhere (another libc) it does nothing.
+slower): it trims the heap after each chunk, whose activations the next chunk (attending a longer past) would not
+reuse in place. Elsewhere (another libc) it does nothing.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         if progress is not None:
             progress(end)
         threads.decode_step(input_ids.device)  # a long prefill follows the machine's load chunk by chunk
-    heap.trim()  # what the chunks freed (their activations) back to the OS before decode (heap.py)
+        heap.trim()  # what the chunk freed (its activations) back to the OS before the next (heap.py)
     return logits
 
 
