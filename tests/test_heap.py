@@ -1,4 +1,5 @@
-"""heap.mapped(): what a load or a prefill frees goes back to the OS at once (glibc; elsewhere nothing to test)."""
+"""heap.py: what a model load frees goes back to the OS at once (mapped), and a prefill trims the heap after each
+chunk (glibc; elsewhere nothing to test)."""
 
 import pytest
 import torch
@@ -34,3 +35,26 @@ def test_nested_blocks_restore_the_threshold_once():
             assert heap._depth == 2
         assert heap._depth == 1
     assert heap._depth == 0
+
+
+def test_a_load_runs_mapped(tmp_path, monkeypatch):
+    from conftest import save_tiny
+    from infinigen_kv.model import load
+
+    depth = []
+    real = load.load_streamed
+    monkeypatch.setattr(load, "load_streamed", lambda *a: depth.append(heap._depth) or real(*a))
+    load.load_model(save_tiny(tmp_path / "m"), device="cpu")
+    assert depth == [1] and heap._depth == 0
+
+
+def test_a_prefill_trims_the_heap_after_each_chunk(tiny_models, monkeypatch):
+    from infinigen_kv.methods.registry import make_cache
+    from infinigen_kv.runtime import generation
+
+    model = tiny_models["llama-gqa"]
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 10)
+    generation.prefill(model, torch.randint(3, 200, (1, 48)), cache=make_cache("full", model), max_new_tokens=2)
+    assert len(trims) == 5  # 48 = 8 + 4 x 10
