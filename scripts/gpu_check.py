@@ -110,6 +110,12 @@ def step_exact(c: Check) -> dict:
                     got[name] = generate(model, ids, mask, cache=c.cache(method, model, **opts), **kw).tokens
                 os.environ.pop("INFINIGEN_CUDA_FETCH")
                 same = {m: round(float((t == ref).float().mean()), 4) for m, t in got.items()}
+                if dtype == dtypes[-1]:  # int8 rows, against full over int8 rows (the same stored values)
+                    ref8 = generate(model, ids, mask, cache=ig.make_cache("full", model, kv_dtype="int8"), **kw).tokens
+                    for name, method, opts in (("infinigen-int8", "infinigen", dict(alpha=1e9, budget=1.0)),
+                                               ("offload-int8", "offload", {})):
+                        t = generate(model, ids, mask, cache=c.cache(method, model, kv_dtype="int8", **opts), **kw)
+                        same[name] = round(float((t.tokens == ref8).float().mean()), 4)
                 exact = all(v == 1.0 for v in same.values())
                 # bf16: the working set [new token, fetched rows] sums in another order than the full cache's
                 # rows: a near-tie may flip (reported, not failed); float32 must be exact
@@ -272,7 +278,9 @@ def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
                ("infinigen-0.1", "infinigen", {"budget": 0.1}),
                ("infinigen-0.1-eager", "infinigen", {"budget": 0.1, **eager}),
                ("infinigen-0.05", "infinigen", {"budget": 0.05}),
-               ("infinigen-0.1-worker", "infinigen", {"budget": 0.1})]
+               ("infinigen-0.1-worker", "infinigen", {"budget": 0.1}),
+               ("offload-int8", "offload", {"kv_dtype": "int8"}),  # int8 rows cross PCIe, dequantized on the device
+               ("infinigen-0.1-int8", "infinigen", {"budget": 0.1, "kv_dtype": "int8"})]
     methods = [m for m in methods if not only or m[0] in only]
     rows, kv_row = [], None
     gen = torch.Generator().manual_seed(0)
@@ -515,8 +523,8 @@ def step_gather(c: Check, n: int, batches) -> dict:
 
 def step_graph(c: Check) -> dict:
     """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens and fetched
-    shares (full, offload, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16; unpadded and a left-padded
-    batch)."""
+    shares (full, offload, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16, and int8 rows under bf16;
+    unpadded and a left-padded batch)."""
     from infinigen_kv.testing import left_padded_batch
 
     from infinigen_kv.model import static
@@ -534,7 +542,9 @@ def _graph_rows(c: Check, left_padded_batch) -> dict:
     rows, ok = [], True
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny("llama-gqa", c, dtype)
-        for method, opts in (("full", {}), ("offload", {}), ("infinigen", {"budget": 0.2, "min_budget": 0})):
+        int8 = [("offload", {"kv_dtype": "int8"}), ("infinigen", {"budget": 0.2, "min_budget": 0, "kv_dtype": "int8"})]
+        for method, opts in [("full", {}), ("offload", {}), ("infinigen", {"budget": 0.2, "min_budget": 0})] + (
+                int8 if dtype == torch.bfloat16 else []):
             for lengths in ((300,), (300, 210, 120)):
                 ids, mask = (t.to(c.device) for t in left_padded_batch(lengths=lengths))
                 out = {}
@@ -549,7 +559,8 @@ def _graph_rows(c: Check, left_padded_batch) -> dict:
                     out[g] = (res.tokens, cache.stats.get("fetched_fraction"))
                 same = bool(torch.equal(out[True][0], out[False][0]))
                 frac = out[True][1] == out[False][1] or abs(out[True][1] - out[False][1]) < 1e-6
-                rows.append({"method": method, "dtype": str(dtype), "batch": len(lengths), "same_tokens": same,
+                rows.append({"method": method, "dtype": str(dtype), "kv": opts.get("kv_dtype", "auto"),
+                             "batch": len(lengths), "same_tokens": same,
                              "same_fetched": frac, **({"capture_failed": failed} if failed else {})})
                 ok &= same and frac and (c.dry or not failed)
     log(f"  graph: {rows}")

@@ -13,13 +13,15 @@ from infinigen_kv.methods.infinigen import gather_rows as gr
 def buffers(dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     B, G, cap, d, m = 2, 3, 50, 40, 21  # d not a power of two; m over one program's rows
-    pools = [torch.randn(B + 1, G, cap, d, generator=g).to(dtype)[:B] for _ in range(2)]  # a spare sequence
+    # a spare sequence; int8 rows (K/V in int8) are bytes: random values over their whole range
+    pools = [(torch.randint(-128, 128, (B + 1, G, cap, d), generator=g, dtype=dtype) if dtype == torch.int8 else
+              torch.randn(B + 1, G, cap, d, generator=g).to(dtype))[:B] for _ in range(2)]
     idx = torch.randint(0, cap, (B, G, m), generator=g)
-    ws = [torch.full((B, G, 1 + m, d), 7.0, dtype=dtype) for _ in range(2)]
+    ws = [torch.full((B, G, 1 + m, d), 7, dtype=dtype) for _ in range(2)]
     return *pools, idx, *ws
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_the_triton_kernel_gathers_what_the_reference_gathers(dtype, monkeypatch):
     """On a GPU the kernel itself; here in Triton's interpreter (TRITON_INTERPRET=1, from conftest)."""
     pytest.importorskip("triton")
