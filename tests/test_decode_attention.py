@@ -44,6 +44,34 @@ def test_the_kernel_attends_as_sdpa(kernel, dtype, tol, shape):
         assert (got.float() - ref).abs().max() < tol
 
 
+def rounded(x: torch.Tensor, dtype) -> torch.Tensor:
+    """float32 x rounded to dtype as the kernel does, back in float32: to nearest on a GPU; Triton's interpreter
+    truncates to bfloat16."""
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        return (x.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return x.to(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_reads_int8_rows_as_the_reference_dequantizes_them(kernel, dtype):
+    """int8 K/V rows (values, then a scale per 32) read where they lie: as attending over from_rows' values in the
+    query's dtype; d = 80 ends in a short group."""
+    from infinigen_kv.model.int8_rows import pack_kv
+    from infinigen_kv.model.kv import from_rows
+
+    B, G, r, d, m = 2, 2, 3, 80, 300
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, G, r, d, generator=g).to(dtype)
+    k, v = (pack_kv(torch.randn(B, G, m, d, generator=g) * 3) for _ in range(2))
+    mask = torch.rand(B, G, 1, m, generator=g) > 0.3
+    got = kernel(q, k, v, mask, d**-0.5)
+    ref = da.reference(q.float(), *(rounded(from_rows(x, torch.float32), dtype) for x in (k, v)), mask, d**-0.5)
+    assert got.dtype == dtype and got.shape == (B, G, r, d)
+    assert ((got.float() - ref).abs() <= (1e-5 if dtype == torch.float32 else 8e-3) * (1 + ref.abs())).all()
+    assert (got.float() - da.reference(q, k[..., :d].to(dtype), v[..., :d].to(dtype), mask, d**-0.5).float()
+            ).abs().max() > 0.1  # the scales are applied
+
+
 @pytest.mark.parametrize("dtype,n,capacity", [(torch.float32, 517, 1300), (torch.bfloat16, 517, 1300),
                                               (torch.float32, 300, 4700)])  # (spans in one chunk; in two)
 def test_a_static_capacity_gives_the_eager_bits(kernel, dtype, n, capacity):
@@ -67,18 +95,20 @@ def test_a_query_with_nothing_to_attend_gets_zeros(kernel):
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("method", ["full", "infinigen"])
-def test_decode_steps_attend_through_the_kernel(kernel, method, monkeypatch):
+@pytest.mark.parametrize("method,kv_dtype", [("full", "auto"), ("infinigen", "auto"), ("infinigen", "int8")])
+def test_decode_steps_attend_through_the_kernel(kernel, method, kv_dtype, monkeypatch):
     """The GPU's attention path on CPU (the reference backend, the kernel in the interpreter): eager and static
-    steps (what a graph replays) give the tokens of PyTorch's attention, a left-padded batch."""
+    steps (what a graph replays) give the tokens of PyTorch's attention, a left-padded batch; int8 rows read where
+    they lie give the tokens of attending over their dequantized values."""
     import infinigen_kv as ig
     from conftest import left_padded_batch, on_fake_cuda, tiny_model
     from infinigen_kv.model import attention, kernels, static
+    from infinigen_kv.model.int8_rows import kv_width
 
     monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_model("llama-gqa")
     ids, mask = left_padded_batch(lengths=(40, 27))
-    opts = {"budget": 0.3, "min_budget": 0} if method == "infinigen" else {}
+    opts = ({"budget": 0.3, "min_budget": 0} if method == "infinigen" else {}) | {"kv_dtype": kv_dtype}
 
     def run():
         cache = ig.make_cache(method, model, **opts)
@@ -94,3 +124,5 @@ def test_decode_steps_attend_through_the_kernel(kernel, method, monkeypatch):
     monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)  # static steps
     assert torch.equal(run(), ref)
     assert len(calls) == 2 * 3 * model.config.num_hidden_layers
+    d = model.config.hidden_size // model.config.num_attention_heads
+    assert {shape[-1] for shape in calls} == {kv_width(d) if kv_dtype == "int8" else d}  # rows as stored

@@ -87,7 +87,6 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
                 return out, None
         if T == 1 and split_decode(query) and _plain(attention_mask, dropout, kwargs):  # split over the keys
             mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]
-            key, value = _computed(query, key, value)
             out = decode_attention(query.reshape(B, G, H // G, d), key, value, mask, _scale(scaling, d))
             return out.reshape(B, 1, H, d), None
         key, value = _computed(query, key, value)
@@ -112,8 +111,8 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
         p = torch.softmax(s.masked_fill(~view.mask, float("-inf")).float(), dim=-1)
         view.scores.add_scores(p.sum(2))
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
-    elif split_decode(query):  # int8 rows crossed to the device as they are stored, and are read in its dtype here
-        out = decode_attention(q, *_computed(query, key, value), view.mask, _scale(scaling, d))  # (B, G, r, d)
+    elif split_decode(query):  # int8 rows crossed to the device as they are stored, and are read where they lie
+        out = decode_attention(q, key, value, view.mask, _scale(scaling, d))  # (B, G, r, d)
     else:
         key, value = _computed(query, key, value)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=view.mask, scale=scaling)  # (B, G, r, d)
