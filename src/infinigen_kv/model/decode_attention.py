@@ -11,7 +11,8 @@ static step over its whole capacity gives the bits of an eager step over its n k
 tokens).
 
 Shapes: q (B, G, r, d) (the r query heads of a KV head's group); key, value (B, G, m, d), rows contiguous, any
-other strides, or int8 rows (B, G, m, kv_width(d)) (model/int8_rows.py), read where they lie (no dequantized copy); mask None or bool (B, 1 or G, 1, m), any strides (True: attend); scale the scores' factor.
+other strides, or int8 rows (B, G, m, kv_width(d)) (model/int8_rows.py), read where they lie (no dequantized
+copy); mask None or bool (B, 1 or G, 1, m), any strides (True: attend); scale the scores' factor.
 -> (B, G, r, d) in q's dtype. Off the GPU, and where Triton is missing or fails, PyTorch's SDPA (the reference the
 tests compare the kernel against on CPU, through TRITON_INTERPRET=1).
 """
