@@ -364,9 +364,14 @@ def test_metrics(server):
     assert 0 < steps <= server.metric("infinigen_decode_rows_total")
 
 
-def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
-    s = Server(model_dir, tmp_path / "server.log", "--method", "full", "--api-key", "s3cret", "--queue-size", "1",
-               "--max-batch", "1", "--grace-period", "0.2")
+def test_api_key_queue_bound_and_graceful_sigterm(tmp_path):
+    # a context of 8k so that the running stream outlasts the checks on any machine (the tiny model decodes
+    # ~1,000 tokens a second); the grace period outlasts them too, and a second SIGTERM ends the stream
+    model = save_tiny(tmp_path / "model", eos_never_greedy=True)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    s = Server(model, tmp_path / "server.log", "--method", "full", "--api-key", "s3cret", "--queue-size", "1",
+               "--max-batch", "1", "--grace-period", "60", "--max-tokens-limit", "8000")
     try:
         url, key = s.url + "/v1/completions", {"Authorization": "Bearer s3cret"}
         body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
@@ -377,7 +382,7 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         assert ok.completions.create(**body).usage.completion_tokens == 5
 
         # One request runs, one waits (queue size 1): a third is turned away with 503.
-        long = {**body, "max_tokens": 900, "stream": True}
+        long = {**body, "max_tokens": 8000, "stream": True}
         running = requests.post(url, json=long, headers=key, stream=True, timeout=60)
         lines = running.iter_lines()
         assert next(lines).startswith(b"data: ")
@@ -390,18 +395,20 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         r = requests.post(url, json=body, headers=key)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
 
-        # SIGTERM while a stream runs: new requests and /health get 503 at once; after the
-        # grace period the stream ends with an error event and [DONE]; exit 0, no traceback.
+        # SIGTERM while a stream runs: new requests and /health get 503 at once while it goes on; a second
+        # SIGTERM ends it with an error event and [DONE] and the waiting request with a 503; exit 0.
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         r = requests.post(url, json=body, headers=key)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         assert r.headers["Retry-After"] == "5"  # a client knows when to try again
         assert requests.get(s.url + "/health").json()["status"] == "draining"
+        assert s.proc.poll() is None and s.metric("infinigen_queue_depth", key) == 2  # both go on
+        s.proc.send_signal(signal.SIGTERM)
         rest = [x for x in lines if x]
         assert rest[-1] == b"data: [DONE]"
         last = json.loads(rest[-2][6:])
-        assert last["error"]["code"] == "shutting_down", last  # 900 tokens do not fit the grace period
+        assert last["error"]["code"] == "shutting_down", last
         assert all(json.loads(x[6:]) for x in rest if x.startswith(b"data: {"))
         t.join(120)
         assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
@@ -410,6 +417,47 @@ def test_api_key_queue_bound_and_graceful_sigterm(model_dir, tmp_path):
         assert "Traceback" not in open(tmp_path / "server.log").read()
     finally:
         s.stop()
+
+
+def test_the_grace_period_ends_what_is_left():
+    """The draining server's clock: SIGTERM stops admitting; until the grace period is over the engine goes on;
+    then what is left is aborted and, once the engine is idle, the server exits."""
+    import asyncio
+
+    import uvicorn
+
+    from infinigen_kv import serve
+
+    class Engine:
+        def __init__(self):
+            self.stopping, self.running, self.queue_depth, self.calls = False, True, 1, []
+
+        @property
+        def idle(self):
+            return not self.running
+
+        def drain(self):
+            self.calls.append("drain")
+
+        def abort(self):
+            self.calls.append("abort")
+            self.stopping = True
+
+    engine = Engine()
+    server = serve._draining_server(engine, grace_s=30.0)(uvicorn.Config(lambda *a: None))
+    tick = lambda: asyncio.run(server.on_tick(1))  # noqa: E731
+    server.handle_exit(signal.SIGTERM, None)
+    assert not tick() and engine.calls == ["drain"]
+    server.deadline -= 30.0  # the grace period is over
+    assert not tick() and engine.calls == ["drain", "abort"]  # the running batch ends at its next step
+    engine.running = False
+    assert tick()  # idle: exit
+
+    engine = Engine()  # a second signal ends everything at once
+    server = serve._draining_server(engine, grace_s=30.0)(uvicorn.Config(lambda *a: None))
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGTERM, None)
+    assert not asyncio.run(server.on_tick(1)) and engine.calls == ["drain", "abort"]
 
 
 def test_admission_by_pool_bytes(model_dir, tmp_path):
