@@ -38,7 +38,7 @@ def test_gemma3_exact_at_full_budget(gemma, tmp_path):
     cal = ig.calibrate(model, tok, str(text), tokens=1024)
     enc = tok([passkey(tok, n, seed=s).prompt for s, n in ((1, 900), (2, 600))], return_tensors="pt", padding=True)
     B, n = enc.input_ids.shape
-    assert n > 512 + 256
+    assert n > 512  # past the local layers' window
 
     def run(cache):
         out = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8, stop_at_eos=False)

@@ -368,8 +368,8 @@ def test_api_key_queue_bound_and_graceful_sigterm(tmp_path):
     # a context of 8k so that the running stream outlasts the checks on any machine (the tiny model decodes
     # ~1,000 tokens a second); the grace period outlasts them too, and a second SIGTERM ends the stream
     model = save_tiny(tmp_path / "model", eos_never_greedy=True)
-    config = json.loads((tmp_path / "model" / "config.json").read_text())
-    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    config_file = tmp_path / "model" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": 8192}))
     s = Server(model, tmp_path / "server.log", "--method", "full", "--api-key", "s3cret", "--queue-size", "1",
                "--max-batch", "1", "--grace-period", "60", "--max-tokens-limit", "8000")
     try:
@@ -443,21 +443,22 @@ def test_the_grace_period_ends_what_is_left():
             self.calls.append("abort")
             self.stopping = True
 
+    def signalled(engine, signals):
+        server = serve._draining_server(engine, grace_s=30.0)(uvicorn.Config(lambda *a: None))
+        for _ in range(signals):
+            server.handle_exit(signal.SIGTERM, None)
+        return server
+
     engine = Engine()
-    server = serve._draining_server(engine, grace_s=30.0)(uvicorn.Config(lambda *a: None))
-    tick = lambda: asyncio.run(server.on_tick(1))  # noqa: E731
-    server.handle_exit(signal.SIGTERM, None)
-    assert not tick() and engine.calls == ["drain"]
+    server = signalled(engine, 1)
+    assert not asyncio.run(server.on_tick(1)) and engine.calls == ["drain"]
     server.deadline -= 30.0  # the grace period is over
-    assert not tick() and engine.calls == ["drain", "abort"]  # the running batch ends at its next step
+    assert not asyncio.run(server.on_tick(1)) and engine.calls == ["drain", "abort"]  # the batch ends next step
     engine.running = False
-    assert tick()  # idle: exit
+    assert asyncio.run(server.on_tick(1))  # idle: exit
 
     engine = Engine()  # a second signal ends everything at once
-    server = serve._draining_server(engine, grace_s=30.0)(uvicorn.Config(lambda *a: None))
-    server.handle_exit(signal.SIGTERM, None)
-    server.handle_exit(signal.SIGTERM, None)
-    assert not asyncio.run(server.on_tick(1)) and engine.calls == ["drain", "abort"]
+    assert not asyncio.run(signalled(engine, 2).on_tick(1)) and engine.calls == ["drain", "abort"]
 
 
 def test_admission_by_pool_bytes(model_dir, tmp_path):
