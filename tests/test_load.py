@@ -2,13 +2,14 @@
 rows."""
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from infinigen_kv.model import checkpoint, int8_rows
+from infinigen_kv.model import checkpoint, int8_rows, mapped
 from infinigen_kv.model.load import ModelLoadError, load_model, model_dtype
 from conftest import save_tiny
 
@@ -75,3 +76,48 @@ def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
     (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
     model = checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None)
     assert model is not None and torch.equal(model.model.norm.weight, sd["model.norm.weight"])
+
+
+def _mapping_of(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds tensor t's first byte (/proc/self/maps), None for anonymous memory."""
+    addr = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            return rest[4] if len(rest) > 4 and rest[4].startswith("/") else None
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_an_untied_input_embedding_is_read_from_a_file_mapping(tmp_path, weights, monkeypatch):
+    """An input embedding that is not the LM head lies in a file mapping of its held rows (written once to the user
+    cache, reused while the checkpoint is unchanged) with the values an in-memory load holds; a tied one, or a cache
+    that cannot be written, stays in memory."""
+    path = save_tiny(tmp_path / "m", kind="qwen2")
+    model, _ = load_model(path, device="cpu", weights=weights)
+    emb = model.get_input_embeddings().weight
+    file = mapped.mapped_key(emb) and mapped.path_of(mapped.mapped_key(emb))
+    assert file and _mapping_of(emb) == str(file) and emb.dtype == (torch.int8 if weights == "int8" else torch.bfloat16)
+    written = file.stat().st_mtime_ns
+    again, _ = load_model(path, device="cpu", weights=weights)  # the file reused, not rewritten
+    assert _mapping_of(again.get_input_embeddings().weight) == str(file) and file.stat().st_mtime_ns == written
+    monkeypatch.setattr(mapped, "load", lambda *a: None)  # in memory: the same bits, the same logits
+    ref, _ = load_model(path, device="cpu", weights=weights)
+    assert _mapping_of(ref.get_input_embeddings().weight) is None
+    assert torch.equal(emb, ref.get_input_embeddings().weight)
+    ids = torch.randint(3, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    monkeypatch.undo()
+    os.utime(f"{path}/model.safetensors")  # the checkpoint changed in place: another file
+    changed, _ = load_model(path, device="cpu", weights=weights)
+    assert mapped.mapped_key(changed.get_input_embeddings().weight) not in (None, mapped.mapped_key(emb))
+    tied, _ = load_model(save_tiny(tmp_path / "g", kind="gemma3"), device="cpu", weights=weights)
+    assert mapped.mapped_key(tied.get_input_embeddings().weight) is None
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "not-a-dir"))  # the cache cannot be written
+    kept, _ = load_model(path, device="cpu", weights=weights)
+    assert _mapping_of(kept.get_input_embeddings().weight) is None
+    assert torch.equal(kept.get_input_embeddings().weight, ref.get_input_embeddings().weight)

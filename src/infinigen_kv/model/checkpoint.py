@@ -4,7 +4,8 @@ transformers' from_pretrained maps every shard of a checkpoint at once and copie
 loads, the process holds the file's pages beside the model (a 0.5B checkpoint in float32: 2.5 GB of pages over a
 1.3 GB model). Here the model is built without initializing its weights, in the dtypes it will compute with
 (bfloat16 weights: `bfloat16_weights` first, so norms and biases are float32 before their values arrive), and each
-tensor is copied into its parameter, cast as it goes, through a mapping of at most READ_BYTES at a time. A
+tensor is copied into its parameter, cast as it goes, through a mapping of at most READ_BYTES at a time; an input
+embedding that is not the LM head is then read from a file mapping of its held rows (mapped.py). A
 checkpoint whose names are not the model's own (an older layout transformers renames while loading) returns None:
 from_pretrained loads it.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import int8_rows
+from . import int8_rows, mapped
 from .install import bfloat16_weights, int8_weights
 
 
@@ -57,9 +58,18 @@ def load_streamed(source: Path, config, dtype: torch.dtype, weights: str | None)
     if missing or any(k not in targets or list(targets[k].shape) != _held_shape(targets[k], shape)
                       for k, shape in shapes.items()):
         return None  # names transformers would rename, shapes it would report, or weights the checkpoint lacks
+    emb = mapped.untied_embedding(model) if weights in ("bfloat16", "int8") else None
+    k = mapped.key(files, emb.weight) if emb is not None else None
+    w = mapped.load(k, emb.weight.shape, emb.weight.dtype) if emb is not None else None
+    if w is not None:  # read before: not read again
+        targets = {n: t for n, t in targets.items() if t is not emb.weight}
+        emb.weight = mapped.parameter(w, k)
     with torch.no_grad():
         for f in files:
             _read_shard(f, targets)
+    if emb is not None and w is None and mapped.save(k, emb.weight) \
+            and (w := mapped.load(k, emb.weight.shape, emb.weight.dtype)) is not None:
+        emb.weight = mapped.parameter(w, k)  # (the rows read are freed)
     if (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(source))
     return model.eval()
@@ -87,8 +97,8 @@ def _read_shard(path: Path, targets: dict) -> None:
         with safe_open(str(path), framework="pt", device="cpu") as index:
             names = list(index.keys())
         for name in names:
-            target = targets[name]
-            if target.numel() == 0:
+            target = targets.get(name)
+            if target is None or target.numel() == 0:  # (an embedding already mapped)
                 continue
             rows = target.shape[0] if target.dim() else 1
             step = max(1, READ_BYTES // max(1, 4 * target.numel() // rows))

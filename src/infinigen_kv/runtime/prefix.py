@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from ..model.kv import StepCache
+from ..model.mapped import mapped_key
 
 log = logging.getLogger("infinigen_kv.prefix")
 
@@ -61,6 +62,9 @@ def model_fingerprint(model) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name, p in model.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+        if (file := mapped_key(p)) is not None:  # a mapped embedding: its file's key (sampling would read it all)
+            h.update(file.encode())
+            continue
         h.update(p.detach().reshape(-1)[::997].to("cpu", torch.float32).numpy().tobytes())
     fp = h.hexdigest()
     try:
