@@ -41,7 +41,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # only at the prefill/decode boundaries, for the timings
 
 
-PREFILL_CHUNK = 2048  # columns of one prefill forward of a cache made here (a long prompt's activations: batch x this)
+# Columns of one prefill forward of a cache made here (a long prompt's activations: batch x this). On CPU 512: a
+# process's peak memory is its prefill's, whose activations (and the weights converted for the BLAS, and what the
+# heap keeps of them between layers) grow with the chunk, while the products stay compute-bound from a few hundred
+# rows (a 4k prompt on the 0.5B: peak ~100 MiB over the memory before it against 230-260 MiB at 2,048, prefilled
+# 1.04-1.10x faster; scripts/dev/prefill_chunk_ab.py). On a GPU 2,048: its memory holds far more, and fewer chunks
+# launch fewer kernels.
+PREFILL_CHUNK = 512
+GPU_PREFILL_CHUNK = 2048
 
 
 def chunks(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -56,7 +63,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
             max_new_tokens: int = 0, progress=None) -> torch.Tensor:
     """The prompt input_ids (B, n) (left-padded, with attention_mask (B, n)) into `cache`, sized for
     max_new_tokens more: the last position's logits (B, V). A cache made here takes a prompt longer than
-    PREFILL_CHUNK in chunks (`chunks`): a prefill's activations (the MLP's, B x chunk x intermediate) stay that size
+    PREFILL_CHUNK (on a GPU GPU_PREFILL_CHUNK) in chunks (`chunks`): a prefill's activations (the MLP's, B x chunk x intermediate) stay that size
     whatever the prompt's length; progress(tokens) is called after each chunk."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -64,7 +71,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     bounds = [(0, n)]
     if isinstance(cache, StepCache):  # ours: buffers sized for the whole run, none grows inside decode
         cache.reserve(n + max_new_tokens)
-        bounds = chunks(n, PREFILL_CHUNK)
+        bounds = chunks(n, PREFILL_CHUNK if input_ids.device.type == "cpu" else GPU_PREFILL_CHUNK)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
     for start, end in bounds:
         logits = model(
