@@ -11,7 +11,8 @@
 // cap rows allocated per (sequence, head) in the pool, n valid rows.
 // Storage may be float32, bfloat16, float16 or int8 rows (q8_0 groups); arithmetic is float32.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // (not torch/extension.h: its C++ frontend headers cost ~10 s of every build)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
