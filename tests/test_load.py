@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from infinigen_kv.model import checkpoint, int8_rows, mapped
 from infinigen_kv.model.load import ModelLoadError, load_model, model_dtype
+from infinigen_kv.runtime.prefix import model_fingerprint
 from conftest import save_tiny
 
 
@@ -114,6 +115,8 @@ def test_an_untied_input_embedding_is_read_from_a_file_mapping(tmp_path, weights
     os.utime(f"{path}/model.safetensors")  # the checkpoint changed in place: another file
     changed, _ = load_model(path, device="cpu", weights=weights)
     assert mapped.mapped_key(changed.get_input_embeddings().weight) not in (None, mapped.mapped_key(emb))
+    # the prefix store's namespace follows the mapped file (not a sample of every page of it)
+    assert model_fingerprint(again) == model_fingerprint(model) != model_fingerprint(changed)
     tied, _ = load_model(save_tiny(tmp_path / "g", kind="gemma3"), device="cpu", weights=weights)
     assert mapped.mapped_key(tied.get_input_embeddings().weight) is None
     (tmp_path / "not-a-dir").write_text("")

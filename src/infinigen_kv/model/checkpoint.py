@@ -60,16 +60,14 @@ def load_streamed(source: Path, config, dtype: torch.dtype, weights: str | None)
         return None  # names transformers would rename, shapes it would report, or weights the checkpoint lacks
     emb = mapped.untied_embedding(model) if weights in ("bfloat16", "int8") else None
     k = mapped.key(files, emb.weight) if emb is not None else None
-    w = mapped.load(k, emb.weight.shape, emb.weight.dtype) if emb is not None else None
-    if w is not None:  # read before: not read again
-        targets = {n: t for n, t in targets.items() if t is not emb.weight}
-        emb.weight = mapped.parameter(w, k)
+    held = emb.weight if emb is not None else None
+    if emb is not None and mapped.attach(emb, k):  # written by an earlier load: not read again
+        targets, emb = {n: t for n, t in targets.items() if t is not held}, None
     with torch.no_grad():
         for f in files:
             _read_shard(f, targets)
-    if emb is not None and w is None and mapped.save(k, emb.weight) \
-            and (w := mapped.load(k, emb.weight.shape, emb.weight.dtype)) is not None:
-        emb.weight = mapped.parameter(w, k)  # (the rows read are freed)
+    if emb is not None and mapped.save(k, emb.weight):
+        mapped.attach(emb, k)  # (the rows read are freed)
     if (source / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(source))
     return model.eval()

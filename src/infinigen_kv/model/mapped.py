@@ -81,11 +81,15 @@ def save(k: str, w: torch.Tensor) -> bool:
         return False
 
 
-def parameter(w: torch.Tensor, k: str) -> torch.nn.Parameter:
-    """The embedding's parameter over mapped tensor `w`, marked with its file's key (`mapped_key`)."""
-    p = torch.nn.Parameter(w, requires_grad=False)
-    p._infinigen_mapped = k
-    return p
+def attach(emb: torch.nn.Embedding, k: str) -> bool:
+    """Make emb's weight the mapping of file `k` where there is one (marked with its key: `mapped_key`); whether
+    it is."""
+    w = load(k, emb.weight.shape, emb.weight.dtype)
+    if w is None:
+        return False
+    emb.weight = torch.nn.Parameter(w, requires_grad=False)
+    emb.weight._infinigen_mapped = k
+    return True
 
 
 def mapped_key(w: torch.Tensor) -> str | None:

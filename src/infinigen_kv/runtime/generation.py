@@ -63,8 +63,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
             max_new_tokens: int = 0, progress=None) -> torch.Tensor:
     """The prompt input_ids (B, n) (left-padded, with attention_mask (B, n)) into `cache`, sized for
     max_new_tokens more: the last position's logits (B, V). A cache made here takes a prompt longer than
-    PREFILL_CHUNK (on a GPU GPU_PREFILL_CHUNK) in chunks (`chunks`): a prefill's activations (the MLP's, B x chunk x intermediate) stay that size
-    whatever the prompt's length; progress(tokens) is called after each chunk."""
+    PREFILL_CHUNK (on a GPU GPU_PREFILL_CHUNK) in chunks (`chunks`): a prefill's activations (the MLP's, B x chunk x
+    intermediate) stay that size whatever the prompt's length; progress(tokens) is called after each chunk."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     n = input_ids.shape[1]

@@ -62,10 +62,8 @@ def model_fingerprint(model) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name, p in model.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        if (file := mapped_key(p)) is not None:  # a mapped embedding: its file's key (sampling would read it all)
-            h.update(file.encode())
-            continue
-        h.update(p.detach().reshape(-1)[::997].to("cpu", torch.float32).numpy().tobytes())
+        file = mapped_key(p)  # a mapped embedding: its file's key (a strided sample would read every page)
+        h.update(file.encode() if file else p.detach().reshape(-1)[::997].to("cpu", torch.float32).numpy().tobytes())
     fp = h.hexdigest()
     try:
         model._prefix_fingerprint = fp
