@@ -2,13 +2,14 @@
 # llama.cpp on the same machine, same GGUF, same thread count: the reference a CPU user would pick.
 # A reference, not a dependency: builds llama.cpp from the source inside the llama-cpp-python sdist (PyPI),
 # then measures decode tok/s at batch 1 for context depths 1k/4k/8k (llama-bench -d), its max RSS at batch 1 x 4k,
-# and batches 4 and 8 at 4k over distinct prompts (llama-batched-bench), with a GGUF as given (default: the
-# default model's, Q4_1) and F16 and Q8_0 copies of it.
+# and batches 4 and 8 over distinct prompts at 4k (llama-batched-bench; BATCH_DEPTHS for others), with a GGUF as
+# given (default: the default model's, Q4_1) and F16 and Q8_0 copies of it.
 #
 #   bash scripts/llama_cpp_bench.sh [OUT_DIR=results/llamacpp] [THREADS=2] [MODEL.gguf]
 #   WEIGHTS="F16 Q8_0" BATCHED=0 bash scripts/llama_cpp_bench.sh ...   # the F16 and Q8_0 copies, batch 1 only
 #   WEIGHTS="F16" BATCH1=0 bash scripts/llama_cpp_bench.sh ...         # the F16 copy only, batches only
 #   DEPTHS=4096,16384 ...                                              # batch 1 at these depths
+#   BATCH_DEPTHS="4096 8192" BATCH_SETTINGS="off:f16 on:q8_0" ...       # batches at these prompt lengths, settings
 #
 # Each cell with flash attention off and on (KV F16) and on with KV q8_0, batches too: report llama.cpp's best per cell.
 # Needs cmake and a C++ compiler. Takes ~10 minutes to build on 2 cores, ~6 minutes per weight type at batch 1,
@@ -24,6 +25,8 @@ DEPTHS=${DEPTHS:-1024,4096,8192}
 REPS=${REPS:-3}  # repetitions of each llama-bench cell
 BATCHED=${BATCHED:-1}
 BATCH1=${BATCH1:-1}
+BATCH_DEPTHS=${BATCH_DEPTHS:-4096}                     # prompt tokens per sequence in the batches
+BATCH_SETTINGS=${BATCH_SETTINGS:-"off:f16 on:f16 on:q8_0"}  # flash attention : KV type
 mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 
@@ -50,6 +53,7 @@ copy() {  # the source GGUF requantized to type $1, once
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, threads $THREADS"
+  echo "isa: $(grep -m1 -o -w 'avx2\|avx512f\|avx512_bf16\|avx512_vnni\|amx_tile' /proc/cpuinfo | sort -u | xargs)"
   echo "llama.cpp: from llama-cpp-python $VERSION ($(cd "$SRC" && git describe --tags 2>/dev/null || echo vendored))"
 } >"$OUT/machine.txt"
 cat "$OUT/machine.txt"
@@ -68,13 +72,16 @@ for name in $WEIGHTS; do
     tail -1 "$OUT/rss-$name.txt"
   fi
   [ "$BATCHED" = 1 ] || continue
-  # Distinct prompts (no -pps): every sequence has its own 4,096 cells, as a batch of different requests has;
-  # a shared prompt (-pps) would let llama.cpp read one copy of the KV for all of them. Its prefill of 16k / 32k
-  # prompt tokens takes minutes on 2 cores.
-  for setting in "off f16" "on f16" "on q8_0"; do
-    read -r fa ct <<<"$setting"
-    echo "== $name: batch 4 and 8 x 4,096-token distinct prompts, 32 new tokens each (llama-batched-bench), -fa $fa, KV $ct"
-    "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c 36000 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4,8 \
-      -fa "$fa" -ctk "$ct" -ctv "$ct" 2>"$OUT/batched-$name-fa$fa-$ct.log" | tee "$OUT/batched-$name-fa$fa-$ct.md"
+  # Distinct prompts (no -pps): every sequence has its own cells, as a batch of different requests has; a shared
+  # prompt (-pps) would let llama.cpp read one copy of the KV for all of them. Its prefill of 4 x and 8 x the prompt
+  # length takes minutes on 2 cores.
+  for depth in $BATCH_DEPTHS; do
+    for setting in $BATCH_SETTINGS; do
+      fa=${setting%%:*}; ct=${setting#*:}
+      tag="batched-$name-fa$fa-$ct"; [ "$depth" = 4096 ] || tag="$tag-n$depth"
+      echo "== $name: batch 4 and 8 x $depth-token distinct prompts, 32 new tokens each (llama-batched-bench), -fa $fa, KV $ct"
+      "$BIN/llama-batched-bench" -m "$model" -t "$THREADS" -c $((depth * 8 + 4000)) -b 2048 -ub 512 -npp "$depth" \
+        -ntg 32 -npl 4,8 -fa "$fa" -ctk "$ct" -ctv "$ct" 2>"$OUT/$tag.log" | tee "$OUT/$tag.md"
+    done
   done
 done
