@@ -19,7 +19,6 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,20 +31,9 @@ from ..runtime.prefix import PrefixStore, cache_namespace
 from .jobs import SHUTDOWN_MESSAGE, Job, QueueFull, ShuttingDown, TooLarge  # noqa: F401 (the server's names)
 from .memory import available_memory, release_memory
 from .metrics import Metrics
-from .output import Logprobs, TextStream
+from .output import Logprobs, Row, TextStream
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Row:
-    """A job's choice in the running batch: its detokenizer and the logprob entries not yet sent."""
-    job: Job
-    stream: TextStream
-    index: int = 0  # the choice
-    entries: list = field(default_factory=list)
-    last: float = 0.0  # when its last token came (inter-token latency)
-    tokens: int = 0  # generated
 
 
 POOL_SHARE = 0.5  # the default --max-pool-bytes: this share of the memory free when the server starts
@@ -336,7 +324,7 @@ class Engine:
             self.metrics.itl.observe(now - row.last)
         row.last = now
         if t in self.eos and not job.ignore_eos:
-            return self._finish(row, "stop")
+            return row.finish("stop", self.tokenizer_lock)
         job.completion_tokens += 1
         row.tokens += 1
         with self.tokenizer_lock:
@@ -345,27 +333,12 @@ class Engine:
                 chosen, values, ids = lps[0][b], lps[1][b], lps[2][b]
                 row.entries.append(self.logprobs.entry(t, chosen, zip(ids[: job.logprobs], values[: job.logprobs])))
         if delta:
-            job.emit("text", delta, self._taken(row), row.index)
+            job.emit("text", delta, row.taken(), row.index)
         if stopped:
-            return self._finish(row, "stop")
+            return row.finish("stop", self.tokenizer_lock)
         if row.tokens >= job.max_tokens:
-            return self._finish(row, "length")
+            return row.finish("length", self.tokenizer_lock)
         return True
-
-    def _taken(self, row: Row) -> list | None:
-        """The logprob entries to send with the row's next event."""
-        if row.job.logprobs is None:
-            return None
-        out, row.entries = row.entries, []
-        return out
-
-    def _finish(self, row: Row, reason: str) -> bool:
-        with self.tokenizer_lock:
-            rest = row.stream.flush()
-        if rest:
-            row.job.emit("text", rest, self._taken(row), row.index)
-        row.job.emit("done", reason, self._taken(row), row.index)
-        return False
 
     def _batch_cost(self, job: Job | None = None) -> int:
         """Cache bytes of the running batch with `job` joined: every row padded to the longest prompt plus the

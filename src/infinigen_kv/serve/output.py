@@ -1,9 +1,10 @@
 """What the server sends of a job's tokens: text released incrementally (stop sequences held back, never half a
-UTF-8 character) and logprob entries in the API's form (with each token's own bytes)."""
+UTF-8 character) and logprob entries in the API's form (with each token's own bytes), per row of the running batch."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 
 def _byte_level_alphabet(tokenizer) -> dict[str, int] | None:
@@ -92,3 +93,30 @@ class Logprobs:
             if self._unbyte is not None and all(c in self._unbyte for c in piece):
                 return [self._unbyte[c] for c in piece]
         return list(text.encode("utf-8"))
+
+
+@dataclass
+class Row:
+    """A job's choice in the running batch: its detokenizer and the logprob entries not yet sent."""
+    job: object  # jobs.Job
+    stream: TextStream
+    index: int = 0  # the choice
+    entries: list = field(default_factory=list)
+    last: float = 0.0  # when its last token came (inter-token latency)
+    tokens: int = 0  # generated
+
+    def taken(self) -> list | None:
+        """The logprob entries to send with the row's next event."""
+        if self.job.logprobs is None:
+            return None
+        out, self.entries = self.entries, []
+        return out
+
+    def finish(self, reason: str, lock) -> bool:
+        """Send the text held back and the end (`lock`: the tokenizer's); False: the row leaves the batch."""
+        with lock:
+            rest = self.stream.flush()
+        if rest:
+            self.job.emit("text", rest, self.taken(), self.index)
+        self.job.emit("done", reason, self.taken(), self.index)
+        return False
