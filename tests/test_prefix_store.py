@@ -1,5 +1,5 @@
-"""The prefix store (runtime/prefix.py): block keys, the memory tier's LRU, the disk tier across restarts and
-processes, and every way a disk entry or directory can be bad (a miss and one warning line, never wrong data)."""
+"""The prefix store (runtime/prefix.py, its tiers in prefix_tiers.py): block keys, the memory tier's LRU, the disk
+tier across restarts and processes, and every way a disk entry or directory can be bad (a miss and one warning line, never wrong data)."""
 
 import errno
 import logging
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from infinigen_kv.runtime import prefix
+from infinigen_kv.runtime import prefix_tiers
 from infinigen_kv.runtime.prefix import PrefixStore, chain, namespace
 
 NS = namespace(model="tiny", dtype="float32", method="infinigen")
@@ -37,7 +37,7 @@ def test_keys_name_a_block_and_everything_before_it():
 
 
 def test_memory_tier_lru_under_its_byte_limit():
-    size = prefix.payload_bytes(block_payload(0))
+    size = prefix_tiers.payload_bytes(block_payload(0))
     store = PrefixStore(NS, memory_bytes=2 * size, block=4)
     tokens = list(range(12))  # 3 blocks
     assert store.offer(tokens, block_payload) == 3
@@ -129,7 +129,7 @@ def test_a_full_or_read_only_disk_leaves_memory_serving(tmp_path, caplog, monkey
     def fail(*args, **kwargs):
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(prefix.os, "replace", fail)
+    monkeypatch.setattr(prefix_tiers.os, "replace", fail)
     store = PrefixStore(NS, memory_bytes=1 << 20, disk_dir=tmp_path, block=4)
     with caplog.at_level(logging.WARNING, logger="infinigen_kv.prefix"):
         assert store.offer(list(range(12)), block_payload) == 3

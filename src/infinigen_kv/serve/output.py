@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .jobs import Job
+
 
 def _byte_level_alphabet(tokenizer) -> dict[str, int] | None:
     """GPT-2's byte <-> printable character map, inverted, if the tokenizer is byte-level BPE; else None."""
@@ -98,7 +100,7 @@ class Logprobs:
 @dataclass
 class Row:
     """A job's choice in the running batch: its detokenizer and the logprob entries not yet sent."""
-    job: object  # jobs.Job
+    job: Job
     stream: TextStream
     index: int = 0  # the choice
     entries: list = field(default_factory=list)

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from ...config import ConfigError, InfiniGenConfig
 from ...model.install import compute_dtype, install
 from ..base import Rebatch
-from ...runtime.prefix import digest
+from ...runtime.prefix_tiers import digest
 from ..keep import valid_keys
 from .calibration import Calibration
 from .cuda_transfer import CudaTransfer
