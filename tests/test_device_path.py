@@ -211,13 +211,38 @@ def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model,
     assert cache.stats["fetched_fraction"] < 0.5  # decoded through the pool, the mirror dropped
 
 
-def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypatch):
-    """No device memory for the prompt's mirror: each chunk reads the past back from the pool instead (more
-    bytes moved, same attention)."""
+def test_static_steps_drop_the_prompt_mirrors(device_path, model, monkeypatch):
+    """Static steps (one CUDA graph a step) after a prompt in chunks: the device mirrors of its past go before the
+    capture (the step reads the pool), so the decode holds on the device what an eager one holds."""
+    from infinigen_kv.model import static
+
+    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)  # no graph on CPU: the steps
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(3))
+    cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
+    on_fake_cuda(cache)
+    with torch.inference_mode():
+        for s in range(0, 200, 50):
+            got = model(input_ids=ids[:, s : s + 50], past_key_values=cache, use_cache=True).logits
+    assert all(layer.mirror is not None for layer in cache.layers if not layer.dense)
+    calls = []
+    monkeypatch.setattr(static.StaticDecoder, "step", lambda self, ids, f=static.StaticDecoder.step: (
+        calls.append(1), f(self, ids))[1])
+    out = ig.generate(model, ids, cache=cache, max_new_tokens=4, stop_at_eos=False, prefilled=got[:, -1])
+    assert calls and out.tokens.shape == (1, 4)
+    assert all(layer.mirror is None for layer in cache.layers)
+
+
+@pytest.mark.parametrize("why", ["over the headroom", "allocation failed"])
+def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypatch, why):
+    """No device memory for the prompt's mirror (it would leave less than the headroom free, or its allocation
+    fails): each chunk reads the past back from the pool instead (more bytes moved, same attention)."""
     from infinigen_kv.methods.infinigen import cuda_transfer as transfer_mod
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room")
+
+    if why == "over the headroom":
+        monkeypatch.setattr(transfer_mod.CudaTransfer, "mirror_fits", lambda self, nbytes: False)
 
     ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(3))
     cache, full = ig.make_cache("infinigen", model, budget=0.3, min_budget=0), ig.make_cache("full", model)
@@ -225,8 +250,8 @@ def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypat
     with torch.inference_mode():
         for s in range(0, 150, 50):
             ref = model(input_ids=ids[:, s : s + 50], past_key_values=full, use_cache=True).logits
-            if s == 50:
-                monkeypatch.setattr(transfer_mod, "RowBuffer", no_room)  # the mirror's allocation fails
+            if s == 50 and why == "allocation failed":
+                monkeypatch.setattr(transfer_mod, "RowBuffer", no_room)
             got = model(input_ids=ids[:, s : s + 50], past_key_values=cache, use_cache=True).logits
             torch.testing.assert_close(got, ref)
     assert all(layer.mirror is None for layer in cache.layers)
@@ -269,8 +294,9 @@ def test_hf_offloaded_needs_a_gpu(model):
 
 
 def test_scores_are_float32_on_every_device(model):
-    """Item 7: the approximate scores are float32 whatever the partial keys' storage (bf16 logits step 0.125-0.25
-    at 20-40 and tie the top-k); on a GPU "auto" stores the partial keys in float32, "model" in the model's dtype."""
+    """The approximate scores are float32 whatever the partial keys' storage (bf16 logits step 0.125-0.25 at 20-40
+    and tie the top-k); on a GPU "auto" stores the partial keys in bfloat16 (widened as read), "float32" and "model"
+    as named."""
     from infinigen_kv.methods.infinigen.speculator import approx_scores
 
     q, k = torch.randn(1, 2, 2, 8, dtype=torch.bfloat16), torch.randn(1, 2, 30, 8, dtype=torch.bfloat16)
@@ -278,5 +304,7 @@ def test_scores_are_float32_on_every_device(model):
     assert s.dtype == torch.float32
     torch.testing.assert_close(s, q.float() @ k.float().transpose(-1, -2) * 0.5)
     cache = ig.make_cache("infinigen", model, budget=0.3)
-    assert partial_dtype(cache.config.partial_dtype, torch.bfloat16, torch.device("cuda")) == torch.float32
-    assert partial_dtype("model", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert partial_dtype(cache.config.partial_dtype, torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert partial_dtype(cache.config.partial_dtype, torch.float32, torch.device("cuda")) == torch.bfloat16
+    assert partial_dtype("float32", torch.bfloat16, torch.device("cuda")) == torch.float32
+    assert partial_dtype("model", torch.float16, torch.device("cuda")) == torch.float16

@@ -192,6 +192,28 @@ def test_generate_runs_static_steps_where_graphs_are_on(tiny_models, monkeypatch
     assert len(steps) == NEW - 1  # turned off: the eager step
 
 
+def test_a_new_budget_between_runs_of_static_steps(tiny_models, monkeypatch):
+    """A cache decoded in static steps, its budget changed (cache.set_budget), decodes on in static steps: the old
+    cap's per-slot accumulators are folded into the counts, and the fetched share covers both runs."""
+    from infinigen_kv.model import static
+
+    monkeypatch.setattr(kernels, "_enabled", False)
+    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 200, (1, 300 + NEW), generator=torch.Generator().manual_seed(0))
+    cache = ig.make_cache("infinigen", model, budget=0.4, min_budget=0)
+    cache.reserve(300 + 2 * NEW)
+    logits = prefill(model, ids[:, :300], None, cache)
+    shares = []
+    for budget in (0.4, 0.1):
+        cache.set_budget(budget)
+        n = cache.get_seq_length()
+        ig.generate(model, ids[:, :n], cache=cache, max_new_tokens=NEW, stop_at_eos=False, prefilled=logits)
+        shares.append(cache.stats["fetched_fraction"])
+    assert cache.get_seq_length() == 300 + 2 * (NEW - 1)
+    assert 0 < shares[1] < shares[0] < 1, shares  # the second run's steps fetched less
+
+
 def test_a_capture_that_fails_decodes_eagerly(tiny_models):
     """A step that cannot be captured as a CUDA graph (here: no CUDA at all) warns once and decodes eagerly: the
     same tokens."""

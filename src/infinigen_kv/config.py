@@ -17,7 +17,7 @@ DEFAULT_BUDGET = 0.1  # InfiniGen's budget, and the fixed budget of h2o/streamin
 DEFAULT_MIN_BUDGET = 1024
 
 
-PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "model")
+PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "float32", "model")
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the storage of K/V rows (kv_dtype; "auto": model/kv.kv_storage)
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
@@ -74,10 +74,11 @@ class InfiniGenConfig:
     # partial_dtype: storage of the partial key cache, which only ranks tokens. "int8": rows quantized by their
     # absmax with the scale stored in the row, scored by integer dot products (a quarter of float32's bytes;
     # methods/infinigen/int8.py; RULER at 4k and 8k equal to bfloat16's). "bfloat16": half the bytes, scores in
-    # float32. "model": the model's dtype. "auto" = int8 for a float32 model on CPU with the compiled kernels
-    # and float32 otherwise (a GPU: a bf16 model's partial keys are stored, not rounded, in float32). Scores are
-    # computed in float32 on every device: alpha and every figure were tuned on float32 scores, and bf16 logits
-    # (steps of 0.125-0.25 at 20-40) make ties of the top-k order.
+    # float32. "float32": as computed. "model": the model's dtype. "auto" = int8 for a float32 model on CPU with
+    # the compiled kernels, bfloat16 on a GPU (half float32's device memory: 4.3 GB at B4 x 32k on Llama-3.1-8B's shape; each key
+    # widened as read, partial_scores.py), float32 otherwise. Scores are computed in float32 on every device: alpha
+    # and every figure were tuned on float32 scores, and bf16 logits (steps of 0.125-0.25 at 20-40) make ties of
+    # the top-k order.
     partial_dtype: str = "auto"
     # kv_dtype: the storage of the K/V rows of the pool and of the device layers. "auto": bfloat16 for a float32
     # model on CPU (half the bytes a token, attention computed in float32 over the rows as stored; RULER, perplexity

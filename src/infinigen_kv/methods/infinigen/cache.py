@@ -135,6 +135,7 @@ class InfiniGenCache(Rebatch, Cache):
     def set_budget(self, budget: float) -> None:
         """A new budget (the cap of each decode step's fetch)."""
         self.config = dataclasses.replace(self.config, budget=budget)
+        self.counters.fold()  # a static step's per-slot accumulators are sized by the old cap
         self._budgets = layer_budgets(budget, self.budget_scale)  # (the step memo keys its caps by budget)
         for i, layer in enumerate(self.layers):
             layer.budget = self.budget_of(i)
@@ -238,6 +239,7 @@ class InfiniGenCache(Rebatch, Cache):
         capacity up), rows past the valid ones zeroed."""
         capacity = self.static_columns()
         for layer in self.layers:
+            layer.mirror = None  # a chunked prompt's device copy goes before a capture: decoding reads the pool
             for buf in layer.buffers():
                 buf.zero_past_valid()
         return capacity

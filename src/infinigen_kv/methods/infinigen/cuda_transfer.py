@@ -25,6 +25,11 @@ from .staging import StagingRing, device_view, record_stream, rows_to, submit_in
 from .transfer import DirectTransfer
 
 
+# Device bytes the mirrors of a prompt prefilled in chunks leave free: a chunk's activations (B x 2,048 x the MLP's
+# width), the logits, the decode steps' working sets.
+MIRROR_HEADROOM = 6 << 30
+
+
 class CudaTransfer:
     """GPU compute, pinned host pool: async index copy, worker-thread gather, side-stream H2D copy.
 
@@ -222,6 +227,7 @@ class CudaTransfer:
 
     def write_at(self, layer, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
         self._land_prompt(layer)
+        layer.mirror = None  # decoding: the prompt is in the pool
         DirectTransfer.write_at(self, layer, k, v, at)  # through device_pool
 
     def _view(self, layer, name: str, buf):
@@ -381,18 +387,32 @@ class CudaTransfer:
             return layer.k.valid(), layer.v.valid()
         if layer.mirror is None:
             self.flush(layer)
+            bufs = (layer.k, layer.v)
+            rows = max(layer.k.length, layer.reserved)  # the prompt's rows (cache.reserve): made once, never grown
+            if not self.mirror_fits(rows * sum(b.batch * b.heads * b.width * b.dtype.itemsize for b in bufs)):
+                return tuple(self._read_back(buf) for buf in bufs)  # no room: the past read back for each chunk
             try:
-                layer.mirror = tuple(RowBuffer(b.batch, b.heads, b.width, b.dtype, self.device)
-                                     for b in (layer.k, layer.v))
-                for mirror, buf in zip(layer.mirror, (layer.k, layer.v)):
-                    mirror.reserve(buf.length)
-            except torch.cuda.OutOfMemoryError:  # no room for the prompt on the device: read it back per chunk
+                layer.mirror = tuple(RowBuffer(b.batch, b.heads, b.width, b.dtype, self.device) for b in bufs)
+                for mirror in layer.mirror:
+                    mirror.reserve(rows, room=not layer.reserved)
+            except torch.cuda.OutOfMemoryError:
                 layer.mirror = None
-                return tuple(self._read_back(buf) for buf in (layer.k, layer.v))
+                return tuple(self._read_back(buf) for buf in bufs)
             for mirror, buf in zip(layer.mirror, (layer.k, layer.v)):
                 rows_to(buf, buf.length, mirror.data[:, :, : buf.length])
                 mirror.length = buf.length
         return layer.mirror[0].valid(), layer.mirror[1].valid()
+
+    def mirror_fits(self, nbytes: int) -> bool:
+        """Whether a prompt's device mirror of `nbytes` leaves MIRROR_HEADROOM of the device free (what PyTorch holds
+        unused counts as free). Mirrors are made layer by layer until they would not: a long prompt's whole K/V
+        would otherwise sit on the device through its prefill, the memory the pool exists to spare (B4 x 128k on
+        Llama-3.1-8B's shape: 64 GiB). CPU stand-ins: always."""
+        if self.device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return nbytes + MIRROR_HEADROOM <= free
 
     def _read_back(self, buf) -> torch.Tensor:
         """A pool buffer's valid rows on the device, copied (async, per (sequence, head)) into a fresh tensor."""

@@ -47,17 +47,20 @@ class LayerConfig:
 
 def partial_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
-    "auto" stores int8 rows where the CPU kernel scores them (integer dot products, scores in float32), and
-    float32 elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
+    "auto" stores int8 rows where the CPU kernel scores them (integer dot products, scores in float32), bfloat16 on
+    a GPU (half float32's device memory; one kernel widens each key as it reads it: partial_scores.py), and float32
+    elsewhere, where the scores are computed in PyTorch in float32 (no conversion per step)."""
     if option == "model":
         return dtype
     if option == "int8":
         return torch.int8
     if option == "bfloat16":
         return torch.bfloat16
+    if option == "float32":
+        return torch.float32
     if dtype == torch.float32 and backends.for_device(device).kernels:
         return torch.int8
-    return torch.float32
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 class DeviceLayer(LogicalLayer):

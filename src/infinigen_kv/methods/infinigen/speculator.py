@@ -17,6 +17,8 @@ from ..budget import budget_caps
 from ..keep import keep_source, layer_keep
 from . import int8
 from .fetch import Fetch
+from .partial_scores import partial_scores
+from .partial_scores import reference as partial_scores_reference
 
 
 def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float,
@@ -32,13 +34,9 @@ def approx_scores(q_partial: torch.Tensor, k_partial: torch.Tensor, scale: float
     if k_partial.dtype == torch.int8:
         s = int8.scores(q_partial, k_partial, scale)
         return s if bias is None else s + bias.view(s.shape[0], s.shape[1], 1, -1)
-    q, k = q_partial.float(), k_partial.float()
-    if bias is None:
-        s = torch.matmul(q, k.transpose(-1, -2))  # (B, G, r, n)
-        return s * scale if scale != 1.0 else s
-    B, G, r, p = q.shape
-    q = q * scale if scale != 1.0 else q
-    return torch.baddbmm(bias, q.reshape(B * G, r, p), k.reshape(B * G, -1, p).transpose(1, 2)).view(B, G, r, -1)
+    if k_partial.dtype in (torch.bfloat16, torch.float16):  # widened as read (one kernel on a GPU)
+        return partial_scores(q_partial.float().contiguous(), k_partial, bias, float(scale))
+    return partial_scores_reference(q_partial, k_partial, bias, scale)
 
 
 def keep_bias(keep: torch.Tensor, G: int) -> torch.Tensor:
