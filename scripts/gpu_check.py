@@ -12,6 +12,11 @@ Steps (each one's result goes to check.json; a step that fails is recorded and t
   speed      decode speed on a Llama-3.1-8B-shaped model with random bf16 weights: full, offload, transformers'
              offloaded cache, infinigen at budget 0.1 / 0.05; H2D bytes per step, H2D bandwidth, peak device
              memory, the share of the transfer hidden behind compute
+  profile    where a step's time goes (torch.profiler) at --profile-at, a trace per infinigen row
+  memory     device memory by part at --memory-at (B4 x 32k): full, infinigen 0.1 with bfloat16 / float32 partial
+             keys and without the prompt's device mirrors; the prefill's and the decode's peaks
+  long       the 8B shape at --long-context (128k) for each batch, filled without a full prefill: full, offload,
+             infinigen 0.1 / 0.05; the decode's device peak, the pinned host pool; graph tokens = eager at B1
 
 --dry-run (or DEVICE=cpu) runs every step on CPU at tiny sizes through the same code (the device path's transfer on
 CPU stand-ins), so that the script itself is tested without a GPU (tests/test_gpu_check.py).
@@ -39,7 +44,7 @@ import torch
 
 import infinigen_kv as ig
 from infinigen_kv.methods.infinigen.cache import InfiniGenCache
-from infinigen_kv.runtime.generation import generate
+from infinigen_kv.runtime.generation import generate, prefill
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +58,7 @@ class Check:
         self.device, self.dry, self.out = device, dry, out
         self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # calibration, raw traces: not sent back
         self.fake = None  # dry run: CudaTransfer on CPU stand-ins
+        self.big = None  # (Llama-3.1-8B-shaped model, calibration file): big()
 
     def cache(self, method, model, **options):
         """A cache of `method` whose transfers are CudaTransfer's, also on a dry run."""
@@ -260,13 +266,20 @@ def big_model(c: Check):
     return model
 
 
+def big(c: Check):
+    """(the Llama-3.1-8B-shaped model, its calibration file), made once for every step that uses them."""
+    if c.big is None:
+        model = big_model(c)
+        cal_path = c.work / "calibration.safetensors"
+        ig.calibrate(model, tokens=256 if c.dry else 1024).save(cal_path)
+        c.big = (model, cal_path)
+    return c.big
+
+
 def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
     from infinigen_kv.bench.speed import device_bandwidth, h2d_bandwidth
 
-    model = big_model(c)
-    cal = ig.calibrate(model, tokens=256 if c.dry else 1024)
-    cal_path = c.work / "calibration.safetensors"
-    cal.save(cal_path)
+    model, cal_path = big(c)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
     d2d = device_bandwidth(c.device) if c.device.type == "cuda" else None
     embed = model.get_input_embeddings().weight
@@ -403,17 +416,14 @@ def profile_rows(events, steps: int) -> dict:
                            for e in sorted(device, key=lambda e: -e.self_device_time_total)[:8]]}
 
 
-def step_profile(c: Check, n: int, B: int) -> dict:
+def step_profile(c: Check, n: int, B: int, only=None) -> dict:
     """Where a decode step's time goes (torch.profiler over a few steps, after the capture): the step's time by CUDA
     events, device time from the kernel rows, kernels and launches per step, the top host and device rows, for full
     and infinigen, each replayed as a graph and eager. Each infinigen trace is exported (trace-*.json.gz, for
     chrome://tracing or Perfetto) and read for the share of the transfer's kernel time that runs beside other work."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = big_model(c)
-    cal_path = c.work / "calibration.safetensors"
-    if not cal_path.is_file():
-        ig.calibrate(model, tokens=256 if c.dry else 1024).save(cal_path)
+    model, cal_path = big(c)
     ids = torch.randint(10, model.config.vocab_size, (B, n), generator=torch.Generator().manual_seed(0)).to(c.device)
     rows = {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.device.type == "cuda" else [])
@@ -421,6 +431,8 @@ def step_profile(c: Check, n: int, B: int) -> dict:
     for name, method, opts, graph in [("full", "full", {}, None), ("full-eager", "full", {}, False),
                                       ("infinigen-0.1", "infinigen", ig01, None),
                                       ("infinigen-0.1-eager", "infinigen", ig01, False)]:
+        if only and name not in only:
+            continue
         cache = c.cache(method, model, **opts)
         first, steps = 3, 4  # profile steps 3..6: the graph is captured at step 0
         state, timer = {}, StepTimer(c.device.type == "cuda")
@@ -497,10 +509,7 @@ def step_gather(c: Check, n: int, batches) -> dict:
     the gather's programs may take (gather_rows_triton.SM_SHARE; "all": a program per 16 rows), in one process."""
     from infinigen_kv.methods.infinigen import gather_rows_triton as gt
 
-    model = big_model(c)
-    cal_path = c.work / "calibration.safetensors"
-    if not cal_path.is_file():
-        ig.calibrate(model, tokens=256 if c.dry else 1024).save(cal_path)
+    model, cal_path = big(c)
     rows, default = [], gt.SM_SHARE
     try:
         for B in batches:
@@ -519,6 +528,233 @@ def step_gather(c: Check, n: int, batches) -> dict:
         gt.SM_SHARE = default
         gt._programs.cache_clear()
     return {"ok": True, "rows": rows}
+
+
+GiB = 2**30
+
+
+def device_parts(model, cache, device: torch.device) -> dict:
+    """What a cache holds, by part, in GiB: the weights on the device (the input embedding's table included), the
+    K/V on the device (a full cache's; InfiniGen's dense layers), the host pool's K/V, the partial keys, the device
+    mirrors of a prompt's past, and the fetch buffers (the transfer's working sets and staging slots on the device)."""
+    parts = collections.Counter()
+    parts["weights"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == device.type)
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        pooled = getattr(layer, "dense", True) is False
+        for buf in (layer.k, layer.v):
+            parts["host pool K/V" if pooled else "device K/V"] += buf.nbytes
+        if getattr(layer, "partial", None) is not None:
+            parts["partial keys"] += layer.partial.nbytes
+        for buf in getattr(layer, "mirror", None) or ():
+            parts["prompt mirrors"] += buf.nbytes
+    for t in getattr(cache, "transfers", None) and cache.transfers.by_device.values() or ():
+        for scratch in [*t.fixed, *t.ring.dev]:
+            parts["fetch buffers"] += sum(b.numel() * b.element_size() for b in scratch.bufs.values())
+    return {k: round(v / GiB, 3) for k, v in parts.items()}
+
+
+class Peaks:
+    """on_step for generate: the device's peak memory of the prefill (read at step 0), then of the decode steps."""
+
+    def __init__(self, c: Check, timer=None):
+        self.c, self.timer, self.prefill = c, timer, None
+
+    def __call__(self, i, *a):
+        if i == 0 and self.c.device.type == "cuda":
+            self.prefill = torch.cuda.max_memory_allocated(self.c.device) / GiB
+            torch.cuda.reset_peak_memory_stats(self.c.device)
+        if self.timer is not None:
+            self.timer(i, *a)
+
+    def decode(self):
+        return torch.cuda.max_memory_allocated(self.c.device) / GiB if self.c.device.type == "cuda" else None
+
+
+def fresh(c: Check) -> None:
+    """Nothing of the last cache left: its device memory back to the driver, its pinned pool to the OS."""
+    import gc
+
+    from infinigen_kv.methods.rows import release_pinned
+
+    gc.collect()
+    if c.device.type == "cuda":
+        torch.cuda.synchronize(c.device)
+        torch.cuda.empty_cache()
+        release_pinned()
+        torch.cuda.reset_peak_memory_stats(c.device)
+
+
+def step_memory(c: Check, n: int, B: int, new_tokens: int) -> dict:
+    """Device memory by part at B x n (a real prefill, then decode steps, graph on): full; infinigen 0.1 with its
+    partial keys in bfloat16 (the default on a GPU) and in float32; and with no room for the prompt's device
+    mirrors (each prefill chunk reads the past back from the pool). The prefill's peak and the decode's, the step's
+    time, and the tokens of each against bfloat16 partial keys' (float32's: the same selection, rounded keys)."""
+    from infinigen_kv.methods.infinigen import cuda_transfer
+
+    model, cal_path = big(c)
+    ids = torch.randint(10, model.config.vocab_size, (B, n), generator=torch.Generator().manual_seed(0)).to(c.device)
+    ig01 = {"budget": 0.1, "calibration": str(cal_path)}
+    rows, tokens = [], {}
+    fits = cuda_transfer.CudaTransfer.mirror_fits
+    for name, method, opts in [("full", "full", {}), ("infinigen-0.1", "infinigen", ig01),
+                               ("infinigen-0.1-f32-partial", "infinigen", {**ig01, "partial_dtype": "float32"}),
+                               ("infinigen-0.1-no-mirror", "infinigen", ig01)]:
+        fresh(c)
+        row = {"method": name, "batch": B, "context": n}
+        try:
+            if name.endswith("no-mirror"):
+                cuda_transfer.CudaTransfer.mirror_fits = lambda self, nbytes: False
+            cache = c.cache(method, model, **opts)
+            timer = StepTimer(c.device.type == "cuda")
+            peaks = Peaks(c, timer)
+            with StaticSteps(c) as steps:
+                res = generate(model, ids, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False, on_step=peaks)
+            tokens[name] = res.tokens
+            row["static"] = steps.made > 0
+            row.update(step_ms=round(statistics.median(timer.steps_ms()[1:]), 2), prefill_s=round(res.prefill_s, 2),
+                       parts_gib=device_parts(model, cache, c.device))
+            if peaks.prefill is not None:
+                row.update(prefill_peak_gib=round(peaks.prefill, 2), decode_peak_gib=round(peaks.decode(), 2))
+            if "infinigen-0.1" in tokens:
+                row["tokens_equal_bf16_partial"] = round(float((res.tokens == tokens["infinigen-0.1"]).float().mean()), 4)
+            row["fetched_fraction"] = round(cache.stats.get("fetched_fraction", 1.0), 4)
+            del cache
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "out of device memory"
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        finally:
+            cuda_transfer.CudaTransfer.mirror_fits = fits
+        rows.append(row)
+        log(f"  memory {row}")
+    return {"ok": all("error" not in r for r in rows), "rows": rows}
+
+
+class StaticSteps:
+    """Within it: static.StaticDecoder's instances are counted (`made`: whether a run decoded in static steps, as its
+    graph replays them) and, on a dry run, static steps serve on CPU as a GPU's graphs would."""
+
+    def __init__(self, c: Check):
+        from infinigen_kv.model import static
+
+        self.static, self.dry, self.made = static, c.dry, 0
+
+    def __enter__(self):
+        s, counter = self.static, self
+        self.saved = s.graphs_on, s.StaticDecoder.__init__
+        if self.dry:
+            s.graphs_on = lambda device, flag=None: flag is not False
+
+        def init(decoder, *a, **k):
+            counter.made += 1
+            self.saved[1](decoder, *a, **k)
+
+        s.StaticDecoder.__init__ = init
+        return self
+
+    def __exit__(self, *exc):
+        self.static.graphs_on, self.static.StaticDecoder.__init__ = self.saved
+        return False
+
+
+def fill(cache, n: int) -> None:
+    """Every layer's rows [n0, n) made copies of its first n0 (a prefill of n0 tokens): a context of n tokens
+    without its prefill, for a step's speed and memory (which follow the sizes, not the values)."""
+    if hasattr(cache, "settle"):
+        cache.settle()  # the prompt's rows have landed in the pool
+    for layer in cache.layers:
+        bufs = layer.buffers() if hasattr(layer, "buffers") else layer.row_buffers()
+        for buf in bufs:
+            buf.reserve(n, room=False)
+            done = buf.length
+            while done < n:  # doubling: log2(n / n0) copies
+                m = min(done, n - done)
+                buf.data[:, :, done : done + m].copy_(buf.data[:, :, :m])
+                done += m
+            buf.length = n
+        if hasattr(layer, "seen"):
+            layer.seen = n
+
+
+def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
+    """The 8B shape at B x n (n to the model's 128k), contexts filled without their prefill (a real prefill of
+    FILL tokens, then `fill`): full, offload and infinigen at 0.1 and 0.05 (one filled cache, its budget changed),
+    graph on; the device's peak in decode, the host pool; at B1 infinigen 0.1's graph tokens against eager ones
+    (each from its own fill)."""
+    model, cal_path = big(c)
+    first = 256 if c.dry else 4096
+    V = model.config.vocab_size
+    ig01 = {"budget": 0.1, "calibration": str(cal_path), **({"min_budget": 0} if c.dry else {})}  # (dry: caps differ)
+    runs = [("full", "full", {}, (None,)), ("offload", "offload", {}, (None,)),
+            ("infinigen", "infinigen", ig01, (0.1, 0.05))]
+    rows, ok = [], True
+    for B in batches:
+        ids = torch.randint(10, V, (B, n + new_tokens), generator=torch.Generator().manual_seed(0)).to(c.device)
+        for name, method, opts, budgets in runs:
+            if only and not any(m.startswith(name) for m in only):
+                continue
+            fresh(c)
+            row = {"method": name, "batch": B, "context": n}
+            try:
+                cache = c.cache(method, model, **opts)
+                cache.reserve(n + len(budgets) * new_tokens)
+                t0 = time.perf_counter()
+                logits = prefill(model, ids[:, :first], cache=cache)
+                fill(cache, n)
+                c.sync()
+                row["fill_s"] = round(time.perf_counter() - t0, 1)
+                for i, budget in enumerate(budgets):
+                    if budget is not None:
+                        cache.set_budget(budget)
+                    timer = StepTimer(c.device.type == "cuda")
+                    peaks = Peaks(c, timer)
+                    at = cache.get_seq_length()  # n, then n + new_tokens - 1 (a run's last token is not decoded)
+                    with warnings.catch_warnings(record=True) as caught, StaticSteps(c) as steps:
+                        warnings.simplefilter("always")
+                        res = generate(model, ids[:, :at], cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
+                                       on_step=peaks, prefilled=logits)
+                    r = dict(row, method=name if budget is None else f"{name}-{budget}", static=steps.made > 0)
+                    ok &= r["static"]
+                    if failed := capture_failures(caught):
+                        r["capture_failed"] = failed
+                    step = statistics.median(timer.steps_ms()[1:])
+                    r.update(step_ms=round(step, 2), decode_tok_s=round(B / step * 1e3, 2),
+                             device_peak_gib=round(peaks.decode(), 2) if peaks.decode() is not None else None,
+                             parts_gib=device_parts(model, cache, c.device))
+                    if getattr(cache, "stats", {}).get("fetched_fraction") is not None and method != "full":
+                        r["fetched_fraction"] = round(cache.stats["fetched_fraction"], 4)
+                    if B == 1 and budget == 0.1:
+                        r["graph_tokens"] = res.tokens
+                    rows.append(r)
+                    log(f"  long {({k: v for k, v in r.items() if k != 'graph_tokens'})}")
+                del cache
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**row, "error": "out of device memory"})
+            except Exception as e:
+                rows.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+                ok = False
+                log(f"  long {rows[-1]}\n{traceback.format_exc()[-2000:]}")
+    graph = next((r.pop("graph_tokens") for r in rows if "graph_tokens" in r), None)
+    for r in rows:
+        r.pop("graph_tokens", None)
+    same = None
+    if graph is not None:  # the same fill decoded eagerly
+        fresh(c)
+        ids = torch.randint(10, V, (1, n + new_tokens), generator=torch.Generator().manual_seed(0)).to(c.device)
+        cache = c.cache("infinigen", model, **ig01)
+        cache.reserve(n + 2 * new_tokens)
+        logits = prefill(model, ids[:, :first], cache=cache)
+        fill(cache, n)
+        with StaticSteps(c) as steps:
+            eager = generate(model, ids[:, :n], cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
+                             prefilled=logits, cuda_graph=False).tokens
+        same = not steps.made and bool(torch.equal(eager, graph))
+        ok &= same
+        del cache
+        fresh(c)
+    return {"ok": ok, "graph_tokens_equal_eager_b1": same, "rows": rows}
 
 
 def step_graph(c: Check) -> dict:
@@ -596,6 +832,12 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--methods", default=None, help="speed: these rows only (names as in its table)")
     ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
+    ap.add_argument("--profile-at", default=None, help="profile: CONTEXTxBATCH (default the first context and batch)")
+    ap.add_argument("--memory-at", default=None, help="memory: CONTEXTxBATCH (default 32768x4; dry: 256x2)")
+    ap.add_argument("--long-context", type=int, default=None,
+                    help="long: the context (default 130048: 128k's rows less the new tokens, so that a pinned "
+                         "block of a power of two bytes holds them; dry: 512)")
+    ap.add_argument("--long-new-tokens", type=int, default=None, help="long: decode steps (default 12; dry: 4)")
     args = ap.parse_args()
     dry = args.dry_run or os.environ.get("DEVICE") == "cpu"
     if not dry and not torch.cuda.is_available():
@@ -608,6 +850,15 @@ def main() -> int:
     contexts = [int(x) for x in (args.contexts or ("256,512" if dry else "16384,32768")).split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     new_tokens = args.new_tokens or (4 if dry else 32)
+    only = args.methods.split(",") if args.methods else None
+
+    def shape(text, default):  # "CONTEXTxBATCH" -> (context, batch)
+        n, b = (text or default).split("x")
+        return int(n), int(b)
+
+    profile_at = shape(args.profile_at, f"{contexts[0]}x{batches[0]}")
+    memory_at = shape(args.memory_at, "256x2" if dry else "32768x4")
+    long_n = args.long_context or (512 if dry else 130048)
     if dry:
         from infinigen_kv.model import kernels
 
@@ -620,9 +871,10 @@ def main() -> int:
     report = {"machine": info, "steps": {}}
     steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
              "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),
-             "speed": lambda: step_speed(c, contexts, batches, new_tokens,
-                                         args.methods.split(",") if args.methods else None),
-             "profile": lambda: step_profile(c, contexts[0], batches[0]), "trace": lambda: step_trace(c),
+             "speed": lambda: step_speed(c, contexts, batches, new_tokens, only),
+             "profile": lambda: step_profile(c, *profile_at, only), "trace": lambda: step_trace(c),
+             "memory": lambda: step_memory(c, *memory_at, new_tokens),
+             "long": lambda: step_long(c, long_n, batches, args.long_new_tokens or (4 if dry else 12), only),
              "graph": lambda: step_graph(c), "gather": lambda: step_gather(c, contexts[-1], batches)}
     for name in args.steps.split(","):
         t0 = time.perf_counter()
@@ -636,13 +888,18 @@ def main() -> int:
         report["steps"][name] = r
         (out / "check.json").write_text(json.dumps(report, indent=1))
         log(f"gpu_check: {name} {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s)")
+    from infinigen_kv.methods.infinigen import gather_rows, partial_scores, store_row
+
+    report["kernels_ok"] = {k.what: k.ok for k in (gather_rows.KERNEL, store_row.KERNEL, partial_scores.KERNEL)}
+    (out / "check.json").write_text(json.dumps(report, indent=1))
     print(summary(report))
     return 0 if all(r["ok"] for r in report["steps"].values()) else 1
 
 
 def summary(report: dict) -> str:
     lines = [f"# GPU check: {report['machine']['device']}, torch {report['machine']['torch']}, "
-             f"{report['machine']['date']}", ""]
+             f"{report['machine']['date']}", "", f"Triton kernels built and run (no fallback): {report.get('kernels_ok')}",
+             ""]
     for name, r in report["steps"].items():
         extra = r.get("summary") or r.get("error", "")
         lines.append(f"- {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s) {extra}".rstrip())
@@ -670,6 +927,27 @@ def summary(report: dict) -> str:
             st = r.get("streams") or {}
             lines.append(f"| {name} | {r['step_ms']} | {r['device_ms_per_step']} | {r['kernels_per_step']} | "
                          f"{r['launches_per_step']} | {st.get('transfer_ms', '-')} | {st.get('hidden_share', '-')} |")
+    memory = report["steps"].get("memory", {})
+    if memory.get("rows"):
+        names = sorted({k for r in memory["rows"] for k in r.get("parts_gib", {})})
+        lines += ["", "Device memory (GiB) by part:", "",
+                  "| method | B | context | prefill peak | decode peak | step ms | prefill s | " + " | ".join(names) + " |",
+                  "|---|---|---|---|---|---|---|" + "---|" * len(names)]
+        for r in memory["rows"]:
+            parts = r.get("parts_gib", {})
+            lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r.get('prefill_peak_gib', '-')} | "
+                         f"{r.get('decode_peak_gib', '-')} | {r.get('step_ms', r.get('error', '-'))} | "
+                         f"{r.get('prefill_s', '-')} | " + " | ".join(str(parts.get(k, 0)) for k in names) + " |")
+    long = report["steps"].get("long", {})
+    if long.get("rows"):
+        lines += ["", f"Long contexts, filled (graph tokens = eager at B1: {long.get('graph_tokens_equal_eager_b1')}):",
+                  "", "| method | B | context | step ms | tok/s | device peak GiB | host pool GiB | fetched | fill s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in long["rows"]:
+            parts = r.get("parts_gib", {})
+            lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r.get('step_ms', r.get('error', '-'))} | "
+                         f"{r.get('decode_tok_s', '-')} | {r.get('device_peak_gib', '-')} | "
+                         f"{parts.get('host pool K/V', '-')} | {r.get('fetched_fraction', '-')} | {r.get('fill_s', '-')} |")
     syncs = report["steps"].get("syncs", {})
     for key in ("B1", "B2"):
         if key in syncs:

@@ -12,14 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_dry_run(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    steps = "graph,speed,profile,exact,syncs,race,batching,trace,tests,gather"
+    steps = "graph,speed,profile,exact,syncs,race,batching,trace,tests,gather,memory,long"
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--contexts", "256",
                         "--batches", "1,2", "--steps", steps],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
     assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "graph", "batching", "speed",
-                                     "profile", "trace", "gather"}
+                                     "profile", "trace", "gather", "memory", "long"}
     assert all(step["ok"] for step in report["steps"].values())
     speed = report["steps"]["speed"]["rows"]
     assert {r["method"] for r in speed} >= {"full", "offload", "infinigen-0.1", "infinigen-0.05"}
@@ -33,3 +33,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(r["step_ms"] > 0 for r in gather)
     trace = report["steps"]["trace"]["rows"]
     assert all(r["host_reads"] == 0 for r in trace.values()) and trace["infinigen"]["extra_per_layer"] > 0
+    memory = report["steps"]["memory"]["rows"]
+    assert [r["method"] for r in memory] == ["full", "infinigen-0.1", "infinigen-0.1-f32-partial",
+                                              "infinigen-0.1-no-mirror"]
+    assert all(r["static"] and r["step_ms"] > 0 and r["parts_gib"]["weights"] > 0 for r in memory)
+    assert all(r["tokens_equal_bf16_partial"] == 1.0 for r in memory[1:])  # on CPU the same float32 keys
+    long = report["steps"]["long"]
+    assert long["graph_tokens_equal_eager_b1"] is True
+    assert [(r["method"], r["batch"]) for r in long["rows"]] == [
+        (m, b) for b in (1, 2) for m in ("full", "offload", "infinigen-0.1", "infinigen-0.05")]
+    assert all(r["static"] and r["context"] == 512 and r["step_ms"] > 0 for r in long["rows"])
+    assert "Long contexts, filled" in (tmp_path / "summary.md").read_text()
