@@ -78,7 +78,8 @@ def one_line_error(r, text):
     (["generate", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
     (["generate", "--prompt", "hi", "--method", "nope"], "invalid choice"),
     (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model path not found"),
-    (["generate"], "required"),
+    (["serve", "--model", "/no/such/model.gguf"], "model file not found: /no/such/model.gguf"),
+    (["generate"], "give the prompt: --prompt TEXT, --prompt-file FILE, or both"),
     (["bench", "speed", "--methods", "full,nope"], "unknown method"),
     # was a 20-line traceback / accepted as greedy / "expected one argument"
     (["generate", "--prompt", "hi", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
@@ -90,7 +91,8 @@ def one_line_error(r, text):
     (["serve", "--prefix-cache-bytes", "lots"], "expected a size such as 4GiB"),
     (["serve", "--batching", "dynamic"], "invalid choice"),
     (["serve", "--method", "hf-dynamic"], "invalid choice"),
-    (["serve", "--capacity", "0.5"], "unrecognized arguments: --capacity"),
+    (["serve", "--capacity", "0.5"], "unrecognized arguments: --capacity 0.5 (see infinigen serve --help)"),
+    (["bench", "speed", "--bogus"], "unrecognized arguments: --bogus (see infinigen bench speed --help)"),
     (["generate", "--prompt", "hi", "--top-p", "nope"], "top-p must be a number"),
 ])
 def test_bad_input_exits_with_one_line(args, text):
@@ -198,15 +200,16 @@ def test_a_long_prefill_reports_its_progress_off_a_terminal(tiny_models, monkeyp
 
 def test_busy_port_fails_before_loading_the_model(tmp_path):
     """A second server on a busy port says so in one line, exit 1, before loading anything
-    (it loaded the model and printed "serving ..." first; the model path here does not even exist)."""
+    (it loaded the model and printed "serving ..." first; the checkpoint here could not even be loaded)."""
     import socket
     import time
 
+    (tmp_path / "config.json").write_text("{}")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         t0 = time.perf_counter()
-        r = cli("serve", "--model", str(tmp_path / "missing"), "--port", str(busy.getsockname()[1]), ok=False)
+        r = cli("serve", "--model", str(tmp_path), "--port", str(busy.getsockname()[1]), ok=False)
     one_line_error(r, "cannot listen on 127.0.0.1")
     assert r.returncode == 1 and "serving" not in r.stderr and time.perf_counter() - t0 < 30
 
@@ -343,3 +346,106 @@ def test_calibration_knobs_reach_the_cache_options(tmp_path):
     assert all(unset[k] is None for k in ("gqa_combine", "channel_rule", "skew", "calibration_text"))
     one_line_error(cli("generate", "--prompt", "x", "--calibration-text", str(tmp_path / "none.txt"), ok=False),
                    "--calibration-text")
+
+
+def cli_patched(setup: str, *args):
+    """The CLI in a subprocess after `setup` (Python run first: a knob a test turns, such as the progress interval)."""
+    code = f"import sys\n{setup}\nfrom infinigen_kv.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_prefill_through_the_prefix_cache_reports_its_progress(tiny_dir, tmp_path):
+    """With --prefix-cache-dir the prefill says how far it is as a plain prefill does (it was silent)."""
+    every_chunk = "from infinigen_kv.runtime import generation\ngeneration.PrefillProgress.EVERY_S = 0.0"
+    for extra in ([], ["--prefix-cache-dir", str(tmp_path / "prefix")]):
+        r = cli_patched(every_chunk, "generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "2", *extra)
+        assert r.returncode == 0, r.stderr
+        lines = [line for line in r.stderr.splitlines() if "prefill" in line]
+        assert lines and all(re.fullmatch(r"infinigen: generate: prefill \d+/\d+ tokens \(\d+ s\)", x) for x in lines), (
+            extra, r.stderr)
+
+
+def test_model_paths_are_checked_before_torch_loads(tmp_path):
+    """A --model that names no model (a missing path, a text file named .gguf, a directory without config.json) is one
+    line and status 2, as a missing prompt file is, before torch is imported (it was status 1 after 4-5 s)."""
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("these are notes, not a model\n")
+    (tmp_path / "empty").mkdir()
+    code = ("import sys\nfrom infinigen_kv.cli import main\n"
+            "rc = main(sys.argv[1:])\nassert 'torch' not in sys.modules, 'torch imported'\nsys.exit(rc)\n")
+    for model, text in (("/no/such/model.gguf", "model file not found: /no/such/model.gguf"),
+                        ("./no/such/dir", "model path not found: ./no/such/dir"),
+                        (str(not_gguf), f"{not_gguf} is not a GGUF model (a GGUF file starts with the bytes 'GGUF')"),
+                        (str(tmp_path / "empty"), "is a directory without config.json")):
+        for command in (["generate", "--prompt", "hi"], ["calibrate"], ["serve"], ["bench", "speed"]):
+            r = subprocess.run([sys.executable, "-c", code, *command, "--model", model], capture_output=True, text=True,
+                               timeout=60)
+            assert r.returncode == 2, (command, model, r.stderr)
+            one_line_error(r, text)
+
+
+def test_a_file_that_is_not_a_model_leaves_nothing_behind(tmp_path, monkeypatch):
+    """load_model on a .gguf that is no model: one error naming the file, no "converting" line and no temporary folder
+    in the cache; one whose conversion fails midway (the magic, then garbage) leaves no temporary folder either."""
+    from infinigen_kv.model.load import ModelLoadError, load_model
+
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    text = tmp_path / "notes.gguf"
+    text.write_text("these are notes\n")
+    with pytest.raises(ModelLoadError, match="notes.gguf is not a GGUF model"):
+        load_model(str(text))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match=r"cannot convert .*broken\.gguf"):
+        load_model(str(broken))
+    left = list((tmp_path / "cache").rglob("*")) if (tmp_path / "cache").exists() else []
+    assert not [p for p in left if ".tmp" in p.name], left
+
+
+def test_prompt_and_prompt_file_combine(tiny_dir, tmp_path):
+    """A question about a document: --prompt-file's text, a blank line, then --prompt's; with --chat one user message."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT + "\n")
+    show = ("from infinigen_kv import commands\n"
+            "commands.cmd_generate = lambda args: {'prompt': args.prompt_text, 'chat': args.chat}\n"
+            "import infinigen_kv.cli as cli\ncli.cmd_generate = commands.cmd_generate")
+    for chat in ([], ["--chat"]):
+        r = cli_patched(show, "generate", "--model", tiny_dir, "--prompt-file", str(doc), "--prompt", "Who wrote it?",
+                        "--json", *chat)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == {"prompt": TEXT + "\n\nWho wrote it?", "chat": bool(chat)}
+    r = cli("generate", "--model", tiny_dir, "--prompt-file", str(doc), "--prompt", "Who wrote it?",
+            "--max-new-tokens", "2", "--json")
+    both = json.loads(r.stdout)["prompt_tokens"]
+    alone = json.loads(cli("generate", "--model", tiny_dir, "--prompt-file", str(doc), "--max-new-tokens", "2",
+                           "--json").stdout)["prompt_tokens"]
+    assert both > alone
+
+
+def test_generate_help_says_when_to_use_chat():
+    text = " ".join(cli("generate", "--help").stdout.split())
+    assert "for instruct and chat models (the default SmolLM2-135M-Instruct, Gemma 3 270M)" in text
+    assert "--prompt-file's text when both are given" in text
+
+
+def test_one_token_is_not_tokens(capsys):
+    from infinigen_kv.commands import _summary
+
+    line = _summary({"text": "x", "method": "full", "prompt_tokens": 1, "new_tokens": 1, "prefill_s": 0.1,
+                     "decode_tokens_per_s": 1.0, "fetched_fraction": 1.0}).splitlines()[-1]
+    assert "1 prompt token," in line and "tokens" not in line.split("new")[0]
+
+
+def test_a_server_answers_to_the_short_name_and_the_path(tmp_path):
+    """The served id of a .gguf is its stem and of a checkpoint directory its name (not the whole path); the --model
+    given is accepted too; --served-model-name overrides."""
+    from infinigen_kv.commands import served_ids
+
+    gguf = tmp_path / "qwen2.5-coder-0.5b-instruct-q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert served_ids(str(gguf), None) == ("qwen2.5-coder-0.5b-instruct-q8_0", (str(gguf),))
+    assert served_ids(str(tmp_path), None)[0] == tmp_path.name
+    assert served_ids(None, None) == ("SmolLM2-135M-Instruct", ())
+    assert served_ids("Qwen/Qwen2.5-0.5B", None) == ("Qwen/Qwen2.5-0.5B", ())
+    assert served_ids(str(gguf), "mine") == ("mine", (str(gguf),))

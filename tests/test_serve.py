@@ -349,6 +349,35 @@ def test_an_unexpected_error_is_a_counted_500():
         assert counted and float(counted[0].split()[-1]) == 1.0
 
 
+def test_the_server_answers_to_its_id_and_the_path_it_was_given(tmp_path):
+    """The served id (a .gguf's stem by default) is what /v1/models lists and responses carry; a request may also name
+    the model by the path the server was started with; any other name is a 404."""
+    from fastapi.testclient import TestClient
+
+    from infinigen_kv.serve.app import create_app
+    from infinigen_kv.serve.metrics import Metrics
+
+    class Stub:  # what create_app, /v1/models and the model check touch; encoding a prompt is past the check
+        method, queue_depth, admitting, context, running, waiting, pool_bytes, max_pool_bytes = "full", 0, True, 1024, 0, 0, 0, 1
+        last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}
+
+        def __init__(self):
+            self.metrics = Metrics(self)
+
+        def encode(self, text):
+            raise LookupError("past the model check")
+
+    path = str(tmp_path / "qwen2.5-coder-0.5b-instruct-q8_0.gguf")
+    app = create_app(Stub(), "qwen2.5-coder-0.5b-instruct-q8_0", aliases=(path,))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["qwen2.5-coder-0.5b-instruct-q8_0"]
+        for name in ("qwen2.5-coder-0.5b-instruct-q8_0", path):
+            assert http.post("/v1/completions", json={"model": name, "prompt": "hi"}).status_code == 500  # (the stub)
+        r = http.post("/v1/completions", json={"model": "qwen2.5", "prompt": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert "'qwen2.5-coder-0.5b-instruct-q8_0'" in r.json()["error"]["message"]
+
+
 def test_metrics(server):
     text = requests.get(server.url + "/metrics").text
     for name in ("infinigen_requests_total", "infinigen_prompt_tokens_total", "infinigen_completion_tokens_total",

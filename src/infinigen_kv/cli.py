@@ -50,6 +50,16 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"infinigen: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but options no parser knows are named with the command's own help (`infinigen serve
+        --help`), not the top level's."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = " ".join(c for c in (getattr(parsed, "command", None), getattr(parsed, "bench", None)) if c)
+            self.exit(2, f"infinigen: error: unrecognized arguments: {' '.join(extra)} "
+                         f"(see {self.prog}{' ' + command if command else ''} --help)\n")
+        return parsed
+
 
 def _add_model_args(p):
     p.add_argument("--model", default=None, help=f"hub id, checkpoint directory or .gguf file (default: {DEFAULT_MODEL})")
@@ -145,16 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text with a KV-cache method")
     _add_model_args(g)
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (this or --prompt-file)")
-    src.add_argument("--prompt-file", help="file holding the prompt")
+    g.add_argument("--prompt", help="prompt text; after --prompt-file's text when both are given (a question about a "
+                   "document)")
+    g.add_argument("--prompt-file", help="file holding the prompt (or the document --prompt asks about)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate")
     _add_method_args(g)
     g.add_argument("--batch", type=_positive_int, default=1, help="run the prompt as a batch of N copies")
     g.add_argument("--temperature", type=_temperature, default=0.0, help="in [0, 2]; 0 = greedy (default)")
     g.add_argument("--top-p", type=_fraction("top-p"), default=1.0, help="nucleus sampling: smallest set of tokens reaching this probability")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message through the model's chat template: for instruct and chat "
+                   "models (the default SmolLM2-135M-Instruct, Gemma 3 270M), which answer a message; without it the "
+                   "text is continued as written, as a base model would (benchmarks, a document's next words)")
     _add_prefix_args(g, serving=False)
     g.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
@@ -263,8 +276,9 @@ def _add_serve(sub) -> None:
     _add_method_args(v, serving=True)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     v.add_argument("--port", type=_port, default=8000, help="port to listen on")
-    v.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or "
-                   f"{DEFAULT_MODEL})")
+    v.add_argument("--served-model-name", default=None, help="model id the server answers with (default: the "
+                   f"model's short name: a .gguf file's stem, a checkpoint directory's name, a hub id, {DEFAULT_MODEL} "
+                   "for the default model; requests may also name the --model given)")
     v.add_argument("--api-key", default=os.environ.get("INFINIGEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $INFINIGEN_API_KEY; none = open)")
     v.add_argument("--max-batch", type=_positive_int, default=8, help="rows of the running batch at most")
@@ -292,16 +306,26 @@ def _add_serve(sub) -> None:
 
 
 def _check_inputs(args) -> None:
-    """What can be checked without torch, checked first: a missing or empty prompt file is one line at once,
-    not after the model has loaded."""
+    """What can be checked without torch, checked first: a missing or empty prompt file, a model path that does not
+    exist or is no model, are one line at once, not after torch has loaded."""
+    from .model.source import path_error
+
+    error = path_error(getattr(args, "model", None))
+    if error is not None:
+        raise CLIError(error)
     if args.command == "generate":
+        if args.prompt is None and args.prompt_file is None:
+            raise CLIError("give the prompt: --prompt TEXT, --prompt-file FILE, or both (the file, then the text)")
+        parts = []
         if args.prompt_file is not None:
             path = Path(args.prompt_file)
             if not path.is_file():
                 raise CLIError(f"prompt file not found: {args.prompt_file}")
-            args.prompt_text = path.read_text(encoding="utf-8", errors="replace")
-        else:
-            args.prompt_text = args.prompt
+            parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        if args.prompt is not None:
+            parts.append(args.prompt)
+        # a document and a question about it: the file's text, a blank line, the question (one user message with --chat)
+        args.prompt_text = "\n\n".join(p.rstrip("\n") if i < len(parts) - 1 else p for i, p in enumerate(parts))
         if not args.prompt_text.strip():
             raise CLIError("the prompt is empty")
     if args.command == "calibrate" and args.text_file is not None and not Path(args.text_file).is_file():

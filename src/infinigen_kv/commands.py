@@ -58,7 +58,8 @@ def cmd_generate(args) -> dict:
     n = enc["input_ids"].shape[1]
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and n + args.max_new_tokens > limit:
-        raise CLIError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds the model's context of {limit}")
+        raise CLIError(f"prompt of {n} token{'s' if n != 1 else ''} + {args.max_new_tokens} new "
+                       f"token{'s' if args.max_new_tokens != 1 else ''} exceeds the model's context of {limit}")
     device = next(model.parameters()).device
     cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
     prefix = _prefix_store(args, model, cache)  # (bad input: one error line, no other before it)
@@ -202,7 +203,7 @@ def cmd_serve(args) -> None:
     except OSError as e:
         raise RunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another server "
                            "running there? pick another --port)") from None
-    model_id = args.served_model_name or args.model or DEFAULT_MODEL
+    model_id, aliases = served_ids(args.model, args.served_model_name)
     engine_args = dict(max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
                        prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes,
                        prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
@@ -210,7 +211,7 @@ def cmd_serve(args) -> None:
     options = {k: v for k, v in _method_options(args).items() if v is not None}
     if args.replicas is not None:  # Ray Serve: its proxy listens on the port
         sock.close()
-        _serve_ray(args, model_id, options, engine_args)
+        _serve_ray(args, model_id, aliases, options, engine_args)
         return
     try:
         engine = Engine.on_one_thread(lambda: _load(args), args.method, options, **engine_args)
@@ -219,10 +220,23 @@ def cmd_serve(args) -> None:
         raise
     print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit,
-               args.grace_period, sock)
+               args.grace_period, sock, aliases)
 
 
-def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
+def served_ids(model: str | None, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
+    """(the id a server answers with, the other names it accepts): --served-model-name, else the model's short name
+    (a .gguf file's stem, a checkpoint directory's name: model/source.served_name); the --model given is accepted
+    too (a client may send the path it was started with)."""
+    from .model.source import served_name
+
+    model_id = served_model_name or served_name(model)
+    names = [model] if model else []
+    if model and Path(model).expanduser().exists():
+        names.append(str(Path(model).expanduser().resolve()))
+    return model_id, tuple(n for n in dict.fromkeys(names) if n != model_id)
+
+
+def _serve_ray(args, model_id: str, aliases: tuple, options: dict, engine_args: dict) -> None:
     from .serve import ray_app
 
     try:
@@ -236,7 +250,7 @@ def _serve_ray(args, model_id: str, options: dict, engine_args: dict) -> None:
         args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map,
                         "weights": args.weights},
         args.method, options, engine_args,
-        {"model_id": model_id, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
+        {"model_id": model_id, "aliases": aliases, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
          "max_tokens_limit": args.max_tokens_limit},
         gpus=1 if cuda else 0, grace_s=args.grace_period, threads=args.threads)
     print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1 "
@@ -259,7 +273,8 @@ def _summary(result: dict) -> str:
         return markdown_table(result)
     if "text" in result:
         cached = f" ({result['cached_tokens']} from the prefix cache)" if result.get("cached_tokens") else ""
-        return (f"{result['text']}\n\n[{result['method']}] {result['prompt_tokens']} prompt tokens{cached}, "
+        n = result["prompt_tokens"]
+        return (f"{result['text']}\n\n[{result['method']}] {n} prompt token{'s' if n != 1 else ''}{cached}, "
                 f"{result['new_tokens']} new; prefill {result['prefill_s']:.2f}s, decode "
                 f"{result['decode_tokens_per_s']:.1f} tok/s, fetched fraction {result['fetched_fraction']:.3f}")
     return "\n".join(f"{k}: {v}" for k, v in result.items())

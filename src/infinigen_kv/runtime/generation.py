@@ -113,14 +113,14 @@ class PrefillProgress:
 
 def _first_logits(model, input_ids, attention_mask, cache, max_new_tokens: int, prefilled, prefix, progress):
     """(the logits (B, V) the first new token is sampled from, prompt tokens restored from a prefix store): given
-    (`prefilled`), or from a prefill through the store (batching.prefill_prefix), or from a plain prefill (its
-    progress on stderr when `progress` names the run)."""
+    (`prefilled`), or from a prefill through the store (batching.prefill_prefix), or from a plain prefill; either
+    prefill's progress on stderr when `progress` names the run."""
     if prefilled is not None:
         return prefilled, 0
-    if prefix is not None:
-        return prefill_prefix(model, input_ids, cache, max_new_tokens, prefix)
     shown = PrefillProgress(input_ids.shape[1], progress) if progress is not None else None
     try:
+        if prefix is not None:
+            return prefill_prefix(model, input_ids, cache, max_new_tokens, prefix, shown)
         return prefill(model, input_ids, attention_mask, cache, max_new_tokens, shown), 0
     finally:
         if shown is not None:

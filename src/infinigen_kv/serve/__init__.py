@@ -72,11 +72,11 @@ def log_like_the_server() -> None:
 
 def run_server(engine: Engine, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                max_body_bytes: int = 1 << 20, max_tokens_limit: int = 2048, grace_s: float = 30.0,
-               sock: socket.socket | None = None) -> None:
+               sock: socket.socket | None = None, aliases: tuple[str, ...] = ()) -> None:
     """Serve until SIGTERM/SIGINT, then drain (see DrainingServer) and return; the engine is closed."""
     import uvicorn
 
-    app = create_app(engine, model_id, api_key, max_body_bytes, max_tokens_limit)
+    app = create_app(engine, model_id, api_key, max_body_bytes, max_tokens_limit, aliases)
     # the streams have all ended when uvicorn's own shutdown starts: its timeout only covers stragglers
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     log_like_the_server()

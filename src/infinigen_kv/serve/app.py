@@ -83,10 +83,11 @@ class Guard:
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-               max_tokens_limit: int = 2048) -> FastAPI:
-    """The app serving `engine` as `model_id` (its owner closes the engine: run_server, after the drain)."""
+               max_tokens_limit: int = 2048, aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The app serving `engine` as `model_id`, also answering to `aliases` (its owner closes the engine: run_server,
+    after the drain)."""
     app = FastAPI(title="infinigen-kv")
-    app.state.service = Service(engine, model_id, api_key, max_tokens_limit)
+    app.state.service = Service(engine, model_id, api_key, max_tokens_limit, aliases)
     requests = Counter("infinigen_requests", "HTTP requests answered, by path and status", ["path", "status"],
                        registry=engine.metrics.registry)
     app.add_middleware(Guard, limit=max_body_bytes, counter=requests)

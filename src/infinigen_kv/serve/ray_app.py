@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 
-from ..config import DEFAULT_METHOD, DEFAULT_MODEL
+from ..config import DEFAULT_METHOD
 
 log = logging.getLogger("uvicorn.error")
 
@@ -90,8 +90,10 @@ def app_builder(args: dict):
     for k in ("batching", "prefix_cache_dir"):
         if k in args:
             engine[k] = args[k]
-    app = {"model_id": args.get("served_model_name") or model or DEFAULT_MODEL,
-           "api_key": args.get("api_key")}
+    from ..commands import served_ids
+
+    model_id, aliases = served_ids(model, args.get("served_model_name"))
+    app = {"model_id": model_id, "aliases": aliases, "api_key": args.get("api_key")}
     return application(int(args.get("replicas", 1)), {"name": model, "device": args.get("device")},
                        args.get("method", DEFAULT_METHOD), options, engine, app)
 

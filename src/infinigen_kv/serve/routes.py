@@ -27,8 +27,10 @@ router = APIRouter()
 class Service:
     """What the endpoints share, made once by create_app."""
 
-    def __init__(self, engine: Engine, model_id: str, api_key: str | None, max_tokens_limit: int):
+    def __init__(self, engine: Engine, model_id: str, api_key: str | None, max_tokens_limit: int,
+                 aliases: tuple[str, ...] = ()):
         self.engine, self.model_id, self.api_key, self.max_tokens_limit = engine, model_id, api_key, max_tokens_limit
+        self.aliases = frozenset(aliases)  # other names requests may give the model by (the path it was loaded from)
         self.registry = registry = engine.metrics.registry  # the engine's histograms and gauges, and these counters
         self.prompt_tokens = Counter("infinigen_prompt_tokens", "prompt tokens of finished requests", registry=registry)
         self.completion_tokens = Counter("infinigen_completion_tokens", "generated tokens of finished requests",
@@ -45,7 +47,7 @@ class Service:
             raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)", code="invalid_api_key")
 
     def check_model(self, name: str) -> None:
-        if name != self.model_id:
+        if name != self.model_id and name not in self.aliases:
             raise APIError(404, f"model {name!r} not found; this server serves {self.model_id!r}", "model",
                            "model_not_found")
 
@@ -68,7 +70,8 @@ class Service:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {self.max_tokens_limit}",
                            "max_tokens")
         if ctx and len(ids) + max(max_tokens, 1) > ctx:
-            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: more than the "
+            raise APIError(400, f"the prompt has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
+                                f"{max_tokens}: more than the "
                                 f"model's context of {ctx} tokens", field, "context_length_exceeded")
         job = Job(ids, max_tokens, req.temperature, req.top_p, req.seed, list(req.stop or []), logprobs,
                   top_k=max(req.top_k, 0), min_p=req.min_p, presence_penalty=req.presence_penalty,
