@@ -440,7 +440,7 @@ def test_one_token_is_not_tokens(capsys):
 def test_a_server_answers_to_the_short_name_and_the_path(tmp_path):
     """The served id of a .gguf is its stem and of a checkpoint directory its name (not the whole path); the --model
     given is accepted too; --served-model-name overrides."""
-    from infinigen_kv.commands import served_ids
+    from infinigen_kv.model.source import served_ids
 
     gguf = tmp_path / "qwen2.5-coder-0.5b-instruct-q8_0.gguf"
     gguf.write_bytes(b"GGUF")

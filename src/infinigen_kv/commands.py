@@ -203,6 +203,8 @@ def cmd_serve(args) -> None:
     except OSError as e:
         raise RunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (is another server "
                            "running there? pick another --port)") from None
+    from .model.source import served_ids
+
     model_id, aliases = served_ids(args.model, args.served_model_name)
     engine_args = dict(max_batch=args.max_batch, queue_size=args.queue_size, batching=args.batching,
                        prefill_chunk=args.prefill_chunk, max_pool_bytes=args.max_pool_bytes,
@@ -221,19 +223,6 @@ def cmd_serve(args) -> None:
     print(f"infinigen: serving {model_id} with {args.method} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run_server(engine, model_id, args.host, args.port, args.api_key, args.max_body_bytes, args.max_tokens_limit,
                args.grace_period, sock, aliases)
-
-
-def served_ids(model: str | None, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
-    """(the id a server answers with, the other names it accepts): --served-model-name, else the model's short name
-    (a .gguf file's stem, a checkpoint directory's name: model/source.served_name); the --model given is accepted
-    too (a client may send the path it was started with)."""
-    from .model.source import served_name
-
-    model_id = served_model_name or served_name(model)
-    names = [model] if model else []
-    if model and Path(model).expanduser().exists():
-        names.append(str(Path(model).expanduser().resolve()))
-    return model_id, tuple(n for n in dict.fromkeys(names) if n != model_id)
 
 
 def _serve_ray(args, model_id: str, aliases: tuple, options: dict, engine_args: dict) -> None:

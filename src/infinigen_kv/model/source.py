@@ -1,7 +1,7 @@
 """What a model name names, decided without torch: the default model's and Gemma 3's aliases, a .gguf file, a
 checkpoint directory, or a hub id. `path_error` says in one line what is wrong with a name that is meant as a path
-(the CLI asks it before any heavy import; the loader asks it again for every caller), and `served_name` gives the
-short id a server answers to."""
+(the CLI asks it before any heavy import; the loader asks it again for every caller), and `served_ids` gives the
+short id a server answers to and the other names it accepts."""
 
 from __future__ import annotations
 
@@ -62,3 +62,14 @@ def served_name(name: str | None) -> str:
     if p.is_dir():
         return p.resolve().name
     return name
+
+
+def served_ids(model: str | None, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
+    """(the id a server answers with, the other names it accepts): --served-model-name, else the model's short name
+    (a .gguf file's stem, a checkpoint directory's name: served_name); the --model given is accepted
+    too (a client may send the path it was started with)."""
+    model_id = served_model_name or served_name(model)
+    names = [model] if model else []
+    if model and Path(model).expanduser().exists():
+        names.append(str(Path(model).expanduser().resolve()))
+    return model_id, tuple(n for n in dict.fromkeys(names) if n != model_id)

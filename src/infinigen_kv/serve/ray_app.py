@@ -90,7 +90,7 @@ def app_builder(args: dict):
     for k in ("batching", "prefix_cache_dir"):
         if k in args:
             engine[k] = args[k]
-    from ..commands import served_ids
+    from ..model.source import served_ids
 
     model_id, aliases = served_ids(model, args.get("served_model_name"))
     app = {"model_id": model_id, "aliases": aliases, "api_key": args.get("api_key")}
