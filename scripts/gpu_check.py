@@ -17,6 +17,8 @@ Steps (each one's result goes to check.json; a step that fails is recorded and t
              keys and without the prompt's device mirrors; the prefill's and the decode's peaks
   long       the 8B shape at --long-context (128k) for each batch, filled without a full prefill: full, offload,
              infinigen 0.1 / 0.05; the decode's device peak, the pinned host pool; graph tokens = eager at B1
+  serve      `infinigen serve` (full, infinigen) on a Llama of 1B's shape with random weights: --serve-clients
+             clients at once with --serve-prompt-token prompts; throughput and time to first token
 
 --dry-run (or DEVICE=cpu) runs every step on CPU at tiny sizes through the same code (the device path's transfer on
 CPU stand-ins), so that the script itself is tested without a GPU (tests/test_gpu_check.py).
@@ -757,6 +759,122 @@ def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
     return {"ok": ok, "graph_tokens_equal_eager_b1": same, "rows": rows}
 
 
+def serve_model(c: Check) -> Path:
+    """A checkpoint the server loads: a Llama of Llama-3.2-1B's shape (16 layers, 32 / 8 heads of 64, 32k positions;
+    a dry run: a tiny one) with random bf16 weights, and a small byte-level BPE tokenizer (its 512 ids the vocabulary),
+    saved once under the work folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from infinigen_kv.bench.server import WORDS
+
+    out = c.work / "serve-model"
+    if (out / "config.json").is_file():
+        return out
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=4096) if c.dry else dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=32768, rope_theta=500000.0)
+    cfg = LlamaConfig(vocab_size=len(fast), bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
+    torch.manual_seed(0)
+    with torch.device(c.device):
+        model = LlamaForCausalLM(cfg).to(torch.float32 if c.dry else torch.bfloat16).eval()
+    model.save_pretrained(out)
+    del model
+    fresh(c)
+    return out
+
+
+def step_serve(c: Check, n: int, clients: int, new_tokens: int) -> dict:
+    """`infinigen serve` on the device, one process per method (full, infinigen), continuous batching, graphs on:
+    `clients` clients at once, each one streamed completion of an n-token prompt (random token ids) and new_tokens
+    tokens; the throughput (completion tokens over the wall time) and the time to first token (p50, p99). Each
+    server's log goes to serve-METHOD.log."""
+    import socket
+    import threading
+
+    import requests
+
+    from infinigen_kv.bench.server import quantiles, stop
+
+    model_dir = serve_model(c)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for _ in range(clients)]
+    rows, ok = [], True
+    for method in ("full", "infinigen"):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        log_path = c.out / f"serve-{method}.log"
+        cmd = [sys.executable, "-m", "infinigen_kv.cli", "serve", "--model", str(model_dir), "--method", method,
+               "--port", str(port), "--device", c.device.type, "--max-batch", str(clients),
+               "--max-tokens-limit", str(new_tokens), "--prefix-cache-bytes", "0"]
+        row = {"method": method, "clients": clients, "prompt_tokens": n, "new_tokens": new_tokens}
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            url = f"http://127.0.0.1:{port}"
+            try:
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < 300:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the server exited ({proc.returncode}): see {log_path.name}")
+                    try:
+                        if requests.get(url + "/health", timeout=1).ok:
+                            break
+                    except requests.RequestException:
+                        time.sleep(0.5)
+                row["start_s"] = round(time.perf_counter() - t0, 1)
+                model_id = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+                results = [None] * clients
+
+                def client(i):
+                    body = {"model": model_id, "prompt": prompts[i], "max_tokens": new_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+                    start, first, tokens = time.perf_counter(), None, 0
+                    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
+                        r.raise_for_status()
+                        for line in r.iter_lines():
+                            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                                continue
+                            event = json.loads(line[6:])
+                            if event.get("choices") and first is None:
+                                first = time.perf_counter() - start
+                            if event.get("usage"):
+                                tokens = event["usage"]["completion_tokens"]
+                    results[i] = (first, tokens, time.perf_counter() - start)
+
+                threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+                t1 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t1
+                done = [x for x in results if x is not None]
+                p50, p99 = quantiles([x[0] for x in done if x[0] is not None])
+                row.update(completed=len(done), wall_s=round(wall, 2),
+                           tokens_per_s=round(sum(x[1] for x in done) / wall, 2), ttft_p50_s=p50, ttft_p99_s=p99)
+                ok &= len(done) == clients and all(x[1] == new_tokens for x in done)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                ok = False
+            finally:
+                if proc.poll() is None:
+                    stop(proc)
+        rows.append(row)
+        log(f"  serve {row}")
+    return {"ok": ok, "rows": rows}
+
+
 def step_graph(c: Check) -> dict:
     """Decode steps replayed as one CUDA graph a step (model/static.py) give the eager steps' tokens and fetched
     shares (full, offload, infinigen at 0.2; greedy, 24 new tokens; float32 and bf16, and int8 rows under bf16;
@@ -838,6 +956,9 @@ def main() -> int:
                     help="long: the context (default 130048: 128k's rows less the new tokens, so that a pinned "
                          "block of a power of two bytes holds them; dry: 512)")
     ap.add_argument("--long-new-tokens", type=int, default=None, help="long: decode steps (default 12; dry: 4)")
+    ap.add_argument("--serve-prompt", type=int, default=None, help="serve: prompt tokens (default 16384; dry: 256)")
+    ap.add_argument("--serve-clients", type=int, default=8, help="serve: clients at once")
+    ap.add_argument("--serve-new-tokens", type=int, default=None, help="serve: tokens a request (default 64; dry: 8)")
     args = ap.parse_args()
     dry = args.dry_run or os.environ.get("DEVICE") == "cpu"
     if not dry and not torch.cuda.is_available():
@@ -874,6 +995,8 @@ def main() -> int:
              "speed": lambda: step_speed(c, contexts, batches, new_tokens, only),
              "profile": lambda: step_profile(c, *profile_at, only), "trace": lambda: step_trace(c),
              "memory": lambda: step_memory(c, *memory_at, new_tokens),
+             "serve": lambda: step_serve(c, args.serve_prompt or (256 if dry else 16384), args.serve_clients,
+                                         args.serve_new_tokens or (8 if dry else 64)),
              "long": lambda: step_long(c, long_n, batches, args.long_new_tokens or (4 if dry else 12), only),
              "graph": lambda: step_graph(c), "gather": lambda: step_gather(c, contexts[-1], batches)}
     for name in args.steps.split(","):
@@ -948,6 +1071,15 @@ def summary(report: dict) -> str:
             lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r.get('step_ms', r.get('error', '-'))} | "
                          f"{r.get('decode_tok_s', '-')} | {r.get('device_peak_gib', '-')} | "
                          f"{parts.get('host pool K/V', '-')} | {r.get('fetched_fraction', '-')} | {r.get('fill_s', '-')} |")
+    serve = report["steps"].get("serve", {})
+    if serve.get("rows"):
+        lines += ["", "The server (continuous batching), clients at once:", "",
+                  "| method | clients | prompt | new | tok/s | TTFT p50 s | TTFT p99 s | wall s | start s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in serve["rows"]:
+            lines.append(f"| {r['method']} | {r['clients']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+                         f"{r.get('tokens_per_s', r.get('error', '-'))} | {r.get('ttft_p50_s', '-')} | "
+                         f"{r.get('ttft_p99_s', '-')} | {r.get('wall_s', '-')} | {r.get('start_s', '-')} |")
     syncs = report["steps"].get("syncs", {})
     for key in ("B1", "B2"):
         if key in syncs:

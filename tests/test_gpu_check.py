@@ -12,14 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_dry_run(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    steps = "graph,speed,profile,exact,syncs,race,batching,trace,tests,gather,memory,long"
+    steps = "graph,speed,profile,exact,syncs,race,batching,trace,tests,gather,memory,long,serve"
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--contexts", "256",
-                        "--batches", "1,2", "--steps", steps],
+                        "--batches", "1,2", "--steps", steps, "--serve-clients", "3"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
     assert set(report["steps"]) == {"tests", "exact", "race", "syncs", "graph", "batching", "speed",
-                                     "profile", "trace", "gather", "memory", "long"}
+                                     "profile", "trace", "gather", "memory", "long", "serve"}
     assert all(step["ok"] for step in report["steps"].values())
     speed = report["steps"]["speed"]["rows"]
     assert {r["method"] for r in speed} >= {"full", "offload", "infinigen-0.1", "infinigen-0.05"}
@@ -44,3 +44,6 @@ def test_gpu_check_dry_run(tmp_path):
         (m, b) for b in (1, 2) for m in ("full", "offload", "infinigen-0.1", "infinigen-0.05")]
     assert all(r["static"] and r["context"] == 512 and r["step_ms"] > 0 for r in long["rows"])
     assert "Long contexts, filled" in (tmp_path / "summary.md").read_text()
+    serve = report["steps"]["serve"]["rows"]
+    assert [r["method"] for r in serve] == ["full", "infinigen"]
+    assert all(r["completed"] == 3 and r["tokens_per_s"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 for r in serve)
