@@ -1,4 +1,7 @@
+import contextlib
+import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -32,6 +35,20 @@ def _fixed_threads():
     yield
     threads.set_threads(None)  # a test's --threads N does not outlive it
     threads.TUNER.enabled = True
+
+
+@contextlib.contextmanager
+def triton_module(name: str, monkeypatch):
+    """(the Triton kernel module `name` imported anew, the device its kernels run on): on a GPU the kernels
+    themselves; here in Triton's interpreter (TRITON_INTERPRET, read when a kernel is decorated). Dropped after."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if dev == "cpu" else "0")
+    sys.modules.pop(name, None)
+    try:
+        yield importlib.import_module(name), dev
+    finally:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture(scope="session")

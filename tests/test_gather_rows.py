@@ -1,12 +1,10 @@
 """A static step's fetch (methods/infinigen/gather_rows.py): the Triton kernel a GPU runs, run here by Triton's
 interpreter, copies the rows the PyTorch reference copies; the op is one op of a step's trace."""
 
-import importlib
-import sys
-
 import pytest
 import torch
 
+from conftest import triton_module
 from infinigen_kv.methods.infinigen import gather_rows as gr
 
 
@@ -23,21 +21,14 @@ def buffers(dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_the_triton_kernel_gathers_what_the_reference_gathers(dtype, monkeypatch):
-    """On a GPU the kernel itself; here in Triton's interpreter (TRITON_INTERPRET=1, from conftest)."""
-    pytest.importorskip("triton")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if dev == "cpu" else "0")  # read when the kernel is decorated
-    sys.modules.pop("infinigen_kv.methods.infinigen.gather_rows_triton", None)
-    kernel = importlib.import_module("infinigen_kv.methods.infinigen.gather_rows_triton")
-    try:
+    """On a GPU the kernel itself; here in Triton's interpreter."""
+    with triton_module("infinigen_kv.methods.infinigen.gather_rows_triton", monkeypatch) as (kernel, dev):
         expect, got = buffers(dtype), [t.to(dev) for t in buffers(dtype)]
         gr.reference(*expect)
         kernel.triton_gather(*got)
         got = [t.cpu() for t in got]
         assert torch.equal(expect[3], got[3]) and torch.equal(expect[4], got[4])
         assert (got[3][:, :, 0] == 7).all()  # slot 0 (the new row's) untouched
-    finally:
-        sys.modules.pop("infinigen_kv.methods.infinigen.gather_rows_triton", None)
 
 
 def test_the_op_is_one_op_of_a_step():

@@ -2,11 +2,10 @@
 runs, run here by Triton's interpreter, gives the reference's float32 logits; approx_scores takes that op for
 bfloat16 keys and is one op of a step."""
 
-import importlib
-import sys
-
 import pytest
 import torch
+
+from conftest import triton_module
 
 from infinigen_kv.methods.infinigen import partial_scores as ps
 from infinigen_kv.methods.infinigen.speculator import approx_scores, keep_bias
@@ -25,13 +24,8 @@ def inputs(dtype, bias: bool, seed: int = 0, B: int = 2):
 @pytest.mark.parametrize("bias", [False, True], ids=["no mask", "mask"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_triton_kernel_scores_what_the_reference_scores(dtype, bias, B, monkeypatch):
-    """On a GPU the kernel itself; here in Triton's interpreter (TRITON_INTERPRET=1)."""
-    pytest.importorskip("triton")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if dev == "cpu" else "0")  # read when the kernel is decorated
-    sys.modules.pop("infinigen_kv.methods.infinigen.partial_scores_triton", None)
-    kernel = importlib.import_module("infinigen_kv.methods.infinigen.partial_scores_triton")
-    try:
+    """On a GPU the kernel itself; here in Triton's interpreter."""
+    with triton_module("infinigen_kv.methods.infinigen.partial_scores_triton", monkeypatch) as (kernel, dev):
         q, keys, b = inputs(dtype, bias, B=B)
         expect = ps.reference(q, keys, b, 0.125)
         got = kernel.triton_scores(*(t.to(dev) if t is not None else None for t in (q, keys, b)), 0.125).cpu()
@@ -39,8 +33,6 @@ def test_the_triton_kernel_scores_what_the_reference_scores(dtype, bias, B, monk
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)  # float32 sums in another order
         if bias:
             assert torch.equal(torch.isinf(got), torch.isinf(expect))  # masked positions stay -inf
-    finally:
-        sys.modules.pop("infinigen_kv.methods.infinigen.partial_scores_triton", None)
 
 
 def test_bfloat16_keys_score_in_float32_as_one_op():

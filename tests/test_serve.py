@@ -72,6 +72,22 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+class StubEngine:
+    """Just what create_app, /metrics, /v1/models and a completion's first steps touch: encoding a prompt raises
+    `error`."""
+
+    method, queue_depth, admitting, context, running, waiting, pool_bytes, max_pool_bytes = "full", 0, True, 1024, 0, 0, 0, 1
+    last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}
+
+    def __init__(self, error: Exception):
+        from infinigen_kv.serve.metrics import Metrics
+
+        self.error, self.metrics = error, Metrics(self)
+
+    def encode(self, text):
+        raise self.error
+
+
 def chat(client, **kw):
     args = dict(model=MODEL, messages=[{"role": "user", "content": "The pass key is 12345. Remember it."}],
                 max_tokens=8, temperature=0)
@@ -328,19 +344,7 @@ def test_an_unexpected_error_is_a_counted_500():
 
     from infinigen_kv.serve.app import create_app
 
-    from infinigen_kv.serve.metrics import Metrics
-
-    class Broken:  # just what create_app, /metrics and the completions route touch
-        method, queue_depth, admitting, context, running, waiting, pool_bytes, max_pool_bytes = "full", 0, True, 1024, 0, 0, 0, 1
-        last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}
-
-        def __init__(self):
-            self.metrics = Metrics(self)
-
-        def encode(self, text):
-            raise TypeError("stand-in bug")
-
-    with TestClient(create_app(Broken(), MODEL), raise_server_exceptions=False) as http:
+    with TestClient(create_app(StubEngine(TypeError("stand-in bug")), MODEL), raise_server_exceptions=False) as http:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "stand-in bug" not in r.text  # no internals to the client
@@ -355,20 +359,10 @@ def test_the_server_answers_to_its_id_and_the_path_it_was_given(tmp_path):
     from fastapi.testclient import TestClient
 
     from infinigen_kv.serve.app import create_app
-    from infinigen_kv.serve.metrics import Metrics
 
-    class Stub:  # what create_app, /v1/models and the model check touch; encoding a prompt is past the check
-        method, queue_depth, admitting, context, running, waiting, pool_bytes, max_pool_bytes = "full", 0, True, 1024, 0, 0, 0, 1
-        last = {"decode_tokens_per_s": 0.0, "fetched_fraction": 0.0}
-
-        def __init__(self):
-            self.metrics = Metrics(self)
-
-        def encode(self, text):
-            raise LookupError("past the model check")
-
-    path = str(tmp_path / "qwen2.5-coder-0.5b-instruct-q8_0.gguf")
-    app = create_app(Stub(), "qwen2.5-coder-0.5b-instruct-q8_0", aliases=(path,))
+    path = str(tmp_path / "qwen2.5-coder-0.5b-instruct-q8_0.gguf")  # encoding a prompt is past the model check
+    app = create_app(StubEngine(LookupError("past the model check")), "qwen2.5-coder-0.5b-instruct-q8_0",
+                     aliases=(path,))
     with TestClient(app, raise_server_exceptions=False) as http:
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["qwen2.5-coder-0.5b-instruct-q8_0"]
         for name in ("qwen2.5-coder-0.5b-instruct-q8_0", path):
