@@ -18,7 +18,7 @@ import torch
 from ...config import InfiniGenConfig
 from ...model import backend as backends
 from ...model import int8_rows
-from ...model.kv import KVView, kv_storage, row_width, to_rows
+from ...model.kv import KVView, kv_storage, row_width
 from ..base import LogicalLayer
 from ..rows import RowBuffer
 from .contracts import Transfer
@@ -267,13 +267,13 @@ class PoolLayer(DeviceLayer):
 
     def store_fixed(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor, K: torch.Tensor, V: torch.Tensor):
         """A static step's new row k, v (B, G, 1, d): into the pool at column `at` (1,), into slot 0 of the working
-        set K, V (B, G, m + 1, d), and its partial key into the partial key cache, in one op (store_row.py) where
-        the partial keys are raw channels stored as floats; else the partial key by its own ops."""
+        set K, V (B, G, m + 1, d) (int8 rows: quantized by the op), and its partial key into the partial key cache,
+        in one op (store_row.py) where the partial keys are raw channels stored as floats; else the partial key by its
+        own ops."""
         pool_k, pool_v = self.transfer.device_pool(self)
-        rows = pool_k.dtype == torch.int8  # int8 rows: quantized first, then stored as bytes
-        fused = self.key_channels is not None and self.partial.dtype != torch.int8 and not rows
-        store_row(to_rows(k, pool_k.dtype) if rows else k, to_rows(v, pool_v.dtype) if rows else v, pool_k, pool_v, at,
-                  K, V, self.partial.data if fused else None, self.key_channels if fused else None)
+        fused = self.key_channels is not None and self.partial.dtype != torch.int8  # (int8 K/V rows: quantized in it)
+        store_row(k, v, pool_k, pool_v, at, K, V, self.partial.data if fused else None,
+                  self.key_channels if fused else None)
         if self.partial is not None and not fused:
             self.partial.data.index_copy_(2, at, self.partial_rows(k))
 

@@ -8,22 +8,26 @@ kernel against on CPU, through TRITON_INTERPRET=1).
 
 Shapes: k, v (B, G, 1, dk / dv); pool_k, pool_v (B, G, capacity, dk / dv) (on a GPU a device view of the pinned
 pool); at (1,) int64 on the device; ws_k, ws_v (B, G, 1 + m, dk / dv); partial (B, G, capacity, p) and channels
-(G, p) int64, or both None. Strides may be any (rows contiguous).
+(G, p) int64, or both None. Strides may be any (rows contiguous). int8 pools and working sets hold q8_0 rows
+(width kv_width(d)): k, v as computed are quantized in the op (the kernel: in registers; it took a dozen PyTorch
+ops a layer), or given as int8 rows already.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...model.kv import to_rows
 from ...model.triton_kernel import TritonKernel
 
 
 def reference(k, v, pool_k, pool_v, at, ws_k, ws_v, partial, channels) -> None:
     """The op in PyTorch ops."""
-    pool_k.index_copy_(2, at, k.to(pool_k.dtype))
-    pool_v.index_copy_(2, at, v.to(pool_v.dtype))
-    ws_k[:, :, :1].copy_(k)
-    ws_v[:, :, :1].copy_(v)
+    rk, rv = to_rows(k, pool_k.dtype), to_rows(v, pool_v.dtype)  # int8 pools: q8_0 rows (model/int8_rows.py)
+    pool_k.index_copy_(2, at, rk)
+    pool_v.index_copy_(2, at, rv)
+    ws_k[:, :, :1].copy_(rk)
+    ws_v[:, :, :1].copy_(rv)
     if partial is not None:
         B, G = k.shape[:2]
         rows = k.gather(-1, channels.view(1, G, 1, -1).expand(B, G, 1, -1))  # (B, G, 1, p)
