@@ -663,19 +663,26 @@ class StaticSteps:
 
 def fill(cache, n: int) -> None:
     """Every layer's rows [n0, n) made copies of its first n0 (a prefill of n0 tokens): a context of n tokens
-    without its prefill, for a step's speed and memory (which follow the sizes, not the values)."""
+    without its prefill, for a step's speed and memory (which follow the sizes, not the values). The copies' partial
+    keys are scaled by 1 + 2^-6 x noise (seeded by the layer: two fills are alike): exact copies would tie in every
+    score, and the eager and the static selections may break ties apart (other rows, other sums: other tokens)."""
     if hasattr(cache, "settle"):
         cache.settle()  # the prompt's rows have landed in the pool
     for layer in cache.layers:
         bufs = layer.buffers() if hasattr(layer, "buffers") else layer.row_buffers()
         for buf in bufs:
             buf.reserve(n, room=False)
-            done = buf.length
+            n0 = done = buf.length
             while done < n:  # doubling: log2(n / n0) copies
                 m = min(done, n - done)
                 buf.data[:, :, done : done + m].copy_(buf.data[:, :, :m])
                 done += m
             buf.length = n
+            if buf is getattr(layer, "partial", None) and buf.dtype.is_floating_point:
+                gen = torch.Generator(buf.data.device).manual_seed(layer.layer_idx)
+                copies = buf.data[:, :, n0:n]
+                copies.mul_(1 + 2**-6 * torch.randn(copies.shape, generator=gen, device=copies.device,
+                                                     dtype=copies.dtype))
         if hasattr(layer, "seen"):
             layer.seen = n
 
