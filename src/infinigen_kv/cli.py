@@ -122,8 +122,9 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                    help="InfiniGen on the sliding-window layers of a model that also has global ones (Gemma 3): "
                    "attend each one's whole window, or select within it (default: %s)" % InfiniGenConfig.local_layers)
     p.add_argument("--partial-dtype", choices=list(PARTIAL_DTYPES), default=None,
-                   help="InfiniGen's partial key cache: auto (int8 on CPU with the kernels, float32 on a GPU), int8 rows with a "
-                   "per-row scale scored by integer dot products, bfloat16, or the model's dtype (default: %s)" % InfiniGenConfig.partial_dtype)
+                   help="InfiniGen's partial key cache: auto (int8 on CPU with the kernels, bfloat16 on a GPU), int8 rows with a "
+                   "per-row scale scored by integer dot products, bfloat16, float32, or the model's dtype (default: %s)"
+                   % InfiniGenConfig.partial_dtype)
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
                    help="storage of the K/V rows of every method that keeps them: auto (bfloat16 for a float32 model on CPU, "
                    "the model's dtype on a GPU), float32, bfloat16 (half a float32 model's bytes per token; attention "
