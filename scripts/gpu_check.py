@@ -593,13 +593,13 @@ def step_memory(c: Check, n: int, B: int, new_tokens: int) -> dict:
     partial keys in bfloat16 (the default on a GPU) and in float32; and with no room for the prompt's device
     mirrors (each prefill chunk reads the past back from the pool). The prefill's peak and the decode's, the step's
     time, and the tokens of each against bfloat16 partial keys' (float32's: the same selection, rounded keys)."""
-    from infinigen_kv.methods.infinigen import cuda_transfer
+    from infinigen_kv.methods.infinigen import mirror
 
     model, cal_path = big(c)
     ids = torch.randint(10, model.config.vocab_size, (B, n), generator=torch.Generator().manual_seed(0)).to(c.device)
     ig01 = {"budget": 0.1, "calibration": str(cal_path)}
     rows, tokens = [], {}
-    fits = cuda_transfer.CudaTransfer.mirror_fits
+    fits = mirror.fits
     for name, method, opts in [("full", "full", {}), ("infinigen-0.1", "infinigen", ig01),
                                ("infinigen-0.1-f32-partial", "infinigen", {**ig01, "partial_dtype": "float32"}),
                                ("infinigen-0.1-no-mirror", "infinigen", ig01)]:
@@ -607,7 +607,7 @@ def step_memory(c: Check, n: int, B: int, new_tokens: int) -> dict:
         row = {"method": name, "batch": B, "context": n}
         try:
             if name.endswith("no-mirror"):
-                cuda_transfer.CudaTransfer.mirror_fits = lambda self, nbytes: False
+                mirror.fits = lambda device, nbytes: False
             cache = c.cache(method, model, **opts)
             timer = StepTimer(c.device.type == "cuda")
             peaks = Peaks(c, timer)
@@ -628,7 +628,7 @@ def step_memory(c: Check, n: int, B: int, new_tokens: int) -> dict:
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         finally:
-            cuda_transfer.CudaTransfer.mirror_fits = fits
+            mirror.fits = fits
         rows.append(row)
         log(f"  memory {row}")
     return {"ok": all("error" not in r for r in rows), "rows": rows}
@@ -687,6 +687,18 @@ def fill(cache, n: int) -> None:
             layer.seen = n
 
 
+def filled(c: Check, model, method: str, opts: dict, ids: torch.Tensor, first: int, n: int, room: int):
+    """(a fresh cache of `method` holding n tokens per sequence of ids (B, >= first), room for `room` more: a real
+    prefill of the first `first`, then `fill`; the prefill's last logits (B, V))."""
+    fresh(c)
+    cache = c.cache(method, model, **opts)
+    cache.reserve(n + room)
+    logits = prefill(model, ids[:, :first], cache=cache)
+    fill(cache, n)
+    c.sync()
+    return cache, logits
+
+
 def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
     """The 8B shape at B x n (n to the model's 128k), contexts filled without their prefill (a real prefill of
     FILL tokens, then `fill`): full, offload and infinigen at 0.1 and 0.05 (one filled cache, its budget changed),
@@ -698,21 +710,16 @@ def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
     ig01 = {"budget": 0.1, "calibration": str(cal_path), **({"min_budget": 0} if c.dry else {})}  # (dry: caps differ)
     runs = [("full", "full", {}, (None,)), ("offload", "offload", {}, (None,)),
             ("infinigen", "infinigen", ig01, (0.1, 0.05))]
-    rows, ok = [], True
+    rows, ok, graph = [], True, None
     for B in batches:
         ids = torch.randint(10, V, (B, n + new_tokens), generator=torch.Generator().manual_seed(0)).to(c.device)
         for name, method, opts, budgets in runs:
             if only and not any(m.startswith(name) for m in only):
                 continue
-            fresh(c)
             row = {"method": name, "batch": B, "context": n}
             try:
-                cache = c.cache(method, model, **opts)
-                cache.reserve(n + len(budgets) * new_tokens)
                 t0 = time.perf_counter()
-                logits = prefill(model, ids[:, :first], cache=cache)
-                fill(cache, n)
-                c.sync()
+                cache, logits = filled(c, model, method, opts, ids, first, n, len(budgets) * new_tokens)
                 row["fill_s"] = round(time.perf_counter() - t0, 1)
                 for i, budget in enumerate(budgets):
                     if budget is not None:
@@ -735,9 +742,9 @@ def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
                     if getattr(cache, "stats", {}).get("fetched_fraction") is not None and method != "full":
                         r["fetched_fraction"] = round(cache.stats["fetched_fraction"], 4)
                     if B == 1 and budget == 0.1:
-                        r["graph_tokens"] = res.tokens
+                        graph = res.tokens
                     rows.append(r)
-                    log(f"  long {({k: v for k, v in r.items() if k != 'graph_tokens'})}")
+                    log(f"  long {r}")
                 del cache
             except torch.cuda.OutOfMemoryError:
                 rows.append({**row, "error": "out of device memory"})
@@ -745,17 +752,10 @@ def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
                 rows.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
                 ok = False
                 log(f"  long {rows[-1]}\n{traceback.format_exc()[-2000:]}")
-    graph = next((r.pop("graph_tokens") for r in rows if "graph_tokens" in r), None)
-    for r in rows:
-        r.pop("graph_tokens", None)
     same = None
     if graph is not None:  # the same fill decoded eagerly
-        fresh(c)
         ids = torch.randint(10, V, (1, n + new_tokens), generator=torch.Generator().manual_seed(0)).to(c.device)
-        cache = c.cache("infinigen", model, **ig01)
-        cache.reserve(n + 2 * new_tokens)
-        logits = prefill(model, ids[:, :first], cache=cache)
-        fill(cache, n)
+        cache, logits = filled(c, model, "infinigen", ig01, ids, first, n, 2 * new_tokens)
         with StaticSteps(c) as steps:
             eager = generate(model, ids[:, :n], cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
                              prefilled=logits, cuda_graph=False).tokens

@@ -190,12 +190,12 @@ def test_offload_copies_rows_as_they_lie(device_path, model, monkeypatch, uva):
 def test_chunked_prefill_reads_the_past_from_a_device_mirror(device_path, model, monkeypatch, uva):
     """A prompt in chunks (the server's prefill): each chunk attends over the whole past. The pool is read back
     once per layer (at the second chunk), not once per chunk, and decoding after it matches a one-shot prefill."""
-    from infinigen_kv.methods.infinigen import cuda_transfer as transfer_mod
+    from infinigen_kv.methods.infinigen import mirror as mirror_mod
 
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(3))
     read = []
-    rows_to = transfer_mod.rows_to
-    monkeypatch.setattr(transfer_mod, "rows_to", lambda buf, n, out: (read.append(n), rows_to(buf, n, out)))
+    rows_to = mirror_mod.rows_to
+    monkeypatch.setattr(mirror_mod, "rows_to", lambda buf, n, out: (read.append(n), rows_to(buf, n, out)))
     cache, full = ig.make_cache("infinigen", model, budget=0.3, min_budget=0), ig.make_cache("full", model)
     on_fake_cuda(cache, uva)
     with torch.inference_mode():
@@ -236,13 +236,13 @@ def test_static_steps_drop_the_prompt_mirrors(device_path, model, monkeypatch):
 def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypatch, why):
     """No device memory for the prompt's mirror (it would leave less than the headroom free, or its allocation
     fails): each chunk reads the past back from the pool instead (more bytes moved, same attention)."""
-    from infinigen_kv.methods.infinigen import cuda_transfer as transfer_mod
+    from infinigen_kv.methods.infinigen import mirror as mirror_mod
 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room")
 
     if why == "over the headroom":
-        monkeypatch.setattr(transfer_mod.CudaTransfer, "mirror_fits", lambda self, nbytes: False)
+        monkeypatch.setattr(mirror_mod, "fits", lambda device, nbytes: False)
 
     ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(3))
     cache, full = ig.make_cache("infinigen", model, budget=0.3, min_budget=0), ig.make_cache("full", model)
@@ -251,7 +251,7 @@ def test_chunked_prefill_without_room_for_a_mirror(device_path, model, monkeypat
         for s in range(0, 150, 50):
             ref = model(input_ids=ids[:, s : s + 50], past_key_values=full, use_cache=True).logits
             if s == 50 and why == "allocation failed":
-                monkeypatch.setattr(transfer_mod, "RowBuffer", no_room)
+                monkeypatch.setattr(mirror_mod, "RowBuffer", no_room)
             got = model(input_ids=ids[:, s : s + 50], past_key_values=cache, use_cache=True).logits
             torch.testing.assert_close(got, ref)
     assert all(layer.mirror is None for layer in cache.layers)

@@ -317,16 +317,15 @@ def _check_inputs(args) -> None:
     if args.command == "generate":
         if args.prompt is None and args.prompt_file is None:
             raise CLIError("give the prompt: --prompt TEXT, --prompt-file FILE, or both (the file, then the text)")
-        parts = []
+        args.prompt_text = args.prompt
         if args.prompt_file is not None:
             path = Path(args.prompt_file)
             if not path.is_file():
                 raise CLIError(f"prompt file not found: {args.prompt_file}")
-            parts.append(path.read_text(encoding="utf-8", errors="replace"))
-        if args.prompt is not None:
-            parts.append(args.prompt)
-        # a document and a question about it: the file's text, a blank line, the question (one user message with --chat)
-        args.prompt_text = "\n\n".join(p.rstrip("\n") if i < len(parts) - 1 else p for i, p in enumerate(parts))
+            text = path.read_text(encoding="utf-8", errors="replace")
+            # a document and a question about it: the file's text, a blank line, the question (one user message with
+            # --chat)
+            args.prompt_text = text if args.prompt is None else f"{text.rstrip(chr(10))}\n\n{args.prompt}"
         if not args.prompt_text.strip():
             raise CLIError("the prompt is empty")
     if args.command == "calibrate" and args.text_file is not None and not Path(args.text_file).is_file():

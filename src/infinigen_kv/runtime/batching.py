@@ -99,11 +99,11 @@ def prefill_prefix(model, input_ids: torch.Tensor, cache, max_new_tokens: int, p
         raise ValueError("a prefix store serves one prompt at a time: generate each prompt in its own call, or serve")
     prefix.check(model, cache)
     p = Prefill(model, cache, input_ids[0].tolist(), prefix=prefix, reserve=input_ids.shape[1] + max_new_tokens)
-    while not p.step():
+    done = False
+    while not done:
+        done = p.step()
         if progress is not None:
             progress(p.done)
-    if progress is not None:
-        progress(p.done)
     return p.logits, p.cached
 
 

@@ -18,16 +18,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ...model.kv import to_rows
-from ..rows import RowBuffer
+from . import mirror
 from .fetch import Fetch, Scratch, work_mask
 from .gather_rows import gather_rows
 from .staging import StagingRing, device_view, record_stream, rows_to, submit_inference, uva_works
 from .transfer import DirectTransfer
-
-
-# Device bytes the mirrors of a prompt prefilled in chunks leave free: a chunk's activations (B x 2,048 x the MLP's
-# width), the logits, the decode steps' working sets.
-MIRROR_HEADROOM = 6 << 30
 
 
 class CudaTransfer:
@@ -379,46 +374,13 @@ class CudaTransfer:
             self.flush(layer)
 
     def dense(self, layer):
-        """A whole layer on the device: dense layers live there; a pooled one only when a prompt comes in
-        chunks (the server's prefill), from a device mirror of its past made at its second chunk and
-        appended to by the next ones (each chunk reading the whole past back from the pool would move
-        O(n^2 / chunk) bytes)."""
+        """A whole layer on the device: dense layers live there; a pooled one only when a prompt comes in chunks (the
+        server's prefill): mirror.py."""
         if layer.dense:
             return layer.k.valid(), layer.v.valid()
         if layer.mirror is None:
-            self.flush(layer)
-            bufs = (layer.k, layer.v)
-            rows = max(layer.k.length, layer.reserved)  # the prompt's rows (cache.reserve): made once, never grown
-            if not self.mirror_fits(rows * sum(b.batch * b.heads * b.width * b.dtype.itemsize for b in bufs)):
-                return tuple(self._read_back(buf) for buf in bufs)  # no room: the past read back for each chunk
-            try:
-                layer.mirror = tuple(RowBuffer(b.batch, b.heads, b.width, b.dtype, self.device) for b in bufs)
-                for mirror in layer.mirror:
-                    mirror.reserve(rows, room=not layer.reserved)
-            except torch.cuda.OutOfMemoryError:
-                layer.mirror = None
-                return tuple(self._read_back(buf) for buf in bufs)
-            for mirror, buf in zip(layer.mirror, (layer.k, layer.v)):
-                rows_to(buf, buf.length, mirror.data[:, :, : buf.length])
-                mirror.length = buf.length
-        return layer.mirror[0].valid(), layer.mirror[1].valid()
-
-    def mirror_fits(self, nbytes: int) -> bool:
-        """Whether a prompt's device mirror of `nbytes` leaves MIRROR_HEADROOM of the device free (what PyTorch holds
-        unused counts as free). Mirrors are made layer by layer until they would not: a long prompt's whole K/V
-        would otherwise sit on the device through its prefill, the memory the pool exists to spare (B4 x 128k on
-        Llama-3.1-8B's shape: 64 GiB). CPU stand-ins: always."""
-        if self.device.type != "cuda":
-            return True
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return nbytes + MIRROR_HEADROOM <= free
-
-    def _read_back(self, buf) -> torch.Tensor:
-        """A pool buffer's valid rows on the device, copied (async, per (sequence, head)) into a fresh tensor."""
-        out = torch.empty(buf.batch, buf.heads, buf.length, buf.width, dtype=buf.dtype, device=self.device)
-        rows_to(buf, buf.length, out)
-        return out
+            self.flush(layer)  # its staged rows in the pool before they are read
+        return mirror.past(layer, self.device)
 
     def reset(self) -> None:
         """Drop what is in flight (a cache reused for a new prompt, or a step abandoned midway)."""
