@@ -243,29 +243,16 @@ def step_batching(c: Check) -> dict:
 
 def big_model(c: Check):
     """Llama-3.1-8B's shape with random bf16 weights (a dry run: a small Llama)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from infinigen_kv.testing import random_model
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    if c.dry:
-        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                          rope_parameters=rope)
-        dtype = torch.float32
-    else:
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                          rope_parameters=rope)
-        dtype = torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(c.device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = LlamaForCausalLM(cfg).eval()
-        finally:
-            torch.set_default_dtype(default)
-    return model
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=4096) if c.dry else dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072)
+    config = {"model_type": "llama", "rms_norm_eps": 1e-5, "rope_parameters": rope, **shape}
+    return random_model(config, torch.float32 if c.dry else torch.bfloat16, c.device)
 
 
 def big(c: Check):
@@ -284,12 +271,12 @@ def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
     model, cal_path = big(c)
     h2d = h2d_bandwidth(c.device) if c.device.type == "cuda" else None
     d2d = device_bandwidth(c.device) if c.device.type == "cuda" else None
-    embed = model.get_input_embeddings().weight
+    embed = model.embed
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) - (
-        0 if embed is model.get_output_embeddings().weight else embed.numel() * embed.element_size())
+        0 if embed is model.lm_head else embed.numel() * embed.element_size())
     eager = {"cuda_graph": False}  # each method's eager step beside its graph
     methods = [("full", "full", {}), ("full-eager", "full", eager), ("offload", "offload", {}),
-               ("offload-eager", "offload", eager)] + ([] if c.dry else [("hf-offloaded", "hf-offloaded", {})]) + [
+               ("offload-eager", "offload", eager),
                ("infinigen-0.1", "infinigen", {"budget": 0.1}),
                ("infinigen-0.1-eager", "infinigen", {"budget": 0.1, **eager}),
                ("infinigen-0.05", "infinigen", {"budget": 0.05}),
@@ -335,21 +322,18 @@ def step_speed(c: Check, contexts, batches, new_tokens: int, only=None) -> dict:
                     row.update(decode_tok_s=round(B / step, 2), step_ms=round(step * 1e3, 2),
                                prefill_s=round(res.prefill_s, 2))
                     if kv_row is None:
-                        kv_row = 2 * model.config.num_key_value_heads * (model.config.hidden_size //
-                                 model.config.num_attention_heads) * next(model.parameters()).element_size()
+                        kv_row = 2 * model.config.n_kv_heads * model.config.head_dim * next(
+                            model.parameters()).element_size()
                     if stats.get("bytes_moved") is not None and method != "full":
                         row["h2d_mb_per_step"] = round(stats["bytes_moved"] / max(res.decode_steps, 1) / 1e6, 2)
                         row["fetched_fraction"] = round(stats.get("fetched_fraction", 1.0), 4)
-                    elif method == "hf-offloaded":  # every layer's whole K/V, every step
-                        row["h2d_mb_per_step"] = round(model.config.num_hidden_layers * B * (n + new_tokens / 2)
-                                                       * kv_row / 1e6, 2)
                     if c.device.type == "cuda":
                         row["peak_gib"] = round(torch.cuda.max_memory_allocated(c.device) / 2**30, 2)
                     if name == "full":
                         full_step = step
                     if method == "full" and d2d:  # the bytes a step must read: weights (less the input
                         # embedding's table) and the whole K/V, at the device's copy bandwidth
-                        kv = model.config.num_hidden_layers * B * n * kv_row
+                        kv = model.config.n_layers * B * n * kv_row
                         row["floor_ms"] = round((weights + kv) / d2d * 1e3, 2)
                         row["step_over_floor"] = round(step * 1e3 / row["floor_ms"], 2)
                     if h2d and row.get("h2d_mb_per_step") and full_step:

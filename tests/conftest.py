@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():  # Triton's kernels run in its interpreter here: read when triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from infinigen_kv.testing import KINDS, left_padded_batch, on_fake_cuda, tiny_model  # noqa: E402, F401 (tests' names)
+from infinigen_kv.testing import KINDS, left_padded_batch, on_fake_cuda, tiny_hf, tiny_model  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,7 +75,7 @@ def save_tiny(path, kind="llama-gqa", eos_never_greedy=False):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
-    model = tiny_model(kind)
+    model = tiny_hf(kind)
     model.config.vocab_size = 256
     if eos_never_greedy:  # EOS logit 0 while the largest of the others is always > 0: long greedy outputs
         with torch.no_grad():

@@ -54,7 +54,7 @@ def test_infinigen_selects_the_same_entries_in_any_batch(tiny_models, monkeypatc
     run_plan(model, "infinigen", {"min_budget": 0}, a)  # the fraction as named: the tiny past is under the floor
     alone, seen[:] = list(seen), []
     run_plan(model, "infinigen", {"min_budget": 0}, {**a, "long": (3, prompt(70, 2), 20, None), "short": (5, prompt(9, 3), 4, None)})
-    per_step = len(model.model.layers) - 1  # layer 1 for itself, then layers 2.. one layer ahead
+    per_step = len(model.layers) - 1  # layer 1 for itself, then layers 2.. one layer ahead
     assert len(alone) == 13 * per_step and len(seen) > 13 * per_step  # "long" goes on after "a" is done
     assert seen[: 13 * per_step] == alone  # "a" is row 0 while it runs
 
@@ -161,20 +161,17 @@ def test_a_prefill_that_reserves_its_decode_rows_joins_without_a_copy(tiny_model
         assert (batch.cache.layers[1].k.store is store) == kept
 
 
-def test_only_the_last_chunk_projects_onto_the_vocabulary(tiny_models):
+def test_only_the_last_chunk_projects_onto_the_vocabulary(tiny_models, monkeypatch):
     """A prefill's chunks before its last skip the LM head (no rows); prompt logprobs need every position."""
     model, ids = tiny_models["llama-gqa"], prompt(40, 7)
-    rows = []
-    hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(out.shape[-2]))
-    try:
-        for logprobs, want in ((None, [0, 0, 1]), (2, [16, 16, 8])):
-            rows.clear()
-            p = Prefill(model, ig.make_cache("full", model), ids, chunk=16, logprobs=logprobs)
-            while not p.step():
-                pass
-            assert rows == want and p.logits.shape == (1, model.config.vocab_size)
-    finally:
-        hook.remove()
+    rows, real = [], type(model).logits
+    monkeypatch.setattr(type(model), "logits", lambda self, x: rows.append(x.shape[-2]) or real(self, x))
+    for logprobs, want in ((None, [0, 0, 1]), (2, [16, 16, 8])):
+        rows.clear()
+        p = Prefill(model, ig.make_cache("full", model), ids, chunk=16, logprobs=logprobs)
+        while not p.step():
+            pass
+        assert rows == want and p.logits.shape == (1, model.config.vocab_size)
 
 def _decode(model, ids, cache, prefilled=None):
     """(tokens, per-step logprob of each chosen token, fetched fraction) of 10 greedy steps."""

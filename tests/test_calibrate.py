@@ -4,10 +4,12 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.model.arch import get_arch, step_inputs
+from infinigen_kv.model.arch import get_arch
+from infinigen_kv.model.weights import from_hf
+from infinigen_kv.testing import tiny_hf
 from infinigen_kv.methods.infinigen import Calibration, CalibrationError, InfiniGenCache, calibrate
 from infinigen_kv.methods.infinigen.calibration import default_path, fingerprint
-from infinigen_kv.methods.infinigen.offline import collect_qk, load_or_calibrate
+from infinigen_kv.methods.infinigen.offline import _Recorder, collect_qk, load_or_calibrate
 from conftest import KINDS, tiny_model
 
 
@@ -90,39 +92,36 @@ def test_first_use_calibrates_then_loads_from_cache(tiny_models):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_arch_queries_and_keys_are_the_models(kind):
-    """Arch.query / Arch.key (what calibration and speculation use) equal the queries and keys the model's
-    attention receives, QK-norm (Qwen3) and RoPE scaling (Llama 3.1) included."""
+    """Arch.query / Arch.key (what calibration and speculation use) equal the queries and keys transformers' attention
+    receives, QK-norm (Qwen3), RoPE scaling (Llama 3.1) and one RoPE per layer type (Gemma 3) included."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    model, seen, inputs = tiny_model(kind), {}, {}
+    hf, seen = tiny_hf(kind), {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
         seen[module.layer_idx] = (query, key)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     AttentionInterface.register("capture-test", capture)
-    model.config._attn_implementation = "capture-test"
+    AttentionMaskInterface.register("capture-test", sdpa_mask)  # (without it, transformers drops the windows)
+    hf.config._attn_implementation = "capture-test"
+    model = from_hf(hf)
     arch = get_arch(model)
-    arch.step = step_inputs(model, arch.base)  # the hooks install() registers: what a forward computes once
-    for l, attn in enumerate(arch.attns):
-        attn.register_forward_pre_hook(
-            lambda m, a, kw, l=l: inputs.__setitem__(l, (kw["hidden_states"], kw.get("position_embeddings"))),
-            with_kwargs=True)
-    # what layer 0 can know of every layer's RoPE (speculation runs one layer ahead: Gemma 3 has one per type)
-    ahead = {}
-    arch.attns[0].register_forward_pre_hook(lambda m, a, kw: ahead.update(
-        {l: arch.rope_for(l, kw.get("position_embeddings")) for l in range(arch.num_layers)}), with_kwargs=True)
     ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(0))  # past the 128 of llama31
     with torch.no_grad():
-        model(ids)
-        for l, (x, rope) in inputs.items():
-            torch.testing.assert_close(arch.query(l, x, rope), seen[l][0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(arch.key(l, x, rope), seen[l][1], rtol=1e-5, atol=1e-5)
-            if rope is not None:
-                torch.testing.assert_close(ahead[l], rope, rtol=0, atol=0)
+        hf(ids)
+        rec = _Recorder(arch)  # what layer l's input gives (speculation reads layer l+1's RoPE from the same step)
+        model(ids, past_key_values=rec, logits_to_keep=1)
+    for l in range(arch.num_layers):
+        q = rec.qs[l][0].view(-1, 2, 300, arch.head_dim).transpose(0, 1) * arch.q_scale
+        k = rec.ks[l][0].view(-1, 2, 300, arch.head_dim).transpose(0, 1)
+        torch.testing.assert_close(q, seen[l][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, seen[l][1], rtol=1e-5, atol=1e-5)
     if arch.rope:  # the kernel's scale (Gemma 3: query_pre_attn_scalar^-0.5, not d^-0.5)
-        assert arch.score_scale == pytest.approx(arch.attns[0].scaling)
+        assert arch.score_scale == pytest.approx(hf.model.layers[0].self_attn.scaling)
 
 
 def test_recall_is_measured_once_and_kept(tmp_path, tiny_models):

@@ -123,6 +123,6 @@ def test_decode_steps_attend_through_the_kernel(kernel, method, kv_dtype, monkey
     assert torch.equal(run(), ref)
     monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)  # static steps
     assert torch.equal(run(), ref)
-    assert len(calls) == 2 * 3 * model.config.num_hidden_layers
-    d = model.config.hidden_size // model.config.num_attention_heads
+    assert len(calls) == 2 * 3 * model.config.n_layers
+    d = model.config.head_dim
     assert {shape[-1] for shape in calls} == {kv_width(d) if kv_dtype == "int8" else d}  # rows as stored

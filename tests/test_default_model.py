@@ -6,7 +6,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.bench.tasks import passkey
 from infinigen_kv.config import cache_dir
-from infinigen_kv.model.install import compute_dtype
+from infinigen_kv.model.transformer import compute_dtype
 from infinigen_kv.model.load import model_dtype
 
 pytestmark = pytest.mark.slow
@@ -30,11 +30,11 @@ def smollm():
 
 def test_default_model_loads_from_converted_checkpoint(smollm):
     model, tok = smollm
-    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
-    assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3
-    assert compute_dtype(model) == torch.float32 and model.model.norm.weight.dtype == torch.float32
+    assert model.config.model_type == "llama" and model.config.n_layers == 30
+    assert model.config.n_heads == 9 and model.config.n_kv_heads == 3
+    assert compute_dtype(model) == torch.float32 and model.norm.weight.dtype == torch.float32
     assert model_dtype(model) == "bf16-weights"  # the CPU default: float32 compute, bfloat16 weights held once
-    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head is model.embed and model.lm_head.dtype == torch.bfloat16
     converted = list((cache_dir() / "models").glob("SmolLM2-135M-Instruct*/model.safetensors.index.json"))
     assert converted, "the GGUF was not converted to a cached, sharded safetensors checkpoint"
     assert len(list(converted[0].parent.glob("model-*.safetensors"))) == 3

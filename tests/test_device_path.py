@@ -57,9 +57,9 @@ def test_device_path_selects_as_the_direct_path(device_path, uva):
     gather fetches every slot of the cap: the counts stay on the device, as the mask)."""
     model = tiny_model("llama-gqa")
     with torch.no_grad():  # peaked attention (a random init's is flat: every token within any alpha)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
+        for layer in model.layers:
+            layer.attn.q_proj.weight.mul_(8)
+            layer.attn.k_proj.weight.mul_(8)
     ids, mask = left_padded_batch(lengths=(160, 120))
     for alpha in (1.0, 12.0):
         opts = dict(alpha=alpha, budget=0.3, min_budget=0)
@@ -262,35 +262,17 @@ def test_partial_query_from_only_the_rows_it_needs(device_path, model):
     the partial channels and their rotate-half partners (2p a head), and equals the whole query's channels."""
     cache = ig.make_cache("infinigen", model, budget=0.3)
     a = cache.arch
-    x = torch.randn(3, 1, a.hidden_size if hasattr(a, "hidden_size") else model.config.hidden_size)
+    x = torch.randn(3, 1, a.hidden_size)
     pos = torch.tensor([[5], [17], [40]])
-    rope = model.model.rotary_emb(x, pos)
+    step = model.step_inputs(pos, None, 40)
     for layer in range(1, a.num_layers):
         W = cache.pq.rows_on(layer, "cpu")[0]
         assert W.shape[0] == a.num_heads * 2 * cache.pq.channels[layer].shape[-1]  # P and their partners
-        got = cache.partial_query(layer, x, rope)
+        rope = step.rope(layer)
+        got = cache.partial_query(layer, x, rope, step.memo)
         q = a.query(layer, x, rope).view(3, a.num_kv_heads, a.group, a.head_dim)
         ref = q.gather(-1, cache.pq.channels[layer].view(1, a.num_kv_heads, 1, -1).expand(3, -1, a.group, -1))
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_device_map_with_offloaded_layers_is_refused(model):
-    from infinigen_kv.config import ConfigError
-
-    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu",
-                           "model.layers.2": "disk", "lm_head": 0}
-    try:
-        with pytest.raises(ConfigError, match="model.layers.1, model.layers.2 to cpu/disk"):
-            ig.make_cache("infinigen", model, budget=0.3)
-        model.hf_device_map = {"": "cpu"}  # everything on the CPU: fine
-        ig.make_cache("infinigen", model, budget=0.3)
-    finally:
-        del model.hf_device_map
-
-
-def test_hf_offloaded_needs_a_gpu(model):
-    with pytest.raises(ValueError, match="must be on cuda"):
-        ig.make_cache("hf-offloaded", model)
 
 
 def test_scores_are_float32_on_every_device(model):

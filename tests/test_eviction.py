@@ -128,7 +128,7 @@ def test_device_map_per_layer_devices(tmp_path):
 
     model_dir = save_tiny(tmp_path / "m")
     n = 4
-    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu",
                   **{f"model.layers.{i}": "cpu" for i in range(n)}}
     model, _ = ig.load_model(model_dir, device_map=device_map)
     ids, mask = left_padded_batch(lengths=(40, 31))
@@ -136,7 +136,7 @@ def test_device_map_per_layer_devices(tmp_path):
     cache = ig.make_cache("infinigen", model, **EXACT)
     torch.testing.assert_close(step_logits(model, cache, ids, mask, steps=4), ref, atol=1e-4, rtol=1e-4)
     for i, layer in enumerate(cache.layers):
-        assert layer.device == model.model.layers[i].self_attn.q_proj.weight.device
+        assert layer.device == model.layers[i].attn.q_proj.weight.device
         assert layer.transfer is cache.transfers.for_device(layer.device)
 
 

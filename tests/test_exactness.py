@@ -5,9 +5,16 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from conftest import KINDS, left_padded_batch
+from conftest import KINDS, left_padded_batch, tiny_hf
 
 EXACT = dict(alpha=1e9, budget=1.0)
+
+
+def hf_step_logits(hf, ids, mask, steps: int = 12, seed: int = 5):
+    """step_logits of a transformers model with its own DynamicCache (the reference)."""
+    from transformers import DynamicCache
+
+    return step_logits(hf, DynamicCache(config=hf.config), ids, mask, steps, seed)
 
 
 @torch.inference_mode()
@@ -39,8 +46,9 @@ def test_logits_match_full(tiny_models, kind, batch):
     got = step_logits(model, cache, ids, mask)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
-    # and transformers' own cache agrees with our full cache at its storage (float32; the default rounds rows to bf16)
-    hf = step_logits(model, ig.make_cache("hf-dynamic", model), ids, mask)
+    # and transformers' model with its own cache agrees with ours at its storage (float32; the default rounds rows
+    # to bf16)
+    hf = hf_step_logits(tiny_hf(kind), ids, mask)
     f32 = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)
     torch.testing.assert_close(f32, hf, atol=1e-4, rtol=1e-4)
 
@@ -109,12 +117,12 @@ def test_gemma3_local_layers(tiny_models):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate_greedy_identical(tiny_models, kind):
-    """model.generate() with the cache passed in: greedy tokens identical to the full cache, batch of 3."""
+    """ig.generate with the cache passed in: greedy tokens identical to the full cache, batch of 3."""
     model = tiny_models[kind]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
-    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
-    ref = model.generate(ids, past_key_values=ig.make_cache("full", model), **kw)
-    got = model.generate(ids, past_key_values=ig.make_cache("infinigen", model, **EXACT), **kw)
+    kw = dict(max_new_tokens=16, stop_at_eos=False)
+    ref = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), **kw).tokens
+    got = ig.generate(model, ids, mask, cache=ig.make_cache("infinigen", model, **EXACT), **kw).tokens
     assert torch.equal(got, ref)
 
 
@@ -128,18 +136,6 @@ def test_generate_sampling_reproducible(tiny_models):
                         stop_at_eos=False)
         runs.append(r.tokens)
     assert torch.equal(runs[0], runs[1])
-
-
-def test_hf_generate_sampling_identical(tiny_models):
-    """transformers' own sampling loop, same seed: identical samples with the exact settings."""
-    model = tiny_models["qwen2"]
-    ids, mask = left_padded_batch(lengths=(40, 33, 20))
-    outs = []
-    for method in ("full", "infinigen"):
-        torch.manual_seed(11)
-        outs.append(model.generate(ids, attention_mask=mask, past_key_values=ig.make_cache(method, model, **EXACT),
-                                   max_new_tokens=10, do_sample=True, top_p=0.9, pad_token_id=0, eos_token_id=None))
-    assert torch.equal(outs[0], outs[1])
 
 
 def test_selective_decode_runs_and_caps(tiny_models):
@@ -159,18 +155,22 @@ def test_selective_decode_runs_and_caps(tiny_models):
 def test_sliding_window_respected():
     """Mistral with a window shorter than the sequence: the window arrives through the mask, so selection
     never leaves it and InfiniGen (exact settings) matches the full cache and transformers' sliding cache."""
-    from conftest import tiny_model
+    from conftest import tiny_hf
 
-    model = tiny_model("mistral")
-    model.config.sliding_window = 16
+    from infinigen_kv.model.weights import from_hf
+
+    hf = tiny_hf("mistral")
+    hf.config.sliding_window = 16
+    model = from_hf(hf)
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
-    ref = step_logits(model, ig.make_cache("hf-dynamic", model), ids, mask)
+    ref = hf_step_logits(hf, ids, mask)
     full = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)  # transformers' storage
     got = step_logits(model, ig.make_cache("infinigen", model, **EXACT, kv_dtype="float32"), ids, mask)
     torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    model.config.sliding_window = 4096
-    unwindowed = step_logits(model, ig.make_cache("full", model, kv_dtype="float32"), ids, mask)
+    hf.config.sliding_window = 4096
+    wide = from_hf(hf)
+    unwindowed = step_logits(wide, ig.make_cache("full", wide, kv_dtype="float32"), ids, mask)
     assert not torch.allclose(unwindowed, ref, atol=1e-3)  # the window did change the outputs
 
 
@@ -180,7 +180,7 @@ def test_local_prefill_equals_the_masked_one(T):
     whole (T, T) window mask gives, with grouped KV heads."""
     from types import SimpleNamespace
 
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # the reference
 
     from infinigen_kv.model.attention import _local_prefill
 
@@ -189,7 +189,7 @@ def test_local_prefill_equals_the_masked_one(T):
     i = torch.arange(T)
     mask = ((i.view(1, -1) <= i.view(-1, 1)) & (i.view(1, -1) > i.view(-1, 1) - 16)).view(1, 1, T, T)
     ref = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
-    torch.testing.assert_close(_local_prefill(module, q, k, v, 16, 0.3, {}), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_local_prefill(q, k, v, 16, 0.3), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_nucleus_sampling_from_the_top_k_equals_a_full_sort():

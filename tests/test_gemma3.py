@@ -23,8 +23,8 @@ def test_gemma3_loads_with_its_layer_types(gemma):
     assert arch.model_type == "gemma3_text" and arch.num_layers == 18 and arch.qk_norm
     assert arch.windows == ([512] * 5 + [None]) * 3 and arch.mixed
     assert arch.score_scale == pytest.approx(256**-0.5) and arch.rope_types[5] == "full_attention"
-    # loaded in bfloat16 (weights held once), its embedding scale as a float32 model has it
-    assert model.model.embed_tokens.embed_scale.item() == torch.tensor(640**0.5, dtype=torch.float32).item()
+    # weights held in bfloat16, its embedding scale as a float32 model has it
+    assert model.embed.dtype == torch.bfloat16 and model.args.embed_scale == 640**0.5
 
 
 @torch.inference_mode()

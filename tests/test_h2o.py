@@ -32,16 +32,18 @@ def test_prefill_scores_are_attention_column_sums(tiny_models, monkeypatch, chun
 def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
     """A sliding-window layer (Mistral, window 16, 40 tokens): each chunk scores only the keys from its first
     query's window on, and the sums still equal the windowed attention's column sums."""
-    from conftest import tiny_model
+    from conftest import tiny_hf
 
     from infinigen_kv.model.arch import get_arch
+    from infinigen_kv.model.weights import from_hf
     from infinigen_kv.methods import h2o
     from infinigen_kv.methods.infinigen.offline import collect_qk
 
     monkeypatch.setattr(h2o, "QUERY_CHUNK", 7)
-    model = tiny_model("mistral")
-    model.config.sliding_window = 16
-    try:
+    hf = tiny_hf("mistral")
+    hf.config.sliding_window = 16
+    model = from_hf(hf)
+    if True:
         ids = torch.randint(3, 256, (1, 40))
         cache = ig.make_cache("h2o", model, budget=0.5, min_budget=0)
         assert cache.layers[1].window == 16  # the path under test: chunks start at their window's edge
@@ -56,8 +58,6 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
         p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).sum(dim=1)  # (H, n)
         ref = p.view(-1, r, 40).sum(1)  # summed over the query heads of a KV head
         torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
-    finally:
-        model.config.sliding_window = 4096
 
 
 def test_keeps_heavy_hitters_and_recent(tiny_models):

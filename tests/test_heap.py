@@ -42,8 +42,8 @@ def test_a_load_runs_mapped(tmp_path, monkeypatch):
     from infinigen_kv.model import load
 
     depth = []
-    real = load.load_streamed
-    monkeypatch.setattr(load, "load_streamed", lambda *a: depth.append(heap._depth) or real(*a))
+    real = load.load_files
+    monkeypatch.setattr(load, "load_files", lambda *a: depth.append(heap._depth) or real(*a))
     load.load_model(save_tiny(tmp_path / "m"), device="cpu")
     assert depth == [1] and heap._depth == 0
 

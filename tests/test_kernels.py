@@ -11,7 +11,7 @@ import infinigen_kv as ig
 from infinigen_kv.model import kernels
 from infinigen_kv.model.kv import from_rows
 from infinigen_kv.methods.infinigen.speculator import relative
-from conftest import KINDS, left_padded_batch
+from conftest import KINDS, left_padded_batch, tiny_model
 from test_exactness import step_logits
 
 K = kernels.cpu()
@@ -154,7 +154,7 @@ def test_decode_stores_a_token_in_one_kernel_call(tiny_models, monkeypatch):
             monkeypatch.setattr(PoolLayer, "append_token", lambda self, k, v: False)
         cache = ig.make_cache("infinigen", model, partial_dtype="int8", alpha=4.0, budget=0.3, min_budget=0)
         runs.append((step_logits(model, cache, ids, mask, steps=4), cache.layers[2]))
-    pool_layers = model.config.num_hidden_layers - 1  # layer 0 is dense, without partial keys
+    pool_layers = model.config.n_layers - 1  # layer 0 is dense, without partial keys
     assert len(calls) == 4 * pool_layers
     assert torch.equal(runs[0][0], runs[1][0])
     (_, a), (_, b) = runs
@@ -319,7 +319,7 @@ def test_silu_mul_has_pytorchs_bits(rows, F):
 
 @pytest.mark.parametrize("d", [64, 128, 40])
 def test_rope_in_place_has_transformers_bits(d):
-    from infinigen_kv.model.arch import apply_rope
+    from infinigen_kv.model.rope import apply_rope
 
     torch.manual_seed(5)
     B, heads, rotated = 3, 15, 12  # q and k rotated, v left alone
@@ -332,27 +332,20 @@ def test_rope_in_place_has_transformers_bits(d):
     assert torch.equal(after[:, rotated:], before[:, rotated:])
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 @pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row, two
-def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
-    """Decode through the `linear` kernel equals the plain model (--dtype bf16-weights: with its linear and
-    embedding weights rounded to bfloat16; --weights int8: the values its int8 rows hold)."""
-    import copy
+def test_held_weights_through_the_kernels_match_float32(lengths, weights):
+    """Decode through the `linear` kernel over held weights (bfloat16, int8 rows) equals the float32 model of the
+    values they hold."""
+    from infinigen_kv.model.ops import dense
 
-    from infinigen_kv.model import int8_rows
-    from infinigen_kv.model.load import fast_cpu_linears
-
-    ref = copy.deepcopy(tiny_models["qwen2"])  # biases too
-    fast = copy.deepcopy(ref)
-    fast_cpu_linears(fast, weights=weights)
-    held = {"bfloat16": lambda w: w.bfloat16(),
-            "int8": lambda w: int8_rows.unpacked_kv(int8_rows.pack_kv(w), torch.float32)}.get(weights)
+    held = tiny_model("qwen2", weights=weights)  # biases too
+    ref = tiny_model("qwen2")
     with torch.no_grad():
-        for module in ref.modules():
-            if (type(module) is torch.nn.Linear or module is ref.get_input_embeddings()) and held is not None:
-                module.weight.copy_(held(module.weight))
+        for (name, p), (_, q) in zip(held.named_parameters(), ref.named_parameters()):
+            q.copy_(dense(p, torch.float32))
     ids, mask = left_padded_batch(lengths=lengths)
-    torch.testing.assert_close(step_logits(fast, ig.make_cache("full", fast), ids, mask),
+    torch.testing.assert_close(step_logits(held, ig.make_cache("full", held), ids, mask),
                                step_logits(ref, ig.make_cache("full", ref), ids, mask), atol=1e-4, rtol=1e-4)
 
 
@@ -361,12 +354,7 @@ def test_fast_linears_model_matches_plain(tiny_models, lengths, weights):
 def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     """The partial query through the kernel (only the q_proj rows of P and their RoPE partners; the folded
     weights without RoPE) equals the full query's skewed channels (int8 weights: within the activations' rounding)."""
-    import copy
-
-    from infinigen_kv.model.load import fast_cpu_linears
-
-    model = copy.deepcopy(tiny_models[kind])
-    fast_cpu_linears(model, weights=weights)
+    model = tiny_model(kind, weights=None if weights == "float32" else weights)
     cache = ig.make_cache("infinigen", model)
     # tiny RoPE models calibrate unskewed ("auto"); a QK-norm needs whole heads: no row kernel
     assert (cache.pq.rows is not None) == (cache.arch.rope and not cache.arch.qk_norm)
@@ -378,9 +366,9 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     with torch.no_grad():
         for layer, rope in [(1, ropes[0]), (len(cache.layers) - 1, ropes[-1])]:  # RoPE per row, or one for all
             cache.layers[layer].skew_p = cache.skew_partial[layer]
-            got = cache.partial_query(layer, x, rope)
+            got = cache.partial_query(layer, x, rope, {})
             monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
-            expect = cache.partial_query(layer, x, rope)
+            expect = cache.partial_query(layer, x, rope, {})
             monkeypatch.undo()
             tol = 1e-4 if weights == "int8" else 1e-5  # int8 rows: the kernel's int16 activations (2^-16 of a group)
             torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
@@ -415,31 +403,26 @@ def test_bf16_weights_default(monkeypatch):
 
 @pytest.mark.parametrize("kind,weights", [("llama-gqa", "bfloat16"), ("gemma3", "bfloat16"), ("opt", "bfloat16"),
                                           ("gemma3", "int8"), ("opt", "int8")])
-def test_weights_are_held_once(tiny_models, kind, weights):
+def test_weights_are_held_once(kind, weights):
     """bf16-weights holds the linear and embedding weights once, in bfloat16, --weights int8 as int8 rows (a tied LM
     head stays the embedding); norms, biases and positions stay float32, and the bytes model counts what is held."""
-    import copy
-
-    from infinigen_kv.model.int8_rows import kv_width
-    from infinigen_kv.model.load import fast_cpu_linears, model_dtype
     from infinigen_kv.bench.report import weight_bytes
+    from infinigen_kv.model.int8_rows import kv_width
+    from infinigen_kv.model.load import model_dtype
 
-    model = copy.deepcopy(tiny_models[kind])
-    tied = model.get_input_embeddings().weight is model.lm_head.weight
-    before = weight_bytes(model)
-    emb = model.get_input_embeddings()
-    held = [emb.weight] + [m.weight for m in model.modules() if type(m) is torch.nn.Linear and m.weight is not emb.weight]
-    size = {"bfloat16": lambda w: 2 * w.numel(), "int8": lambda w: w.shape[0] * kv_width(w.shape[1])}[weights]
-    fast_cpu_linears(model, weights=weights)
+    ref, model = tiny_model(kind), tiny_model(kind, weights=weights)
     assert model_dtype(model) == {"bfloat16": "bf16-weights", "int8": "int8-weights"}[weights]
-    assert weight_bytes(model) == before - sum(4 * w.numel() - size(w) for w in held)
-    assert (model.get_input_embeddings().weight is model.lm_head.weight) == tied
+    assert (model.lm_head is model.embed) == (ref.lm_head is ref.embed) == model.args.tie_embeddings
+    size = {"bfloat16": lambda w: 2 * w.numel(), "int8": lambda w: w.shape[0] * kv_width(w.shape[1])}[weights]
     dtype = getattr(torch, weights)
-    for name, p in model.named_parameters():
-        linear = name.endswith("weight") and type(model.get_submodule(name.rsplit(".", 1)[0])) is torch.nn.Linear
-        assert p.dtype == (dtype if linear or p is model.get_input_embeddings().weight else torch.float32), name
-    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
-    assert model.get_input_embeddings()(torch.tensor([[3, 4]])).dtype == torch.float32
+    saved = 0
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        matrix = name == "embed" or name.endswith(("wqkv.weight", "wo.weight", "w1.weight", "w2.weight")) or (
+            name == "lm_head")
+        assert p.dtype == (dtype if matrix else torch.float32), name
+        saved += 4 * q.numel() - size(q) if matrix else 0
+    assert weight_bytes(model) == weight_bytes(ref) - saved
+    assert model.embed_tokens(torch.tensor([[3, 4]]), torch.tensor([[0, 1]])).dtype == torch.float32
 
 
 def test_env_switch_read_at_start_up():
@@ -614,22 +597,14 @@ def test_the_machine_load_is_read_from_proc_stat():
     assert wall >= 0.3 and own >= 0.2 and busy >= 0.2 and load.cores >= 1
 
 
-def test_rms_norm_kernel_installed(tiny_models):
-    """fast_cpu_linears gives Llama-style RMSNorms the `rms_norm` kernel (one call for ~6 ops), close to the module's
-    own forward, each row the same bits alone or among others; Gemma's (1 + w) norms keep theirs."""
-    import copy
+def test_rms_norm_kernel_gives_pytorchs_values():
+    """A Llama-style RMSNorm of float32 rows on CPU is one `rms_norm` kernel call, close to the PyTorch ops, each row
+    the same bits alone or among others; Gemma's (1 + w) norm runs the PyTorch ops."""
+    from infinigen_kv.model import ops
 
-    from infinigen_kv.model.load import fast_cpu_linears
-
-    model = copy.deepcopy(tiny_models["llama-gqa"])
-    fast_cpu_linears(model)
-    norm = model.model.layers[0].input_layernorm
-    assert "forward" in vars(norm)
-    x = torch.randn(5, 1, norm.weight.numel())
-    expect = type(norm).forward(norm, x)
-    torch.testing.assert_close(norm(x), expect, rtol=1e-5, atol=1e-5)
-    assert torch.equal(norm(x)[2:3], norm(x[2:3]))
-    if "gemma3" in tiny_models:
-        gemma = copy.deepcopy(tiny_models["gemma3"])
-        fast_cpu_linears(gemma)
-        assert all("forward" not in vars(m) for m in gemma.modules() if "RMSNorm" in type(m).__name__)
+    w = torch.randn(64)
+    x = torch.randn(5, 1, 64)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), w * h, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6)[2:3], ops.rms_norm(x[2:3], w, 1e-6))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, plus_one=True), h * (1 + w), rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@ def test_every_method_equals_full_at_the_same_storage(tiny_models, kind, kernel,
 
 def test_bfloat16_rows_take_half_the_bytes_and_are_the_cpu_default(tiny_models):
     model = tiny_models["llama-gqa"]
-    d = model.config.hidden_size // model.config.num_attention_heads
+    d = model.config.head_dim
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     nbytes = {}
     for kv in ("auto", "float32", "bfloat16", "int8"):

@@ -43,10 +43,9 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import infinigen_kv as ig
 
-    d = save_tiny(tmp_path_factory.mktemp("lmeval-model"))
-    return AutoModelForCausalLM.from_pretrained(d).eval(), AutoTokenizer.from_pretrained(d)
+    return ig.load_model(save_tiny(tmp_path_factory.mktemp("lmeval-model")))
 
 
 def test_local_json_tasks_with_each_method(tiny, tmp_path, monkeypatch):

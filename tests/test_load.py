@@ -7,41 +7,36 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig
 
-from infinigen_kv.model import checkpoint, int8_rows, mapped
+from infinigen_kv.model import int8_rows, mapped
+from infinigen_kv.model.weights import from_hf
 from infinigen_kv.model.load import ModelLoadError, load_model, model_dtype
 from infinigen_kv.runtime.prefix import model_fingerprint
 from conftest import save_tiny
 
 
 @pytest.mark.parametrize("kind,weights", [("qwen2", None), ("gemma3", None), ("llama-gqa", None), ("gemma3", "int8"),
-                                          ("qwen2", "int8")])
-def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, weights, monkeypatch):
-    """The streamed load gives what from_pretrained gives (then rounded as bf16-weights rounds, or quantized to int8
-    rows as --weights int8 does): the same parameters, a tied LM head still tied, float32 norms and biases, and
-    the same logits."""
+                                          ("qwen2", "int8"), ("opt", None)])
+def test_a_checkpoint_loads_tensor_by_tensor(tmp_path, kind, weights):
+    """The streamed load gives what transformers' from_pretrained holds (then rounded as bf16-weights rounds, or
+    quantized to int8 rows as --weights int8 does): the same parameters, a tied LM head still tied, float32 norms
+    and biases, and the same logits."""
+    from transformers import AutoModelForCausalLM
+
     path = save_tiny(tmp_path / kind, kind=kind)
-    streamed = []
-    real = checkpoint.load_streamed
-    monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: streamed.append(real(*a)) or streamed[-1])
     model, _ = load_model(path, device="cpu", weights=weights)
-    assert streamed and streamed[0] is model  # not a fallback to from_pretrained
-    monkeypatch.undo()
-    monkeypatch.setattr(checkpoint, "load_streamed", lambda *a: None)
-    monkeypatch.setattr("infinigen_kv.model.load.load_streamed", lambda *a: None)
-    ref, _ = load_model(path, device="cpu", weights=weights)  # from_pretrained
-    assert type(model) is type(ref)
+    ref = from_hf(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), model.weights)
     got, want = model.state_dict(), ref.state_dict()
     assert got.keys() == want.keys()
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-    assert (model.lm_head.weight is model.get_input_embeddings().weight) == model.config.tie_word_embeddings
+    assert (model.lm_head is model.embed) == model.config.tie_embeddings
+    assert model.norm.weight.dtype == torch.float32
     ids = torch.randint(3, 256, (2, 12))
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, ref(ids).logits)
+        assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
     if weights == "int8":
-        assert model_dtype(model) == "int8-weights" and model.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+        assert model_dtype(model) == "int8-weights" and model.layers[0].mlp.w2.weight.dtype == torch.int8
 
 
 def test_int8_rows_of_q8_0_values_are_those_values():
@@ -56,18 +51,15 @@ def test_int8_weights_need_the_cpu():
         load_model(None, device="cpu", dtype="float32", weights="int8")
 
 
-def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
-    """A checkpoint whose tensor names or shapes are not the model's (transformers renames older layouts, reports
-    mismatches) is not streamed; a sharded one is, shard by shard."""
+def test_a_checkpoint_of_other_names_is_refused_and_a_sharded_one_loads(tmp_path):
+    """A checkpoint whose tensor names are not a supported layout's names a missing weight; a sharded one loads
+    shard by shard."""
     path = save_tiny(tmp_path / "m")
     sd = load_file(f"{path}/model.safetensors")
-    config = AutoConfig.from_pretrained(path)
+    want, _ = load_model(path, device="cpu", dtype="float32")
     save_file({("x." + k): v for k, v in sd.items()}, f"{path}/model.safetensors", metadata={"format": "pt"})
-    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None) is None
-    save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
-    config.vocab_size = 300  # the model's shapes are not the checkpoint's
-    assert checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None) is None
-    config.vocab_size = 256
+    with pytest.raises(ModelLoadError, match="has no tensor for"):
+        load_model(path, device="cpu")
     names = sorted(sd)
     (tmp_path / "m" / "model.safetensors").unlink()
     halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
@@ -75,8 +67,9 @@ def test_a_checkpoint_of_other_names_goes_through_from_pretrained(tmp_path):
         save_file({k: sd[k] for k in keys}, f"{path}/{f}", metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
     (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
-    model = checkpoint.load_streamed(tmp_path / "m", config, torch.float32, None)
-    assert model is not None and torch.equal(model.model.norm.weight, sd["model.norm.weight"])
+    model, _ = load_model(path, device="cpu", dtype="float32")
+    assert torch.equal(model.norm.weight, sd["model.norm.weight"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), want.state_dict().values()))
 
 
 def _mapping_of(t: torch.Tensor) -> str | None:
@@ -98,29 +91,29 @@ def test_an_untied_input_embedding_is_read_from_a_file_mapping(tmp_path, weights
     that cannot be written, stays in memory."""
     path = save_tiny(tmp_path / "m", kind="qwen2")
     model, _ = load_model(path, device="cpu", weights=weights)
-    emb = model.get_input_embeddings().weight
-    file = mapped.mapped_key(emb) and mapped.path_of(mapped.mapped_key(emb))
+    emb = model.embed
+    file = model.embed_file and mapped.path_of(model.embed_file)
     assert file and _mapping_of(emb) == str(file) and emb.dtype == (torch.int8 if weights == "int8" else torch.bfloat16)
     written = file.stat().st_mtime_ns
     again, _ = load_model(path, device="cpu", weights=weights)  # the file reused, not rewritten
-    assert _mapping_of(again.get_input_embeddings().weight) == str(file) and file.stat().st_mtime_ns == written
+    assert _mapping_of(again.embed) == str(file) and file.stat().st_mtime_ns == written
     monkeypatch.setattr(mapped, "load", lambda *a: None)  # in memory: the same bits, the same logits
     ref, _ = load_model(path, device="cpu", weights=weights)
-    assert _mapping_of(ref.get_input_embeddings().weight) is None
-    assert torch.equal(emb, ref.get_input_embeddings().weight)
+    assert _mapping_of(ref.embed) is None
+    assert torch.equal(emb, ref.embed)
     ids = torch.randint(3, 256, (2, 12))
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, ref(ids).logits)
+        assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
     monkeypatch.undo()
     os.utime(f"{path}/model.safetensors")  # the checkpoint changed in place: another file
     changed, _ = load_model(path, device="cpu", weights=weights)
-    assert mapped.mapped_key(changed.get_input_embeddings().weight) not in (None, mapped.mapped_key(emb))
+    assert changed.embed_file not in (None, model.embed_file)
     # the prefix store's namespace follows the mapped file (not a sample of every page of it)
     assert model_fingerprint(again) == model_fingerprint(model) != model_fingerprint(changed)
     tied, _ = load_model(save_tiny(tmp_path / "g", kind="gemma3"), device="cpu", weights=weights)
-    assert mapped.mapped_key(tied.get_input_embeddings().weight) is None
+    assert tied.embed_file is None
     (tmp_path / "not-a-dir").write_text("")
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "not-a-dir"))  # the cache cannot be written
     kept, _ = load_model(path, device="cpu", weights=weights)
-    assert _mapping_of(kept.get_input_embeddings().weight) is None
-    assert torch.equal(kept.get_input_embeddings().weight, ref.get_input_embeddings().weight)
+    assert _mapping_of(kept.embed) is None
+    assert torch.equal(kept.embed, ref.embed)

@@ -1,4 +1,4 @@
-"""The server decodes through the one decode step (model/step.py): greedy tokens through it, asked with the openai
+"""The server decodes through the one decode step (transformer.Transformer.decode): greedy tokens through it, asked with the openai
 client, equal `generate`'s for every method on every architecture's test model; its engine makes and runs every
 tensor operation on one thread."""
 
@@ -10,7 +10,7 @@ import torch
 import infinigen_kv as ig
 from conftest import save_tiny
 from infinigen_kv.methods.registry import METHODS as REGISTRY
-from infinigen_kv.model import step
+from infinigen_kv.model.transformer import Transformer
 from infinigen_kv.model.load import ModelLoadError
 
 openai = pytest.importorskip("openai")
@@ -40,8 +40,8 @@ def test_served_tokens_equal_generates(tmp_path, kind, monkeypatch):
     model, tok = ig.load_model(save_tiny(tmp_path / kind, kind, eos_never_greedy=True))
     prompt = torch.randint(3, 250, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     used = []
-    real = step.decode_step
-    monkeypatch.setattr(step, "decode_step", lambda *a: used.append(1) or real(*a))
+    real = Transformer.decode
+    monkeypatch.setattr(Transformer, "decode", lambda *a, **k: used.append(1) or real(*a, **k))
     for method in [name for name, m in REGISTRY.items() if m.batches]:  # what the server serves
         options = OPTIONS.get(method, {})
         ref = ig.generate(model, torch.tensor([prompt]), cache=ig.make_cache(method, model, **options),
@@ -53,7 +53,7 @@ def test_served_tokens_equal_generates(tmp_path, kind, monkeypatch):
         finally:
             engine.close()
         assert served == tok.decode(ref), (kind, method)
-        assert used, (kind, method)  # the server's steps went through decode_step
+        assert used, (kind, method)  # the server's steps went through the decode step
 
 
 def test_an_engine_on_one_thread_makes_and_runs_everything_there(tmp_path):

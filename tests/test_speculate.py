@@ -88,10 +88,7 @@ def test_a_rows_selection_does_not_depend_on_its_batch(kind):
     """A row's tokens and its chosen entries at every layer and step are the same alone and
     in a batch, padded or not (the prefill's BLAS path, SDPA's blocking over the padded length and the
     linear kernel's row blocks each made a row's last bits depend on its batch-mates)."""
-    from infinigen_kv.model.load import fast_cpu_linears
-
-    model = tiny_model(kind)
-    fast_cpu_linears(model, weights="bfloat16")  # as load_model does on CPU: the decode's linear kernel
+    model = tiny_model(kind, weights="bfloat16")  # as load_model holds it on CPU: the decode's linear kernel
     g = torch.Generator().manual_seed(3)
     for n in (7, 40):  # a prompt short enough for the BLAS's small-matrix path, and a longer one (and than
         # gemma3's window: left-padded past it, a local layer's last query no longer sees the padding's edge)

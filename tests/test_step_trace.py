@@ -7,7 +7,6 @@ import torch
 import infinigen_kv as ig
 from conftest import left_padded_batch
 from infinigen_kv.model import kernels
-from infinigen_kv.model.step import decode
 from infinigen_kv.runtime.generation import prefill
 from infinigen_kv.testing.steptrace import StepTrace, first_difference
 
@@ -44,7 +43,7 @@ def test_a_decode_step_reads_nothing_back(tiny_models, method, monkeypatch):
     for i in range(3):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         with StepTrace() as t:
-            tok = decode(model, cache, tok, positions + i, mask).argmax(-1)
+            tok = model.decode(cache, tok, positions + i, mask).argmax(-1)
         assert t.host_reads == [], (method, i)
         assert t.kernels > 0
 
@@ -69,7 +68,7 @@ def test_kernels_per_layer_on_the_gpu_path(tiny_models, monkeypatch):
             before = cache.before_attention
             monkeypatch.setattr(cache, "before_attention", lambda *a, t=t, before=before: (t.mark(), before(*a))[1])
             with t:
-                tok = decode(model, cache, tok, torch.full((1, 1), 300 + i), None).argmax(-1)
+                tok = model.decode(cache, tok, torch.full((1, 1), 300 + i), None).argmax(-1)
             monkeypatch.delattr(cache, "before_attention")
         assert t.host_reads == []
         per_layer[method] = t.marks[3][1] - t.marks[2][1]  # layer 2: speculated, and speculating layer 3

@@ -22,7 +22,8 @@ _WHERE = {
     "METHODS": ".methods.registry", "make_cache": ".methods.registry", "InfiniGenCache": ".methods.infinigen",
     "Calibration": ".methods.infinigen", "CalibrationError": ".methods.infinigen", "calibrate": ".methods.infinigen",
     "ConfigError": ".config", "InfiniGenConfig": ".config", "generate": ".runtime.generation",
-    "load_model": ".model.load", "PrefixStore": ".runtime.prefix",
+    "load_model": ".model.load", "PrefixStore": ".runtime.prefix", "from_hf": ".model.weights",
+    "Transformer": ".model.transformer",
 }
 __all__ = list(_WHERE)
 

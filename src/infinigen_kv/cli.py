@@ -78,7 +78,7 @@ def _add_model_args(p):
 
 
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):
-    """serving: the server's subset (every method but hf-dynamic; no --capacity: --max-pool-bytes bounds it)."""
+    """serving: the server's subset (every method; no --capacity: --max-pool-bytes bounds it)."""
     if single_method:
         names = [m.name for m in METHODS.values() if not serving or m.batches]
         p.add_argument("--method", default=DEFAULT_METHOD, choices=names, help=f"KV-cache method (default: {DEFAULT_METHOD})")
@@ -192,7 +192,7 @@ def _add_speed(bsub) -> None:
     s = bsub.add_parser("speed", help="decode speed of every method, in one process, interleaved")
     _add_model_args(s)
     _add_method_args(s, single_method=False)
-    s.set_defaults(methods="full,infinigen,offload,h2o,streaming,quant,hf-dynamic")
+    s.set_defaults(methods="full,infinigen,offload,h2o,streaming,quant")
     s.add_argument("--batch", type=_int_list, default=[4], help="batch sizes, e.g. 1,4,8")
     s.add_argument("--prompt-len", type=_int_list, default=[4096], help="prompt lengths, e.g. 1024,4096")
     s.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps timed per run")

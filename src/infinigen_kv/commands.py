@@ -56,7 +56,7 @@ def cmd_generate(args) -> dict:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     enc = tok([prompt] * args.batch, return_tensors="pt", padding=True)
     n = enc["input_ids"].shape[1]
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = model.config.max_positions or None
     if limit and n + args.max_new_tokens > limit:
         raise CLIError(f"prompt of {n} token{'s' if n != 1 else ''} + {args.max_new_tokens} new "
                        f"token{'s' if args.max_new_tokens != 1 else ''} exceeds the model's context of {limit}")

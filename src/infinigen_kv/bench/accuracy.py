@@ -13,9 +13,8 @@ Tasks (deterministic for a seed):
   (`identical`) and tokens equal before the first divergence (`prefix_tokens`). Needs no data.
 - `lmeval`: lm-evaluation-harness tasks (`lmeval.py`), for users with the datasets locally; not in the
   default list.
-Methods that do not depend on the budget (full, quant, hf-dynamic) run once (budget null). A generated
-task's prompt is prefilled once for every method but quant and hf-dynamic (TeeCache), once for each of
-those; each method and budget decodes from a fork of that prefill. Its per-sample results go to
+Methods that do not depend on the budget (full, quant) run once (budget null). A generated task's prompt is
+prefilled once for every method but quant (TeeCache), once for quant; each method and budget decodes from a fork of that prefill. Its per-sample results go to
 OUT/samples.jsonl as they come, and `--resume` goes on from them.
 """
 
@@ -162,7 +161,7 @@ class SampleLog:
 
 def _groups(methods) -> list[list[str]]:
     """Methods that can share a prefill (TeeCache: those whose prefill attends over the prompt itself), then
-    each other one alone (quant attends over its dequantized entries; hf-dynamic cannot fork)."""
+    each other one alone (quant attends over its dequantized entries)."""
     shared = [m for m in methods if METHODS[m].shares_prefill]
     return ([shared] if shared else []) + [[m] for m in methods if not METHODS[m].shares_prefill]
 

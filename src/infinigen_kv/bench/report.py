@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..methods.base import cache_stats
-from ..model.install import compute_dtype
+from ..model.transformer import compute_dtype
 from ..model.kv import kv_storage
 
 
@@ -16,13 +16,11 @@ def weight_bytes(model) -> int:
 def full_kv_bytes_per_step(model, batch: int, prompt_len: int, decode_steps: int) -> int:
     """KV bytes a full cache reads per decode step, averaged over the steps (for caches without stats)."""
     c = model.config
-    H = c.num_attention_heads
-    G = getattr(c, "num_key_value_heads", None) or H
-    d = getattr(c, "head_dim", None) or c.hidden_size // H
+    G, d = c.n_kv_heads, c.head_dim
     p = next(model.parameters())
     el = kv_storage("auto", compute_dtype(model), p.device).itemsize  # the rows as the default stores them
     mean_len = prompt_len + (decode_steps + 1) / 2
-    return int(2 * batch * G * d * el * c.num_hidden_layers * mean_len)
+    return int(2 * batch * G * d * el * c.n_layers * mean_len)
 
 
 def bytes_read_per_step(model, cache, batch: int, prompt_len: int, decode_steps: int) -> int:

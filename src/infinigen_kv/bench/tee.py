@@ -61,7 +61,7 @@ class TeeCache(StepCache, Cache):
         for c in self.caches:
             c.reserve(tokens)
 
-    def before_attention(self, layer_idx, x, rope, attention_mask) -> list:
+    def before_attention(self, layer_idx, x, step) -> list:
         """Every cache's; what each starts for a layer goes to that layer as a tuple, one entry per cache."""
-        started = [dict(c.before_attention(layer_idx, x, rope, attention_mask)) for c in self.caches]
+        started = [dict(c.before_attention(layer_idx, x, step)) for c in self.caches]
         return [(i, tuple(s.get(i) for s in started)) for i in sorted(set().union(*started))]

@@ -11,7 +11,8 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..model.install import compute_dtype, install
+from ..model.arch import get_arch
+from ..model.transformer import compute_dtype
 from ..model.kv import KVView, StepCache, from_rows, kv_storage, to_rows
 from .rows import PIN_ROUNDING, release_pinned
 
@@ -275,7 +276,7 @@ class Rebatch(StepCache):
         """Fill this fresh cache (a batch of one) with the stored blocks `payloads` (block 0 first): the state a
         prefill of those tokens in chunks of `block` leaves. Returns the tokens restored. ValueError, before any
         row is written, when a payload does not fit the cache's buffers (a store of another layout)."""
-        arch, dtype = install(model), compute_dtype(model)
+        arch, dtype = get_arch(model), compute_dtype(model)
         tokens, plan = len(payloads) * block, []
         for i, layer in enumerate(self.layers):
             if not layer.is_initialized:  # buffers of the layer's own kind, dtype and device, empty

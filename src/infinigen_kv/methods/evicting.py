@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_kv_dtype, check_min_budget
-from ..model.install import install
+from ..model.arch import get_arch
 from ..model.kv import KVView, kv_storage, row_width, to_rows
 from .base import LogicalLayer, Rebatch
 from .budget import budget_caps
@@ -191,8 +191,8 @@ class EvictingCache(Rebatch, Cache):
         check_kv_dtype(kv_dtype)
         self.kv_dtype = kv_dtype  # the kept rows' storage (config.KV_DTYPES)
         self.budget, self.min_budget = budget, min_budget  # keep max(budget x seen, min_budget) entries
-        self.arch = install(model)
-        super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.num_hidden_layers)])
+        self.arch = get_arch(model)
+        super().__init__(layers=[self.layer_class(self, i) for i in range(model.config.n_layers)])
 
     def prefix_facts(self, model) -> None:
         """No prefix reuse: which entries survive depends on the whole prompt (its attention scores, its end)."""
@@ -209,12 +209,12 @@ class EvictingCache(Rebatch, Cache):
         check_budget(budget)
         self.budget = budget
 
-    def before_attention(self, layer_idx, x, rope, attention_mask) -> list:
+    def before_attention(self, layer_idx, x, step) -> list:
         """A prompt's forward, at layer 0: which of its positions are valid (padding excluded), (B, T) or None, for
         every layer's view (they keep the entries a policy ranks highest among those)."""
         if layer_idx != 0 or x.shape[1] == 1:
             return []
-        mask = keep_source(self.arch, attention_mask)  # (not layer 0's window: keep_source)
+        mask = keep_source(self.arch, step, layer_idx)  # (not layer 0's window: keep_source)
         keep = valid_keys(mask, self.layers[0].get_seq_length() + x.shape[1])
         keep = keep[:, -x.shape[1]:] if keep is not None else None
         return [(i, keep) for i in range(len(self.layers))]

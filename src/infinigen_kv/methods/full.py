@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..model.arch import UnsupportedModelError
-from ..model.install import install
+from ..model.arch import get_arch
 from ..config import check_kv_dtype
 from ..model.kv import KVView, kv_storage, row_width, to_rows
 from .base import LogicalLayer, Rebatch, read_stats
@@ -85,10 +85,10 @@ class FullCache(Rebatch, Cache):
     def __init__(self, model=None, kv_dtype: str = "auto", **_):
         check_kv_dtype(kv_dtype)
         self.kv_dtype = kv_dtype
-        n = model.config.num_hidden_layers if model is not None else 0
+        n = model.config.n_layers if model is not None else 0
         if model is not None:
             try:
-                windows = install(model).windows  # the attention function of every method (the CPU kernel in decode)
+                windows = get_arch(model).windows  # the attention function of every method (the CPU kernel in decode)
             except UnsupportedModelError:
                 windows = [None] * n  # any other model: transformers' own attention
             super().__init__(layers=[FullLayer(window=w, kv_dtype=kv_dtype) for w in windows])

@@ -20,13 +20,14 @@ def valid_keys(mask, length: int, device=None) -> torch.Tensor | None:
     return m.to(device or m.device, non_blocking=True)
 
 
-def keep_source(arch, attention_mask):
-    """The mask a decode step reads its keep from: the calling layer's own (None when transformers dropped
-    it: nothing is masked), which is also the next layer's where every layer has the same window; where
-    local and global layers differ, the mask the model was called with (the window is applied per layer)."""
+def keep_source(arch, step, layer: int):
+    """The mask a decode step reads its keep from: the calling layer's own (None: nothing is masked), which is
+    also the next layer's where every layer has the same window; where local and global layers differ, the mask
+    the model was called with (the window is applied per layer). step: the forward's transformer.Step."""
+    attention_mask = step.layer_mask(layer)
     if attention_mask is None or not arch.mixed:
         return attention_mask
-    return arch.step.mask
+    return step.mask
 
 
 def layer_keep(arch, layer: int, mask, n: int, B: int, device=None) -> torch.Tensor | None:

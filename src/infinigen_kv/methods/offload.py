@@ -40,23 +40,23 @@ class FetchAll:
     def max_fetch(cache, layer_idx: int, tokens: int) -> int:
         return tokens
 
-    def choose(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> Iterator[tuple[int, Fetch]]:
+    def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
         """At layer l's decode input: the whole past of layer l+1 (and of layer 0, at layer 0), as (layer, Fetch)."""
         targets = ([0] if layer_idx == 0 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
         for nxt in targets:
             if cache.layers[nxt].is_initialized:
-                yield nxt, self.fetch_all(cache, nxt, attention_mask)
+                yield nxt, self.fetch_all(cache, nxt, step, layer_idx)
 
-    def fetch_all(self, cache, nxt: int, attention_mask) -> Fetch:
+    def fetch_all(self, cache, nxt: int, step, layer_idx: int) -> Fetch:
         target = cache.layers[nxt]
-        column = cache.arch.step.column  # a static step's: its fetch spans the capacity
+        column = step.column  # a static step's: its fetch spans the capacity
         device = target.device
         window = cache.arch.windows[nxt]
-        memo, key = cache.arch.step.memo, ("all", device, window, target.k.length, target.k.batch, column is None)
+        memo, key = step.memo, ("all", device, window, target.k.length, target.k.batch, column is None)
         if key not in memo:  # layers with the same past, mask and window: order once (the step's memo)
             B, G = target.k.batch, target.k.heads
             n = target.k.length if column is None else cache.static_columns()
-            keep = layer_keep(cache.arch, nxt, keep_source(cache.arch, attention_mask), n, B, device)
+            keep = layer_keep(cache.arch, nxt, keep_source(cache.arch, step, layer_idx), n, B, device)
             if column is not None:  # the past ends before the step's column
                 past = (torch.arange(n, device=device) < column).view(1, 1, n)
                 keep = past.expand(B, 1, n) if keep is None else keep & past

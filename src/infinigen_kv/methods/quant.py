@@ -100,11 +100,11 @@ class QuantCache(Rebatch, Cache):
     def __init__(self, model, bits: int = 4, **_):
         if bits not in (4, 8):
             raise ValueError(f"quant bits must be 4 or 8, got {bits}")
-        d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        d = model.config.head_dim
         if d % min(GROUP, d) or (bits == 4 and d % 2):
             raise ValueError(f"head size {d} does not split into quantization groups of {GROUP}")
         self.bits = bits
-        super().__init__(layers=[QuantLayer(bits) for _ in range(model.config.num_hidden_layers)])
+        super().__init__(layers=[QuantLayer(bits) for _ in range(model.config.n_layers)])
 
     def prefix_facts(self, model) -> dict:
         return {"bits": self.bits}

@@ -31,8 +31,6 @@ METHODS = {m.name: m for m in (
     Method("quant", "quant:QuantCache", frozenset({"bits"})),
     Method("streaming", "streaming:StreamingCache", _EVICTING | {"sink_tokens"}, takes_budget=True, shares_prefill=True),
     Method("h2o", "h2o:H2OCache", _EVICTING | {"recent_ratio"}, takes_budget=True, shares_prefill=True),
-    Method("hf-dynamic", "hf:dynamic", frozenset(), batches=False),
-    Method("hf-offloaded", "hf:offloaded", frozenset(), batches=False),
 )}
 METHOD_NAMES = tuple(METHODS)
 REFERENCE = "full"  # the method every other is measured against (exact attention over every entry)

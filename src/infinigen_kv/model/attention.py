@@ -1,12 +1,11 @@
-"""Attention: the attention block every layer runs with one of our caches (`attention_block`: speculation, q/k/v,
-the cache layer's `view`, attention over it), and the attention function over a view (`attend`).
+"""Attention over a cache layer's view: `attend_layer` (the layer's `view` of the new k, v and what an earlier layer
+fetched for it, attention over it, the recall diagnostic) and `attend` (the attention itself).
 
 - A view (kv.py) that is a working set chosen for the step is attended with its own per-(sequence, KV head)
-  mask; any other with the model's mask, as transformers' sdpa would (the function registered as "infinigen"
-  serves caches not made here that way). On CPU, with the kernels of kernels/cpu.cpp, a decode step attends in
-  one pass: over InfiniGen's chosen rows where they lie in the pool (`chosen`), or over a whole cache in place
-  (`buffers`: full, InfiniGen's layer 0). On a GPU a decode query attends split over the keys (decode_attention.py:
-  SDPA's kernels serve one query under a mask badly).
+  mask; any other with the layer's mask (transformer._mask). On CPU, with the kernels of kernels/cpu.cpp, a decode
+  step attends in one pass: over InfiniGen's chosen rows where they lie in the pool (`chosen`), or over a whole
+  cache in place (`buffers`: full, InfiniGen's layer 0). On a GPU a decode query attends split over the keys
+  (decode_attention.py: SDPA's kernels serve one query under a mask badly).
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import backend as backends
-from .arch import apply_rope
 from .decode_attention import decode_attention
 from .kv import KVView, from_rows
 
@@ -26,55 +23,29 @@ from .kv import KVView, from_rows
 GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def infinigen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The registered function, for a cache not made here: query (B, H, q, d); key/value (B, G, k, d).
-    Returns (B, q, H, d) and no weights."""
-    return attend(module, query, KVView(key, value), attention_mask, scaling, dropout, **kwargs)
-
-
-def attention_block(arch, cache, i: int, h: torch.Tensor, rope, mask, at=None) -> torch.Tensor:
-    """Layer i's self-attention with one of our caches, the same operations as the model's self_attn forward, the
-    cache's speculation first: normed input h (B, T, D), RoPE (cos, sin) (None: OPT), the layer's mask ->
-    (B, T, D) after the output projection. The model's forward (install.py) and the decode step both run it; at:
-    a static step's device column (model/static.py)."""
-    a = arch.attns[i]
-    B, T, _ = h.shape
-    arch.step.fetches.update(cache.before_attention(i, h, rope, mask))  # the next layer's fetch, started now
-    q = a.q_proj(h) * arch.q_scale if arch.q_scale != 1.0 else a.q_proj(h)  # OPT scales q before the scores
-    q, k, v = (t.view(B, T, -1, arch.head_dim) for t in (q, a.k_proj(h), a.v_proj(h)))
-    if arch.qk_norm:  # per-head RMSNorm of q and k (Qwen3, Gemma 3), before RoPE
-        q, k = a.q_norm(q), a.k_norm(k)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-    if arch.rope:
-        q, k = apply_rope(q, rope), apply_rope(k, rope)  # transformers' apply_rotary_pos_emb
-    out = attend_layer(a, cache, i, q, k, v, mask, arch.score_scale, arch.windows[i],
-                       arch.step.fetches.pop(i, None), at)  # (B, T, H, d)
-    o = a.out_proj if arch.model_type == "opt" else a.o_proj
-    return o(out.reshape(B, T, -1).contiguous())
-
-
-def attend_layer(module, cache, i: int, q, k, v, mask, scaling: float, window, fetch, at=None) -> torch.Tensor:
+def attend_layer(cache, i: int, q, k, v, mask, scaling: float, window, fetch, at=None) -> torch.Tensor:
     """Layer i's new q (B, H, T, d), k, v (B, G, T, d) through the cache: its layer's view (which stores k, v;
     fetch: what an earlier layer's before_attention started for it; at: a static step's device column), attention
     over it, and the recall diagnostic where the cache tracks it. -> (B, T, H, d)"""
     layer = cache.layers[i]
     view = layer.view(k, v, fetch) if at is None else layer.view(k, v, fetch, at)
-    out, _ = attend(module, q, view, mask, scaling, 0.0, sliding_window=window)
+    out, _ = attend(q, view, mask, scaling, window)
     if view.selected and cache.track_recall:
         B, H, _, d = q.shape
         cache.record_recall(i, q.reshape(B, view.keys.shape[1], -1, d), view, mask, scaling)
     return out
 
 
-def attend(module, query, view: KVView, attention_mask, scaling, dropout=0.0, **kwargs):
-    """query (B, H, q, d) over a cache layer's view. Returns (B, q, H, d) and no weights."""
+def attend(query, view: KVView, attention_mask, scaling, window=None):
+    """query (B, H, q, d) over a cache layer's view, under the layer's mask (B, 1, q, k) bool or None (causal);
+    window: the layer's sliding window. Returns (B, q, H, d) and no weights."""
     if query.is_cuda:
         with sdpa_kernel(GPU_SDPA):
-            return _attention(module, query, view, attention_mask, scaling, dropout, **kwargs)
-    return _attention(module, query, view, attention_mask, scaling, dropout, **kwargs)
+            return _attention(query, view, attention_mask, scaling, window)
+    return _attention(query, view, attention_mask, scaling, window)
 
 
-def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **kwargs):
+def _attention(query, view: KVView, attention_mask, scaling, window):
     key, value = view.keys, view.values
     B, H, T, d = query.shape
     G = key.shape[1]
@@ -85,20 +56,20 @@ def _attention(module, query, view: KVView, attention_mask, scaling, dropout, **
             out = _dense_kernel(view, query, attention_mask, scaling)
             if out is not None:
                 return out, None
-        if T == 1 and split_decode(query) and _plain(attention_mask, dropout, kwargs):  # split over the keys
+        if T == 1 and split_decode(query):  # split over the keys
             mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]
             out = decode_attention(query.reshape(B, G, H // G, d), key, value, mask, _scale(scaling, d))
             return out.reshape(B, 1, H, d), None
         key, value = _computed(query, key, value)
         if view.scores is not None and T > 1:  # H2O scores the prefill
             view.scores.add_prefill_scores(query, key, attention_mask, scaling)
-        reach = T + (kwargs.get("sliding_window") or key.shape[2]) - 1
+        reach = T + (window or key.shape[2]) - 1
         if T > 1 and key.shape[2] > reach:  # a window layer's prompt chunk over a past: the keys in its reach, the
             key, value = key[:, :, -reach:], value[:, :, -reach:]  # same whatever the cache keeps (a tee's first)
             attention_mask = attention_mask[..., -reach:] if attention_mask is not None else None
-        if T > 1 and (out := _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs)) is not None:
+        if T > 1 and (out := _prefill_by_row(query, key, value, attention_mask, scaling, window)) is not None:
             return out, None
-        return _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout)
+        return sdpa(query, key, value, attention_mask, scaling), None
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     if view.chosen is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
         idx, count, new = view.chosen
@@ -124,12 +95,6 @@ def split_decode(query) -> bool:
     return query.is_cuda
 
 
-def _plain(attention_mask, dropout, kwargs) -> bool:
-    """A decode query decode_attention serves: a boolean mask or none, no dropout, no softcap or position bias."""
-    return ((attention_mask is None or attention_mask.dtype == torch.bool) and not dropout
-            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
-
-
 def _computed(query, key, value):
     """K/V stored in another dtype than the query's (kv_dtype) in the query's, for PyTorch's attention (the CPU
     kernels read the stored rows as they are)."""
@@ -138,17 +103,21 @@ def _computed(query, key, value):
     return from_rows(key, query.dtype), from_rows(value, query.dtype)
 
 
-def _sdpa(module, query, key, value, attention_mask, scaling, kwargs, dropout=0.0):
-    """transformers' sdpa attention. Several queries with a mask on CPU (a chunk over a past): the grouped-query
-    heads by SDPA's `enable_gqa`, where transformers copies every K/V head r times (repeat_kv: ~200 ms of a 16-token
-    chunk's ~380 ms over a 3.8k past here). The same bits (tests/test_attention.py). -> (B, T, H, d), None"""
-    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] == 1
-            or not query.is_cpu or dropout or kwargs.get("softcap") is not None
-            or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+def sdpa(query, key, value, mask, scaling) -> torch.Tensor:
+    """PyTorch's SDPA: query (B, H, T, d) over key/value (B, G, S, d) (grouped-query heads by `enable_gqa`, no copy
+    of each K/V head r times), under mask (B, 1, T, S) bool, or causal where it is None and T > 1 (then over the
+    first T keys: a prompt without a past). -> (B, T, H, d)"""
+    B, H, T, d = query.shape
+    G = key.shape[1]
+    if T == 1 and G != H:  # one query: a group's r heads act as r queries of its K/V head (no copy of them)
+        out = F.scaled_dot_product_attention(query.reshape(B, G, H // G, d), key, value, attn_mask=mask, scale=scaling)
+        return out.reshape(B, 1, H, d)
+    causal = mask is None and T > 1
+    if causal and key.shape[2] > T:
+        key, value = key[:, :, :T], value[:, :, :T]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=causal,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 def _scale(scaling, d: int) -> float:
@@ -179,7 +148,7 @@ def _dense_kernel(view: KVView, query, attention_mask, scaling):
     return out.reshape(B, 1, H, d)
 
 
-def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
+def _prefill_by_row(query, key, value, attention_mask, scaling, window):
     """A prompt chunk of a left-padded batch, row by row over each row's own tokens, exactly as the row alone is
     computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie selections) would depend
     on its batch-mates. Without a past, a row longer than the layer's sliding window attends inside it block by
@@ -190,7 +159,6 @@ def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
     past = S - T
     if attention_mask is None or attention_mask.dtype != torch.bool:
         return None
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if past and window:
         return None
     m = attention_mask[:, 0]  # (B, T, S)
@@ -204,15 +172,15 @@ def _prefill_by_row(module, query, key, value, attention_mask, scaling, kwargs):
             continue
         row = [query[b : b + 1, :, s:].contiguous()] + [t[b : b + 1, :, k0:].contiguous() for t in (key, value)]
         if k0 < past + s:  # the row's own past: its keys under the model's mask, as the row alone has them
-            out[b, s:] = _sdpa(module, *row, m[b : b + 1, None, s:, k0:].contiguous(), scaling, kwargs)[0][0]
+            out[b, s:] = sdpa(*row, m[b : b + 1, None, s:, k0:].contiguous(), scaling)[0]
         elif window and T - s > window:
-            out[b, s:] = _local_prefill(module, *row, window, scaling, kwargs)[0]
+            out[b, s:] = _local_prefill(*row, window, scaling)[0]
         else:
-            out[b, s:] = _sdpa(module, *row, None, scaling, kwargs)[0][0]
+            out[b, s:] = sdpa(*row, None, scaling)[0]
     return out
 
 
-def _local_prefill(module, query, key, value, window: int, scaling, kwargs):
+def _local_prefill(query, key, value, window: int, scaling):
     """Sliding-window attention of a prompt (one row; query (1, H, T, d), key/value (1, G, T, d)), `window`
     queries at a time over the keys they can reach (query i sees keys i - window < j <= i, transformers'
     window): O(T W) work where the (T, T) mask costs O(T^2), ~8x fewer scores for Gemma 3 at 8k. -> (1, T, H, d)"""
@@ -223,5 +191,5 @@ def _local_prefill(module, query, key, value, window: int, scaling, kwargs):
         qi = torch.arange(a, b, device=query.device).view(-1, 1)
         kj = torch.arange(lo, b, device=query.device).view(1, -1)
         mask = ((kj <= qi) & (kj > qi - window)).view(1, 1, b - a, b - lo)
-        out[:, a:b] = _sdpa(module, query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b], mask, scaling, kwargs)[0]
+        out[:, a:b] = sdpa(query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b], mask, scaling)
     return out

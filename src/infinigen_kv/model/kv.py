@@ -48,10 +48,11 @@ class StepCache:
     track_recall = False  # attention reports each step's true attention on its working set (a diagnostic)
     static = False  # its layers' views take `at`, the device column of a static step (model/static.py)
 
-    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
-        """Called by layer l's attention block with its input x (B, T, D) (model/attention.py): a method that
-        chooses what a step reads does it here, and returns what it started for later layers, (layer, fetch)
-        each; the block hands each to that layer's view."""
+    def before_attention(self, layer_idx: int, x: torch.Tensor, step) -> list:
+        """Called by layer l with its attention input x (B, T, D) and the forward's transformer.Step (positions,
+        each layer's RoPE and mask, a static step's column, the step's memo): a method that chooses what a step
+        reads does it here, and returns what it started for later layers, (layer, fetch) each; the layer loop
+        hands each to that layer's view."""
         return []
 
     def reserve(self, tokens: int) -> None:

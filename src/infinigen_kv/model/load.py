@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,10 +21,11 @@ from .. import heap
 from ..config import DEFAULT_MODEL, cache_dir
 from . import backend as backends
 from . import gguf
-from .arch import check_supported
-from .checkpoint import load_streamed
-from .install import compute_dtype, fast_cpu_linears
-from .step import prepare
+from .hparams import UnsupportedModelError, from_config
+from .placement import place
+from .tokenizer import Tokenizer
+from .transformer import Transformer
+from .weights import load_files, shards
 
 from .source import DEFAULT_ALIASES, GEMMA3_ALIASES, path_error
 
@@ -132,7 +135,10 @@ def local_checkpoint(source: str) -> Path | None:
     """The directory of `source` on this machine: itself, or a hub id's snapshot in the local Hugging Face cache."""
     if Path(source).is_dir():
         return Path(source)
-    from huggingface_hub import snapshot_download
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
 
     try:
         return Path(snapshot_download(source, local_files_only=True))
@@ -164,67 +170,103 @@ WEIGHTS = ("auto", "bfloat16", "int8")  # how a CPU model holds its linear and e
 
 
 def model_dtype(model) -> str:
-    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", or its parameters' dtype."""
-    held = getattr(model, "_infinigen_weights", None)
-    if held is not None:
-        return INT8_WEIGHTS if held == torch.int8 else BF16_WEIGHTS
-    return str(compute_dtype(model)).replace("torch.", "")
+    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", or its dtype."""
+    if model.weights is not None:
+        return INT8_WEIGHTS if model.weights == "int8" else BF16_WEIGHTS
+    return str(model.dtype).replace("torch.", "")
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                device_map: str | dict | None = None, weights: str | None = None):
-    """(model, tokenizer) in eval mode: on CPU float32 with bfloat16 linear weights (BF16_WEIGHTS), on CUDA
-    bfloat16/float16, unless `dtype` says. weights="int8" (CPU): the linear and embedding weights as int8 rows
-    (install.int8_weights), loaded into them tensor by tensor.
-    `device_map` (e.g. "auto") spreads the layers over several GPUs with accelerate; the InfiniGen cache
-    then keeps each layer's partial keys and working set on that layer's device.
-    What loading frees (tensors converted, dequantized) goes back to the OS at once (heap.mapped)."""
+    """(model, tokenizer): our model (transformer.Transformer) of a checkpoint, on CPU in float32 with bfloat16
+    linear and embedding weights (BF16_WEIGHTS), on CUDA in bfloat16/float16, unless `dtype` says; weights="int8"
+    (CPU): those weights as int8 rows. Each tensor is read from the checkpoint's safetensors into its held form.
+    `device_map` ("auto", or {layer name: device}) places the layers across GPUs (transformer.place); the
+    InfiniGen cache then keeps each layer's partial keys and working set on that layer's device.
+    What loading frees goes back to the OS at once (heap.mapped)."""
     with heap.mapped():
         return _load(name, device, dtype, device_map, weights)
 
 
-def _load(name, device, dtype, device_map, weights):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    dev = resolve_device(device)
+def _held(dev, dtype, device_map, weights) -> tuple:
+    """(how the weights are held: None, "bfloat16" or "int8"; the compute dtype) for the options given."""
     if weights not in (None, *WEIGHTS):
         raise ModelLoadError(f"unknown weights {weights!r}: choose from {', '.join(WEIGHTS)}")
-    int8w = weights == "int8"
-    if int8w and (dev.type != "cpu" or device_map is not None or dtype not in (None, "", "auto", BF16_WEIGHTS)):
-        raise ModelLoadError("int8 weights run on CPU, in float32 compute: drop --device, --device-map and --dtype")
-    # bfloat16 weights on CPU: a local checkpoint loads straight into them, never held in float32
-    bf16w = dev.type == "cpu" and device_map is None and (bf16_weights(dtype, dev) or weights == "bfloat16" or int8w)
-    dt = torch.bfloat16 if bf16w else resolve_dtype(dtype, dev)
+    if weights == "int8":
+        if dev.type != "cpu" or device_map is not None or dtype not in (None, "", "auto", BF16_WEIGHTS):
+            raise ModelLoadError("int8 weights run on CPU, in float32 compute: drop --device, --device-map and --dtype")
+        return "int8", torch.float32
+    if dev.type == "cpu" and device_map is None and (bf16_weights(dtype, dev) or weights == "bfloat16"):
+        return "bfloat16", torch.float32
+    return None, resolve_dtype(dtype, dev)
+
+
+def _load(name, device, dtype, device_map, weights):
+    dev = resolve_device(device)
+    held, dt = _held(dev, dtype, device_map, weights)
     source = resolve_source(name)
-    # a hub id with no way to the hub: the local cache only (huggingface_hub would retry for ~30 s)
-    offline = not Path(source).exists() and not hub_reachable()
+    local = local_checkpoint(source)
+    if local is None and hub_reachable():
+        local = download(source)
+    if local is None:
+        raise ModelLoadError(f"cannot load model {name!r}: not in the local Hugging Face cache and the hub cannot "
+                             "be reached; pass a checkpoint directory or a .gguf file")
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=offline)
-    except Exception as e:
-        if offline:
-            raise ModelLoadError(f"cannot load model {name!r}: not in the local Hugging Face cache and the hub "
-                                 "cannot be reached; pass a checkpoint directory or a .gguf file") from None
-        raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
-    check_supported(config)
+        config = json.loads((local / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model {name!r}: no readable config.json in {local} ({e})") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-        model = None
-        local = local_checkpoint(source) if dev.type == "cpu" and device_map is None else None
-        if local is not None:  # tensor by tensor, in place
-            model = load_streamed(local, config, dt, "int8" if int8w else "bfloat16" if bf16w else None)
-        if model is None:  # (bf16-weights: loaded in float32, then rounded once, norms and biases kept exact)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if bf16w else dt,
-                                                         attn_implementation="sdpa", device_map=device_map,
-                                                         local_files_only=offline)
+        args = from_config(config)
+        args = replace(args, eos_token_id=generation_eos(local) or args.eos_token_id)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(str(e)) from None
+    files = shards(local)
+    if files is None:
+        raise ModelLoadError(f"cannot load model {name!r}: {local} holds no safetensors weights (model.safetensors)")
+    try:
+        tokenizer = load_tokenizer(local)
+        with torch.device(dev if device_map is None else "cpu"):
+            model = Transformer(args, held, dt, source=str(local))
+        load_files(model, files)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
-    if device_map is None:
-        model.to(dev)
-    model.eval()
-    if dev.type == "cpu" and device_map is None:
-        fast_cpu_linears(model, weights="int8" if int8w else "bfloat16" if bf16w else "float32")
-        prepare(model)
+    if device_map is not None:
+        place(model, device_map)
+    return model.eval(), tokenizer
+
+
+def download(source: str) -> Path | None:
+    """A hub id's checkpoint downloaded to the local Hugging Face cache (its config, weights and tokenizer)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model",
+                                                               "tokenizer*"]))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load model {source!r}: {str(e).splitlines()[0]}") from None
+
+
+def generation_eos(local: Path):
+    """The end-of-sequence id(s) of the checkpoint's generation_config.json (None: the config's)."""
+    try:
+        return json.loads((local / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+
+
+def load_tokenizer(local: Path):
+    """The checkpoint's tokenizer (tokenizer.json, read by the `tokenizers` library: tokenizer.py), left-padding,
+    with a pad token (its EOS where it has none). A checkpoint without tokenizer.json (a sentencepiece model only)
+    goes through transformers' AutoTokenizer where it is installed."""
+    if (local / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(local)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ModelLoadError(f"{local} has no tokenizer.json (install transformers to read its other tokenizer "
+                             "files)") from None
+    tokenizer = AutoTokenizer.from_pretrained(str(local))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer

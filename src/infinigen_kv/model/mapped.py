@@ -29,14 +29,6 @@ FORMAT = 1
 MADV_RANDOM = 1
 
 
-def untied_embedding(model) -> torch.nn.Embedding | None:
-    """The model's input embedding where it is not also its LM head, else None."""
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if emb is None or head is None or head.weight is emb.weight:
-        return None
-    return emb
-
-
 def key(files: list[Path], w: torch.Tensor) -> str:
     """The digest naming the mapped file of an embedding held as `w`, read from checkpoint shards `files`."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -79,22 +71,6 @@ def save(k: str, w: torch.Tensor) -> bool:
         except OSError:
             pass
         return False
-
-
-def attach(emb: torch.nn.Embedding, k: str) -> bool:
-    """Make emb's weight the mapping of file `k` where there is one (marked with its key: `mapped_key`); whether
-    it is."""
-    w = load(k, emb.weight.shape, emb.weight.dtype)
-    if w is None:
-        return False
-    emb.weight = torch.nn.Parameter(w, requires_grad=False)
-    emb.weight._infinigen_mapped = k
-    return True
-
-
-def mapped_key(w: torch.Tensor) -> str | None:
-    """The file key of a mapped embedding's parameter, None for one in memory."""
-    return getattr(w, "_infinigen_mapped", None)
 
 
 def _advise_random(w: torch.Tensor) -> None:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .install import install
+from .arch import get_arch
 from .kv import StepCache
-from .step import decode_step, supports
 
 
 class StaticError(ValueError):
@@ -37,10 +36,8 @@ def graphs_on(device, cuda_graph: bool | None = None) -> bool:
 
 
 def serves(model, cache) -> bool:
-    """Whether static steps serve this model and cache (one of ours that declares `static`, no sliding window,
-    the decode step's own path)."""
-    return (isinstance(cache, StepCache) and cache.static and supports(model, cache)
-            and all(w is None for w in install(model).windows))
+    """Whether static steps serve this model and cache (one of ours that declares `static`, no sliding window)."""
+    return isinstance(cache, StepCache) and cache.static and all(w is None for w in get_arch(model).windows)
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def __init__(self, model, cache, mask: torch.Tensor | None, positions: torch.Tensor, graph: bool = False):
-        arch = install(model)
+        arch = get_arch(model)
         if not cache.static:
             raise StaticError(f"{type(cache).__name__} does not decode in static steps")
         if any(w is not None for w in arch.windows):
@@ -163,7 +160,7 @@ class StaticDecoder:
         column valid and, once done, advances its positions and column itself (on the device: a replay does too)."""
         s = self.inputs
         s.valid.index_fill_(1, s.column, True)
-        logits = decode_step(self.model, self.cache, s.ids, s.positions, s.valid, s.column)
+        logits = self.model.decode(self.cache, s.ids, s.positions, s.valid, s.column)
         s.positions.add_(1)
         s.column.add_(1)
         return logits

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import static, step
+from ..model import static
 from ..model.kv import StepCache
 from .sampling import Sampler, SamplingParams, token_logprobs
 
@@ -132,7 +132,6 @@ class RunningBatch:
         self.cache = None
         self.mask = self.pos = self.logits = None
         self.padded = False  # some row has padding columns (else decode steps pass no mask, as generate does)
-        self.own_step = False  # step.supports(model, cache), asked once per batch cache
         self.static: static.StaticDecoder | None | bool = None  # the rows' static steps (False: not for them)
         self.stable = 0  # steps decoded since the cache last changed shape
         self.sampler = Sampler(self.device, model.config.vocab_size)
@@ -173,7 +172,6 @@ class RunningBatch:
             raise
         if self.cache is None:
             self.cache = cache
-            self.own_step = step.supports(self.model, cache)
             for k, v in row.items():
                 setattr(self, k, v)
             return
@@ -238,8 +236,7 @@ class RunningBatch:
             padded = torch.nn.functional.pad(ids, (0, rows - len(self)))
             self.logits = fixed.step(padded)[: len(self)]  # (a graph's buffer: read before the next step)
         else:
-            self.logits = step.decode(self.model, self.cache, ids, self.pos, self.mask if self.padded else None,
-                                      self.own_step)
+            self.logits = self.model.decode(self.cache, ids, self.pos, self.mask if self.padded else None)
         self.stable += 1
         self.pos = self.pos + 1
         self.remaining = [r - 1 for r in self.remaining]

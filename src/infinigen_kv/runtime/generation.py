@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import heap
-from ..model import static, step
+from ..model import static
 from ..model.kv import StepCache
 from . import threads
 from .batching import prefill_prefix
@@ -136,8 +136,8 @@ def _decoder(model, cache, attention_mask, mask, unpadded: bool, positions, max_
                                      graph=positions.device.type == "cuda")
         if fixed.n + max_new_tokens - 1 <= fixed.capacity:
             return lambda ids, i: fixed.step(ids)
-    own, n = step.supports(model, cache), attention_mask.shape[1]
-    return lambda ids, i: step.decode(model, cache, ids, positions + i, None if unpadded else mask[:, : n + i + 1], own)
+    n = attention_mask.shape[1]
+    return lambda ids, i: model.decode(cache, ids, positions + i, None if unpadded else mask[:, : n + i + 1])
 
 
 def _run_mask(attention_mask: torch.Tensor, max_new_tokens: int):
@@ -164,7 +164,7 @@ def _sampler(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, param
 def _stop_ids(model, eos_token_id, ignore_eos: bool, device):
     """(the ids that end a sequence (none with ignore_eos), the id written after a sequence ended)."""
     if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+        eos_token_id = model.config.eos_token_id
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=device)
     pad = int(eos[0]) if eos.numel() else 0
     return (eos[:0] if ignore_eos else eos), pad

@@ -18,6 +18,7 @@ and, optionally, disk (one safetensors file per block, shared by processes; a ba
 from __future__ import annotations
 
 import hashlib
+import weakref
 import json
 import logging
 import threading
@@ -26,7 +27,6 @@ from pathlib import Path
 import torch
 
 from ..model.kv import StepCache
-from ..model.mapped import mapped_key
 from .prefix_tiers import FORMAT, DiskTier, MemoryTier, Payload, Stats, own
 
 log = logging.getLogger("infinigen_kv.prefix")
@@ -41,22 +41,21 @@ def namespace(**facts) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its fingerprint, made once
+
+
 def model_fingerprint(model) -> str:
     """Every parameter's name, shape, dtype and a strided sample of its values (K/V of layer l depend on all weights
     below it), cached on the model: a checkpoint changed in place, or loaded in another dtype, is another namespace."""
-    cached = getattr(model, "_prefix_fingerprint", None)
+    cached = _FINGERPRINTS.get(model)
     if cached is not None:
         return cached
     h = hashlib.blake2b(digest_size=16)
     for name, p in model.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        file = mapped_key(p)  # a mapped embedding: its file's key (a strided sample would read every page)
+        file = model.embed_file if p is model.embed else None  # a mapped embedding: its file's key (a strided
         h.update(file.encode() if file else p.detach().reshape(-1)[::997].to("cpu", torch.float32).numpy().tobytes())
-    fp = h.hexdigest()
-    try:
-        model._prefix_fingerprint = fp
-    except Exception:
-        pass
+    fp = _FINGERPRINTS[model] = h.hexdigest()  # sample would read every page)
     return fp
 
 

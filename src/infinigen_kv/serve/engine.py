@@ -65,8 +65,8 @@ class Engine:
         self.options = {**(options or {}), "tokenizer": tokenizer}
         self.max_batch, self.queue_size, self.batching, self.prefill_chunk = max_batch, queue_size, batching, prefill_chunk
         self.device = next(model.parameters()).device
-        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-        eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+        self.context = model.config.max_positions or None
+        eos = model.config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self.logprobs = Logprobs(tokenizer, self.tokenizer_lock)

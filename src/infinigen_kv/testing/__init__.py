@@ -10,8 +10,17 @@ import contextlib
 import torch
 
 
-def tiny_model(kind: str, seed: int = 0):
-    """Tiny random models of each supported architecture (built in-process, no download)."""
+def tiny_model(kind: str, seed: int = 0, weights: str | None = None):
+    """Our model (transformer.Transformer) of `tiny_hf(kind, seed)`: the same weights; weights "bfloat16" or "int8"
+    hold them so (float32 compute)."""
+    from infinigen_kv.model.weights import from_hf
+
+    return from_hf(tiny_hf(kind, seed), weights)
+
+
+def tiny_hf(kind: str, seed: int = 0):
+    """Tiny random transformers models of each supported architecture (built in-process, no download): the
+    reference our models are compared with."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
@@ -172,3 +181,23 @@ def on_fake_cuda(cache, uva: bool = True):
     cache.transfers.by_device = {torch.device("cpu"): transfer}
     cache.transfer = transfer
     return transfer
+
+
+def random_model(config: dict, dtype=torch.float32, device="cpu", seed: int = 0):
+    """Our model of a config.json dict with random weights, made where it runs (no transformers model first: an 8B
+    shape is made on the GPU at once): weights ~ N(0, 0.02), norms 1, biases 0."""
+    from infinigen_kv.model.hparams import from_config
+    from infinigen_kv.model.transformer import Transformer
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(from_config(config), None, dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(0.0 if model.args.norm == "rms1p" else 1.0)
+            else:
+                p.normal_(0, 0.02)
+    return model.eval()

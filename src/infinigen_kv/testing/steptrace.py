@@ -157,7 +157,6 @@ def _cache(model, method: str, budget: float, ids):
 
 def run(model, method: str, ids, budget: float) -> dict:
     """Trace the 3rd and 4th decode steps of `method` after a prefill of ids (B, n) (summary)."""
-    from infinigen_kv.model.step import decode
     from infinigen_kv.runtime.generation import prefill
 
     cache = _cache(model, method, budget, ids)
@@ -167,7 +166,7 @@ def run(model, method: str, ids, budget: float) -> dict:
     traces = []
     for i in range(4):  # two warm-up steps, two traced
         pos.fill_(n + i)
-        t, logits = traced(cache, lambda: decode(model, cache, tok, pos, None))
+        t, logits = traced(cache, lambda: model.decode(cache, tok, pos, None))
         tok.copy_(logits.argmax(-1))
         traces.append(t)
     return summary(*traces[2:])

@@ -22,7 +22,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...config import ConfigError, InfiniGenConfig
-from ...model.install import compute_dtype, install
+from ...model.arch import get_arch
+from ...model.transformer import compute_dtype
 from ..base import Rebatch
 from ...runtime.prefix_tiers import digest
 from ..keep import valid_keys
@@ -37,17 +38,6 @@ from .partial import PartialQuery
 from .speculator import Speculate, layer_budgets, layer_scales
 from .stats import Counters
 from .transfer import DirectTransfer
-
-
-def refuse_offloaded_layers(model) -> None:
-    """A device_map that leaves layers on "cpu" / "disk" beside GPU ones (accelerate loads their weights only
-    when the layer runs) cannot serve speculation, which runs layer l+1's q_proj inside layer l: refused."""
-    placed = getattr(model, "hf_device_map", None) or {}
-    offloaded = sorted(k for k, v in placed.items() if v in ("cpu", "disk"))
-    if offloaded and any(v not in ("cpu", "disk") for v in placed.values()):
-        raise ConfigError(f"device_map offloads {', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''} "
-                          "to cpu/disk: InfiniGen computes layer l+1's partial query inside layer l, before "
-                          "accelerate would load its weights; give the GPUs every layer (or run all on the CPU)")
 
 
 def make_transfer(device: torch.device) -> Transfer:
@@ -80,8 +70,7 @@ class InfiniGenCache(Rebatch, Cache):
         self.config = config or InfiniGenConfig(**overrides)
         self.kv_dtype = self.config.kv_dtype
         self.selection: Selection = selection if selection is not None else Speculate()
-        self.arch = install(model)
-        refuse_offloaded_layers(model)
+        self.arch = get_arch(model)
         if not self.selection.calibrated:
             calibration = None
         elif calibration is None:
@@ -169,17 +158,18 @@ class InfiniGenCache(Rebatch, Cache):
 
     # --- one decode step: speculation at layer l's attention pre-hook, then the fetch it starts -------------
 
-    def partial_query(self, layer: int, x: torch.Tensor, rope, scale: float = 1.0) -> torch.Tensor:
+    def partial_query(self, layer: int, x: torch.Tensor, rope, memo: dict, scale: float = 1.0) -> torch.Tensor:
         """Skewed partial query of `layer` from x (B, 1, D), times scale: (B, G, r, p) (partial.py)."""
-        return self.pq(layer, x, rope, self.layers[layer].skew_p, self.arch.step.memo, scale)
+        return self.pq(layer, x, rope, self.layers[layer].skew_p, memo, scale)
 
     @torch.no_grad()
-    def before_attention(self, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> list:
+    def before_attention(self, layer_idx: int, x: torch.Tensor, step) -> list:
         """Called by layer l's attention block with its input x (B, T, D): a decode step's selection chooses what
         the next layer(s) fetch, and their prefetch starts; returns them, (layer, Fetch) each, for those layers'
         views. A prefill into a pool with a capacity notes its last query (a prompt larger than the pool keeps
         what that query would fetch: EvictingPoolLayer.prefill_keep), handed to the layer's view."""
         if x.shape[1] != 1:
+            rope, attention_mask = step.rope(layer_idx), step.layer_mask(layer_idx)
             if self.limited and not self.layers[layer_idx].dense:
                 last = tuple(t[:, -1:] for t in rope) if rope is not None else None
                 keep = valid_keys(attention_mask, x.shape[1])  # the layer's own mask: its last query's keys
@@ -187,7 +177,7 @@ class InfiniGenCache(Rebatch, Cache):
                 return [(layer_idx, query)]
             return []
         started = []
-        for nxt, fetch in self.selection.choose(self, layer_idx, x, rope, attention_mask):
+        for nxt, fetch in self.selection.choose(self, layer_idx, x, step):
             self.prefetch(self.layers[nxt], fetch)  # started before the next one is scored
             started.append((nxt, fetch))
         return started

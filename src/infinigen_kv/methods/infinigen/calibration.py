@@ -9,6 +9,7 @@ format and the arithmetic; offline.py runs a model to calibrate it.
 from __future__ import annotations
 
 import hashlib
+import weakref
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ...config import cache_dir
 from ...model.arch import Arch, get_arch
-from ...model.install import dense
+from ...model.ops import dense
 
 
 FORMAT_VERSION = 1
@@ -98,10 +99,13 @@ class Calibration:
 
 # ---------------------------------------------------------------------------------------------------
 # Fingerprint and cache location
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its fingerprint, made once
+
+
 def fingerprint(model) -> str:
     """Architecture, shapes and a hash of the q/k projection weights (a strided sample of each, in bf16
     so that the same checkpoint loaded in float32 or bfloat16 gets the same fingerprint)."""
-    cached = getattr(model, "_infinigen_fingerprint", None)
+    cached = _FINGERPRINTS.get(model)
     if cached is not None:
         return cached
     arch = get_arch(model)
@@ -112,11 +116,7 @@ def fingerprint(model) -> str:
         for proj in (attn.q_proj, attn.k_proj):
             w = proj.weight.detach().reshape(-1)[::61].to("cpu", torch.bfloat16)
             h.update(w.view(torch.int16).numpy().tobytes())
-    fp = h.hexdigest()
-    try:
-        model._infinigen_fingerprint = fp
-    except Exception:
-        pass
+    fp = _FINGERPRINTS[model] = h.hexdigest()
     return fp
 
 

@@ -20,7 +20,7 @@ class Selection(Protocol):
     def dense(self, cache, layer_idx: int) -> bool:
         """Whether layer `layer_idx` stays on the compute device and is attended whole (a DeviceLayer)."""
 
-    def choose(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> Iterator[tuple[int, Fetch]]:
+    def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
         """At layer l's decode input x (B, 1, D): the fetches it chooses for later layers, (layer, Fetch) each."""
 
     def reset(self) -> None:

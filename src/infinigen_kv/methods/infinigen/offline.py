@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ...config import InfiniGenConfig
 from ...model.arch import Arch, get_arch
+from ...model.kv import KVView, StepCache
 from ...runtime.generation import generate
 from ..full import FullCache
 from .calibration import (Calibration, CalibrationError, FORMAT_VERSION, default_path, fingerprint,
@@ -79,34 +80,44 @@ def text_file_ids(path: str, tokenizer, tokens: int = 4096, row: int = 512) -> t
 
 # ---------------------------------------------------------------------------------------------------
 # The calibration itself
+class _Recorder(StepCache):
+    """A cache that stores nothing and notes each layer's post-RoPE queries and keys from its attention input (each
+    chunk attends over itself): calibration's pass over its text."""
+
+    class Layer:
+        def view(self, k, v, fetch=None) -> KVView:
+            return KVView(k, v)
+
+    def __init__(self, arch: Arch):
+        self.arch, self.layers = arch, [self.Layer() for _ in range(arch.num_layers)]
+        self.qs, self.ks = [[] for _ in self.layers], [[] for _ in self.layers]
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def before_attention(self, l: int, x: torch.Tensor, step) -> list:
+        arch, rope = self.arch, step.rope(l)
+        q = arch.query(l, x, rope) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
+        self.qs[l].append(q.transpose(0, 1).flatten(1, 2).float().cpu())  # (H, B*T, d)
+        self.ks[l].append(arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu())
+        return []
+
+
 @torch.inference_mode()
 def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 4):
     """Post-RoPE queries and keys of every layer over ids (S, T): lists of (H, S*T, d) and (G, S*T, d)."""
     device = next(model.parameters()).device
-    qs = [[] for _ in range(arch.num_layers)]
-    ks = [[] for _ in range(arch.num_layers)]
-
-    def hook(module, args, kwargs):
-        x, rope, l = kwargs["hidden_states"], kwargs.get("position_embeddings"), module.layer_idx
-        q = arch.query(l, x, rope) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
-        qs[l].append(q.transpose(0, 1).flatten(1, 2).float().cpu())  # (H, B*T, d)
-        ks[l].append(arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu())
-
-    handles = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in arch.attns]
+    rec = _Recorder(arch)
     tick = Ticker("queries and keys, rows", ids.shape[0])
-    try:
-        for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False, disable=None):
-            chunk = ids[i : i + batch].to(device)
-            model(input_ids=chunk, use_cache=False, logits_to_keep=1)
-            tick(i + chunk.shape[0])
-    finally:
-        for h in handles:
-            h.remove()
+    for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False, disable=None):
+        chunk = ids[i : i + batch].to(device)
+        model(input_ids=chunk, past_key_values=rec, logits_to_keep=1)
+        tick(i + chunk.shape[0])
+    qs, ks = rec.qs, rec.ks
     for parts in (qs, ks):  # each layer's parts joined and dropped in turn: never two copies of them all
         for l in range(arch.num_layers):
             parts[l] = torch.cat(parts[l], 1)
     return qs, ks
-
 
 
 def calibrate(
@@ -217,6 +228,10 @@ def ensure_recall(model, cal: Calibration, config, tokenizer=None, cache_cls=Non
 
 
 def tokenizer_for(model):
-    from transformers import AutoTokenizer
+    """The tokenizer of the checkpoint `model` was loaded from (a model built in memory has none: pass one)."""
+    from ...model.load import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model.config._name_or_path)
+    if model.source is None:
+        raise CalibrationError("calibration_text needs the model's tokenizer: pass tokenizer= (the model was not "
+                               "loaded from a checkpoint)")
+    return load_tokenizer(Path(model.source))

@@ -8,11 +8,13 @@ PyTorch); otherwise the whole query times A_P.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from ...model import backend as backends
-from ...model.install import dense
+from ...model.ops import dense
 
 
 def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
@@ -27,6 +29,8 @@ def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
 def _times(q: torch.Tensor, scale: float) -> torch.Tensor:
     return q * scale if scale != 1.0 else q
 
+
+_GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its gathered q rows
 
 class PartialQuery:
     """Layer l+1's skewed partial query (B, G, r, p) from layer l's input x (B, 1, D), for every layer of one
@@ -53,7 +57,7 @@ class PartialQuery:
                  scale: float = 1.0) -> torch.Tensor:
         """Skewed partial query of `layer` from x (B, 1, D), times `scale` (the scores' scale, folded in where the
         path allows: no op of its own): (B, G, r, p); skew_p (G, d, p): the layer's A_P; memo: the step's
-        (arch.StepInputs.memo), where what every layer of a step shares is made once."""
+        (transformer.Step.memo), where what every layer of a step shares is made once."""
         a = self.arch
         B = x.shape[0]
         kern = backends.for_device(x.device).ops if x.dtype == torch.float32 else None
@@ -99,13 +103,13 @@ class PartialQuery:
     def gathered(self, layer: int) -> torch.Tensor:
         """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
         weight as held (bfloat16 with --dtype bf16-weights): read at the bandwidth, where the same rows scattered
-        through q_proj ran at about half (docs/BENCHMARKS.md). Kept on the module, so every cache of the model
-        shares it (12.6 MB for the default model, 5% of its weights)."""
+        through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module (_GATHERED), so every cache of
+        the model shares it (12.6 MB for the default model, 5% of its weights)."""
         W = self._gathered.get(layer)
         if W is None:
-            proj = self.arch.attns[layer].q_proj
-            w = proj.weight.detach()
-            memo = proj.__dict__.setdefault("_infinigen_pq_rows", {})
+            attn = self.arch.attns[layer]
+            w = attn.q_proj.weight.detach()
+            memo = _GATHERED.setdefault(attn, {})
             key = (w.dtype, self.rows[layer].numpy().tobytes())
             if key not in memo:
                 memo[key] = w[self.q_rows(layer)].contiguous()

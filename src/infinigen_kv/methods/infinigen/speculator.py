@@ -184,7 +184,7 @@ class Speculate:
         tokens on Gemma 3) and attending all of it measured better (docs/BENCHMARKS.md, "Models: Gemma 3 270M")."""
         return layer_idx == 0 or (cache.arch.local(layer_idx) and cache.config.local_layers == "dense")
 
-    def choose(self, cache, layer_idx: int, x: torch.Tensor, rope, attention_mask) -> Iterator[tuple[int, Fetch]]:
+    def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
         """Called with layer l's decode input x (B, 1, D): the fetches of layer l+1 (and of layer 1 at layer 1),
         (layer, Fetch) each, yielded as chosen: the cache starts each before the next is scored.
 
@@ -193,13 +193,13 @@ class Speculate:
         itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
         """
         if layer_idx == 0:  # layer 0: see above (a static step always selects: its shapes do not follow the past)
-            self._dense_step = cache.arch.step.column is None and self._under_floor(cache)
+            self._dense_step = step.column is None and self._under_floor(cache)
             return
         if self._dense_step:
             return
         targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
         for nxt in targets:
-            fetch = self.speculate(cache, nxt, x, rope, attention_mask)
+            fetch = self.speculate(cache, nxt, x, step, layer_idx)
             if fetch is not None:
                 yield nxt, fetch
 
@@ -218,18 +218,18 @@ class Speculate:
                 return False
         return True
 
-    def speculate(self, cache, nxt: int, x: torch.Tensor, rope, attention_mask) -> Fetch | None:
-        """Layer nxt's fetch from x (B, 1, D): its partial query scored against its partial key cache, the tokens
+    def speculate(self, cache, nxt: int, x: torch.Tensor, step, layer_idx: int) -> Fetch | None:
+        """Layer nxt's fetch from layer layer_idx's input x (B, 1, D) (step: the forward's transformer.Step): its partial query scored against its partial key cache, the tokens
         within alpha of each head's best, at most its budget; None where the layer attends all of its past."""
         target = cache.layers[nxt]
         if not target.is_initialized or target.dense:
             return None
         dev = target.device
-        rope = cache.arch.rope_for(nxt, rope)  # layer l+1's own (Gemma 3: per layer type)
+        rope = step.rope(nxt)  # layer l+1's own (Gemma 3: per layer type)
         if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
             x = x.to(dev, non_blocking=True)
             rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
-        static = cache.arch.step.column is not None  # a static step: every shape spans the pool's capacity
+        static = step.column is not None  # a static step: every shape spans the pool's capacity
         n = target.partial.capacity if static else target.partial.length  # slots
         c = cache.config
         budget = cache.budget_of(nxt)
@@ -242,10 +242,10 @@ class Speculate:
             # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
             return None
         kern = target.backend.ops
-        q = cache.partial_query(nxt, x, rope, 1.0 if kern is not None else cache.arch.score_scale)  # (B, G, r, p)
+        q = cache.partial_query(nxt, x, rope, step.memo, 1.0 if kern is not None else cache.arch.score_scale)  # (B, G, r, p)
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
-        keep, caps = self.step_keep(cache, nxt, attention_mask, n if static else target.seen, dev, B, G,
+        keep, caps = self.step_keep(cache, nxt, step, layer_idx, n if static else target.seen, dev, B, G,
                                     not evicted, budget)
         if keep is not None and evicted:
             keep = keep.expand(B, G, -1).gather(-1, target.slots.pos.valid()[..., 0])  # (B, G, slots)
@@ -258,11 +258,11 @@ class Speculate:
             return Fetch(idx, count=count, keep=keep, scored=partial_row, total=total, fixed=static)
         # PyTorch (a GPU): the scale is in q; the mask in the scores' own op (bias, made once a step)
         keys = target.partial.data if static else target.partial.valid()
-        bias = None if keep is None or evicted else self.step_bias(cache, keep, G)
+        bias = None if keep is None or evicted else self.step_bias(step.memo, keep, G)
         scores = approx_scores(q, keys, 1.0, bias)  # (B, G, r, slots)
         if static:  # fixed shapes: which of the k slots are real is written into the layer's working-set mask
             real = target.static_mask(B, G, k)[:, :, 0, 1:]
-            idx = select_fixed(scores, self.step_floor(cache, caps, k, budget), k, c.gqa_combine, real)
+            idx = select_fixed(scores, self.step_floor(step.memo, cache, caps, k, budget), k, c.gqa_combine, real)
             return Fetch(idx, real=real, keep=keep, scored=partial_row, fixed=True)
         idx, count = select(scores, keep, c.alpha, budget, c.max_num_kv, c.gqa_combine, c.min_budget, caps,
                             masked=bias is not None)
@@ -274,16 +274,16 @@ class Speculate:
         c = cache.config
         return fetch_cap(tokens, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
 
-    def step_keep(self, cache, layer: int, attention_mask, seen: int, dev, B: int, G: int, with_caps: bool,
+    def step_keep(self, cache, layer: int, step, at_layer: int, seen: int, dev, B: int, G: int, with_caps: bool,
                   budget: float):
         """keep (B, 1, seen) of `layer` (layer_keep) and, if with_caps, the per-row caps (B, G) of the CPU
         kernel at `budget`: the same for every layer of a decode step with the same window (and budget), so
-        computed once per step (kept in the step's own StepInputs, which the step clears when it ends)."""
-        memo = cache.arch.step.memo
+        computed once per step (kept in the step's memo; at_layer: the layer whose input speculates)."""
+        memo = step.memo
         key = ("keep", cache.arch.windows[layer], seen, dev, B, G)
         if key not in memo:
-            keep = layer_keep(cache.arch, layer, keep_source(cache.arch, attention_mask), seen, B, dev)
-            column = cache.arch.step.column
+            keep = layer_keep(cache.arch, layer, keep_source(cache.arch, step, at_layer), seen, B, dev)
+            column = step.column
             if column is not None:  # a static step's mask spans the capacity: its past ends before its column
                 past = torch.arange(seen, device=dev) < column
                 keep = past.view(1, 1, seen).expand(B, 1, seen) if keep is None else keep & past
@@ -297,18 +297,16 @@ class Speculate:
         return keep, caps[budget]
 
     @staticmethod
-    def step_bias(cache, keep: torch.Tensor, G: int) -> torch.Tensor:
+    def step_bias(memo: dict, keep: torch.Tensor, G: int) -> torch.Tensor:
         """The scores' bias from a step's keep (keep_bias): once a step (the step's memo)."""
-        memo = cache.arch.step.memo
         key = ("bias", keep.data_ptr(), tuple(keep.shape), G)
         if key not in memo:
             memo[key] = keep_bias(keep, G)
         return memo[key]
 
     @staticmethod
-    def step_floor(cache, caps: torch.Tensor, k: int, budget: float) -> torch.Tensor:
+    def step_floor(memo: dict, cache, caps: torch.Tensor, k: int, budget: float) -> torch.Tensor:
         """A static step's slot floor (fixed_floor) at `budget`: once a step (the step's memo)."""
-        memo = cache.arch.step.memo
         key = ("floor", caps.data_ptr(), k)
         if key not in memo:
             memo[key] = fixed_floor(caps, k, cache.config.alpha)

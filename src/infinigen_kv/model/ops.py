@@ -1,0 +1,110 @@
+"""The operations our model classes (transformer.py) run, on weights as they are held: float32, bfloat16 (weight-only,
+float32 compute on CPU) or int8 rows (model/int8_rows.py, llama.cpp's q8_0 layout). The path is chosen per call from
+the input's shape and the weight's dtype, never from state set elsewhere:
+
+- a few rows (a decode step of a batch) on CPU: the `linear` kernel, one streamed read of each weight row for every
+  row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH);
+- a prompt chunk (`prefill=True`): the BLAS, the weight converted in slices where it is held in another dtype, padded
+  to PREFILL_MIN_ROWS rows so a row gets the same bits at any row count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import backend as backends
+from . import int8_rows
+
+PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows
+SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32), and the kernel a held weight
+KERNEL_ROWS = 8  # rows up to which the `linear` kernel beats the BLAS on float32 weights
+CONVERT_ELEMENTS = 1 << 24  # most weight elements converted to float32 at once (64 MB: an LM head's slice)
+
+
+def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of a weight as held, in `dtype`: int8 rows dequantized, others converted."""
+    return int8_rows.unpacked_kv(w, dtype) if w.dtype == torch.int8 else w.to(dtype)
+
+
+def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x with w as held: converted to x's dtype for the call in slices of its output rows where it is
+    large (never a float32 copy of a whole LM head)."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, bias)
+    step = max(1, CONVERT_ELEMENTS // w.shape[1])
+    if w.shape[0] <= step:
+        return F.linear(x, dense(w, x.dtype), bias)
+    parts = [(w[s : s + step], None if bias is None else bias[s : s + step]) for s in range(0, w.shape[0], step)]
+    return torch.cat([F.linear(x, dense(wp, x.dtype), bp) for wp, bp in parts], dim=-1)
+
+
+def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+    """x2 (rows, in) of a prompt chunk by the BLAS, padded to PREFILL_MIN_ROWS rows on CPU: below that the BLAS's
+    small-matrix path gives other bits, so a short prompt alone and in a batch would differ."""
+    rows = x2.shape[0]
+    if rows >= PREFILL_MIN_ROWS or not x2.is_cpu:
+        return converted_linear(x2, w, bias)
+    padded = x2.new_zeros(PREFILL_MIN_ROWS, x2.shape[1])
+    padded[:rows] = x2
+    return converted_linear(padded, w, bias)[:rows]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, prefill: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16 or int8
+    rows). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
+    the kernel where it reads the weight faster than the BLAS."""
+    shape = x.shape[:-1]
+    rows = x.numel() // x.shape[-1]
+    if rows == 0:
+        return x.new_empty(*shape, w.shape[0])
+    x2 = x.reshape(rows, x.shape[-1])
+    kern = backends.cpu().ops if x.is_cpu and x.dtype == torch.float32 else None
+    if prefill:
+        y = _prefill_linear(x2, w, bias)
+    elif kern is not None and rows <= (SMALL_BATCH if w.dtype != torch.float32 else KERNEL_ROWS):
+        r = None if residual is None else residual.reshape(rows, -1)
+        y = kern.linear(x2.contiguous(), w, bias, r) if r is not None else kern.linear(x2.contiguous(), w, bias)
+        return y.view(*shape, -1)
+    elif x.is_cpu and 2 <= rows <= SMALL_BATCH and w.dtype == x.dtype:
+        y = torch.mm(w, x2.t()).t()
+        y = y + bias if bias is not None else y
+    else:
+        y = converted_linear(x2, w, bias)
+    y = y.view(*shape, -1)
+    return y + residual if residual is not None else y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """x / rms(x) * w over the last dim in float32 (plus_one: * (1 + w), Gemma), in x's dtype. A float32 x on CPU
+    (Llama's form) is one kernel call, the same bits."""
+    if not plus_one and x.dtype == torch.float32 and x.is_cpu and (kern := backends.cpu().ops) is not None:
+        return kern.rms_norm(x.contiguous(), w, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (h * (1.0 + w.float())).to(x.dtype)
+    return w * h.to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the embedding table w (as held: float32, bfloat16 or int8 rows) for ids, in `dtype`."""
+    rows = F.embedding(ids, w)
+    if rows.dtype == torch.int8:
+        return int8_rows.unpacked_kv(rows, dtype)
+    return rows.to(dtype)
+
+
+def held(w: torch.Tensor, weights: str | None) -> torch.Tensor:
+    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8" (rows)."""
+    if weights == "bfloat16":
+        return w.to(torch.bfloat16)
+    if weights == "int8":
+        return w if w.dtype == torch.int8 else int8_rows.pack_kv(w.float())
+    return w
+
+
+def held_width(in_features: int, weights: str | None) -> int:
+    """Columns a held weight of `in_features` inputs takes (int8 rows end with their scales)."""
+    return int8_rows.kv_width(in_features) if weights == "int8" else in_features
