@@ -9,8 +9,8 @@ Steps (each one's result goes to check.json; a step that fails is recorded and t
   batching   sequences joining and leaving a running batch (chunked prefill) decode as they do alone
   gather     infinigen 0.1's step (the same model, the last context) for each share of the SMs the row gather's
              programs may take
-  speed      decode speed on a Llama-3.1-8B-shaped model with random bf16 weights: full, offload, transformers'
-             offloaded cache, infinigen at budget 0.1 / 0.05; H2D bytes per step, H2D bandwidth, peak device
+  speed      decode speed on a Llama-3.1-8B-shaped model with random bf16 weights: full, offload, infinigen at
+             budget 0.1 / 0.05; H2D bytes per step, H2D bandwidth, peak device
              memory, the share of the transfer hidden behind compute
   profile    where a step's time goes (torch.profiler) at --profile-at, a trace per infinigen row
   memory     device memory by part at --memory-at (B4 x 32k): full, infinigen 0.1 with bfloat16 / float32 partial
@@ -977,9 +977,9 @@ def main() -> int:
         kernels._enabled = False  # the reference backend: the PyTorch code a GPU runs
     info = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "dry_run": dry}
-    import transformers
+    from infinigen_kv import __version__
 
-    info["transformers"] = transformers.__version__
+    info["infinigen_kv"] = __version__
     report = {"machine": info, "steps": {}}
     steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
              "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),

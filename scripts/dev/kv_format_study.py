@@ -39,7 +39,7 @@ def main():
     model, tok = ig.load_model(args.model)
     ids = torch.tensor(tok(load_text(args.data))["input_ids"])
     c = model.config
-    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    d = c.head_dim
     view = FullLayer.view
     rows = []
     for name, kv_dtype, group in (("float32", "float32", None),

@@ -24,7 +24,6 @@ from infinigen_kv.bench.speed import prompts
 from infinigen_kv.bench.tee import TeeCache
 from infinigen_kv.methods.registry import METHODS
 from infinigen_kv.runtime.generation import prefill
-from infinigen_kv.model import step as step_mod
 
 
 def parse(config: str) -> tuple[str, dict]:
@@ -71,7 +70,7 @@ def main() -> int:
             p = torch.full((B, 1), pos[c])
             pos[c] += 1
             t = time.perf_counter()
-            step_mod.decode(model_of[c], cache, x, p, None)
+            model_of[c].decode(cache, x, p, None)
             times[c].append(time.perf_counter() - t)
     first = statistics.median(times[configs[0]])
     print(f"B={B} n={n}, median of {args.steps} steps, alternated step by step")

@@ -1,8 +1,8 @@
 """Where a decode step's time goes: wall time per step for `full` and `infinigen`, and InfiniGen's parts
 (speculation with its partial query and kernel, update, attention) summed over the layers of a step. The step
-generate runs: our own (model/step.py) where it serves the model, else the model's forward (--model-step).
+generate runs (model.decode).
 
-    python scripts/dev/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--model-step] [--cprofile 25]
+    python scripts/dev/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--cprofile 25]
 
 --cprofile N: then the same steps again under cProfile, each method's N functions of most own time (the Python
 around the kernels; cProfile slows each call, so its times rank, they do not measure a step).
@@ -20,7 +20,6 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.model import attention as attention_mod
 from infinigen_kv.model import kernels
-from infinigen_kv.model import step as step_mod
 from infinigen_kv.methods.infinigen import cache as cache_mod
 from infinigen_kv.methods.infinigen import layer as layer_mod
 from infinigen_kv.methods.infinigen import speculator as selection_mod
@@ -48,7 +47,6 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--model-step", action="store_true", help="the model's forward, not our own step")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="then N functions of most own time")
     args = ap.parse_args()
     model, tok = ig.load_model(args.model)
@@ -77,26 +75,20 @@ def main():
     for method, cache in caches.items():
         TIMES.clear()
         walls = []
-        own = not args.model_step and step_mod.supports(model, cache)
         for i in range(args.steps):
             pos = torch.full((B, 1), n + 2 + i)
             t = time.perf_counter()
-            if own:
-                step_mod.decode_step(model, cache, x[:, 0], pos, None)
-            else:
-                model(input_ids=x, past_key_values=cache, position_ids=pos)
+            model.decode(cache, x[:, 0], pos, None)
             walls.append(time.perf_counter() - t)
         walls.sort()
-        step = "own step" if own else "model's forward"
-        print(f"{method}: median step {walls[len(walls) // 2] * 1e3:.1f} ms (B={B}, n={n}, {step})")
+        print(f"{method}: median step {walls[len(walls) // 2] * 1e3:.1f} ms (B={B}, n={n})")
         for label, s in TIMES.items():
             print(f"  {label}: {s / args.steps * 1e3:.1f} ms/step")
         if args.cprofile:
             prof = cProfile.Profile()
             for i in range(args.steps):
                 pos = torch.full((B, 1), n + 2 + args.steps + i)
-                prof.runcall(step_mod.decode_step if own else model, *((model, cache, x[:, 0], pos, None) if own else ()),
-                             **({} if own else dict(input_ids=x, past_key_values=cache, position_ids=pos)))
+                prof.runcall(model.decode, cache, x[:, 0], pos, None)
             print(f"{method}: cProfile over {args.steps} steps, by own time")
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
 

@@ -27,7 +27,6 @@ def child(args) -> None:
 
     import infinigen_kv as ig
     from infinigen_kv.bench.speed import prompts
-    from infinigen_kv.model import step as step_mod
 
     torch.set_grad_enabled(False)
     model, tok = ig.load_model(args.model)
@@ -48,10 +47,12 @@ def child(args) -> None:
         pos[method] += 1
         t = time.perf_counter()
         with torch.inference_mode():
-            if step_mod.supports(model, cache):
+            if hasattr(model, "decode"):  # our model
+                model.decode(cache, x, p, None)
+            else:  # a tree from before it: its own step
+                from infinigen_kv.model import step as step_mod
+
                 step_mod.decode_step(model, cache, x, p, None)
-            else:
-                model(input_ids=x[:, None], past_key_values=cache, position_ids=p)
         print(time.perf_counter() - t, flush=True)
 
 

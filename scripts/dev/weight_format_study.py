@@ -50,8 +50,8 @@ def main():
     args = ap.parse_args()
     model, tok = ig.load_model(args.model, dtype="float32")
     ids = torch.tensor(tok(load_text(args.data))["input_ids"])
-    emb = model.get_input_embeddings()
-    weights = {id(m.weight): m.weight for m in model.modules() if type(m) is torch.nn.Linear or m is emb}
+    weights = {id(p): p for name, p in model.named_parameters()
+               if name in ("embed", "lm_head") or name.endswith(("wqkv.weight", "wo.weight", "w1.weight", "w2.weight"))}
     original = {k: w.detach().clone() for k, w in weights.items()}
     params = sum(w.numel() for w in original.values())
     rows = []

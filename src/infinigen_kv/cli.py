@@ -72,7 +72,7 @@ def _add_model_args(p):
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="CPU threads, fixed (default: all cores, fewer while measured faster on a busy machine; "
                    "see the README, 'CPU decode path')")
-    p.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto: layers spread over GPUs (default: none, one device)")
+    p.add_argument("--device-map", default=None, help="auto: the layers placed across the GPUs, layer by layer (default: none, one device)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA: decode eagerly, not as one replayed CUDA graph a step (the same as INFINIGEN_CUDA_GRAPH=0)")
 
@@ -331,6 +331,19 @@ def _check_inputs(args) -> None:
     if args.command == "calibrate" and args.text_file is not None and not Path(args.text_file).is_file():
         raise CLIError(f"calibration text file not found: {args.text_file}")
 
+def _quiet_transformers() -> None:
+    """Where a command brings transformers in (a GGUF's one-time conversion, lm-eval), its warnings and loading bars
+    stay off; it is never imported for this."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 
 def main(argv=None) -> int:
     parser = build_parser()
@@ -348,10 +361,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if getattr(args, "no_cuda_graph", False):
         os.environ["INFINIGEN_CUDA_GRAPH"] = "0"  # every decode loop of this process (generate, bench, serve)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # weight-loading bars; ours (calibration, decode) stay
+    _quiet_transformers()
     try:
         result = handler(args)
     except CLIError as e:
@@ -374,3 +384,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

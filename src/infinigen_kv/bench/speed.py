@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
+
+from .. import __version__
 
 from ..config import DEFAULT_MODEL
 from ..methods.base import cache_stats
@@ -69,7 +70,7 @@ def machine_info(device: torch.device) -> dict:
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "infinigen_kv": __version__,
         "device": str(device),
         "read_bandwidth_gb_s": round(memory_bandwidth(device) / 1e9, 2),
         "date": time.strftime("%Y-%m-%d"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..methods.base import LogicalLayer
 from ..model.kv import KVView, StepCache
@@ -49,7 +48,7 @@ class TeeLayer(LogicalLayer):
         return self.children[0].get_seq_length()
 
 
-class TeeCache(StepCache, Cache):
+class TeeCache(StepCache):
     """`TeeCache(caches)`: a prefill through it lands in every cache of the list (same model; caches of methods
     that declare `shares_prefill`, all made of methods/base.LogicalLayer)."""
 

@@ -9,19 +9,16 @@ import copy
 import weakref
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
 from ..model.arch import get_arch
 from ..model.transformer import compute_dtype
 from ..model.kv import KVView, StepCache, from_rows, kv_storage, to_rows
 from .rows import PIN_ROUNDING, release_pinned
 
 
-class LogicalLayer(CacheLayerMixin):
-    """A transformers cache layer that reports the logical length (every token seen), whatever it returns to
-    attention: transformers sizes positions and masks by it."""
+class LogicalLayer:
+    """A cache layer that reports the logical length (every token seen), whatever it returns to attention: the
+    model counts positions and sizes masks by it."""
 
-    is_compileable = False
     is_sliding = False
     # Traits, declared by a method's layer class:
     needs_probs = False  # attention hands the layer its weights: the prefill's scores, each decode step's (H2O)
@@ -31,6 +28,9 @@ class LogicalLayer(CacheLayerMixin):
     window = None
     offset = 0
 
+    def __init__(self, **_):
+        self.is_initialized = False  # its buffers are made by the first k, v it stores (lazy_initialization)
+
     def view(self, key_states: torch.Tensor, value_states: torch.Tensor, fetch=None) -> KVView:
         """Store the new k, v (B, G, T, d) and return what attention reads for this forward (model/kv.py): here,
         what `update` returns, read with the model's mask. fetch: what an earlier layer's selection started for
@@ -38,7 +38,7 @@ class LogicalLayer(CacheLayerMixin):
         return KVView(*self.update(key_states, value_states))
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """transformers' Cache API: the keys and values of `view` (attention inside the model reads the view)."""
+        """The keys and values of `view` (a cache layer's plain API: attention inside the model reads the view)."""
         view = self.view(key_states, value_states)
         return view.keys, view.values
 
@@ -51,12 +51,6 @@ class LogicalLayer(CacheLayerMixin):
     @cache.setter
     def cache(self, cache) -> None:
         self._cache = weakref.ref(cache)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt's own K, V as the layer stores them (kv_dtype): the prompt attends over the rows its later chunks

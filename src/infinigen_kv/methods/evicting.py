@@ -11,7 +11,6 @@ layer's view (model/kv.py) like InfiniGen's working set.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, check_budget, check_kv_dtype, check_min_budget
 from ..model.arch import get_arch
@@ -181,7 +180,7 @@ class EvictingLayer(LogicalLayer):
         return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
 
 
-class EvictingCache(Rebatch, Cache):
+class EvictingCache(Rebatch):
     layer_class = EvictingLayer
 
     def __init__(self, model, budget: float = DEFAULT_BUDGET, min_budget: int = DEFAULT_MIN_BUDGET,

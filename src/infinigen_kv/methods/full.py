@@ -6,7 +6,6 @@ This is the reference every ratio is quoted against."""
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..model.arch import UnsupportedModelError
 from ..model.arch import get_arch
@@ -76,7 +75,7 @@ class FullLayer(LogicalLayer):
         return (self.k.nbytes + self.v.nbytes) if self.is_initialized else 0
 
 
-class FullCache(Rebatch, Cache):
+class FullCache(Rebatch):
     """The efficient full cache. `FullCache(model)`; works with `model.generate(past_key_values=...)`."""
 
     method = "full"

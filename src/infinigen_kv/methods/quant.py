@@ -8,7 +8,6 @@ extra dependencies that are not installed here, and neither is FlexGen's exact s
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
 from .base import LogicalLayer, Rebatch, read_stats
 from .rows import RowBuffer
@@ -92,7 +91,7 @@ class QuantLayer(LogicalLayer):
         return sum(b.nbytes for b in self.bufs.values()) if self.is_initialized else 0
 
 
-class QuantCache(Rebatch, Cache):
+class QuantCache(Rebatch):
     """`QuantCache(model, bits=4)`: all entries, a quarter (INT4) or half (INT8) of the bytes plus scales."""
 
     method = "quant"

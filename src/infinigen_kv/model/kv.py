@@ -48,6 +48,23 @@ class StepCache:
     track_recall = False  # attention reports each step's true attention on its working set (a diagnostic)
     static = False  # its layers' views take `at`, the device column of a static step (model/static.py)
 
+    def __init__(self, layers=()):
+        self.layers = list(layers)  # one per decoder layer: its `view(k, v, fetch)` stores k, v and returns a KVView
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layers=[{', '.join(type(l).__name__ for l in self.layers)}])"
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens each sequence holds (its past: the positions the next token follows)."""
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_):
+        """Layer layer_idx's keys and values after storing k, v (B, G, T, d) (a plain cache's API)."""
+        return self.layers[layer_idx].update(key_states, value_states)
+
     def before_attention(self, layer_idx: int, x: torch.Tensor, step) -> list:
         """Called by layer l with its attention input x (B, T, D) and the forward's transformer.Step (positions,
         each layer's RoPE and mask, a static step's column, the step's memo): a method that chooses what a step

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import Cache
 
 from ...config import ConfigError, InfiniGenConfig
 from ...model.arch import get_arch
@@ -58,7 +57,7 @@ class Transfers:
         return self.by_device[device]
 
 
-class InfiniGenCache(Rebatch, Cache):
+class InfiniGenCache(Rebatch):
     """`InfiniGenCache(model, config)`: calibrates on first use (or loads the cached calibration) and
     installs the speculation hooks and the attention function on the model (once per model). `selection`
     decides what each decode step fetches (default: InfiniGen's speculation; `FetchAll` for offload)."""
