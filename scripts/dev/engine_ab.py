@@ -12,6 +12,7 @@ The other revision is checked out once into a worktree under /tmp and run with t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -26,10 +27,12 @@ IMPORT = "import infinigen_kv.model.load, infinigen_kv.runtime.generation, infin
 
 
 def timed(cmd: list[str], src: Path | None) -> tuple[float, int, str]:
-    """(wall seconds, max RSS bytes, stdout + stderr) of cmd under /usr/bin/time, with `src` first on the path."""
+    """(wall seconds, max RSS bytes, stdout + stderr) of cmd under /usr/bin/time, with `src` first on the path and
+    its own build of the CPU kernels (one folder a tree: torch rebuilds an extension whose source path changed)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if src is not None:
         env["PYTHONPATH"] = str(src)
+        env["TORCH_EXTENSIONS_DIR"] = str(Path(tempfile.gettempdir()) / f"engine-ab-ext-{hashlib.md5(str(src).encode()).hexdigest()[:8]}")
     r = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -93,6 +96,8 @@ def main() -> None:
     trees = {"before": worktree(args.rev), "after": ROOT / "src"}
     figures: dict = {}
     py = sys.executable
+    for src in trees.values():  # each tree's kernels built (and the default model converted) before any timing
+        timed([py, "-m", "infinigen_kv.cli", "generate", "--max-new-tokens", "1", "--prompt", "Hello"], src)
     for _ in range(args.repeats):  # import: each tree and torch alone, alternated
         for name, src in [("torch", None), *trees.items()]:
             code = "import torch" if name == "torch" else IMPORT

@@ -84,7 +84,9 @@ def compare(args, trees: dict) -> None:
                "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--methods", args.methods]
         if args.model:
             cmd += ["--model", args.model]
-        env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+        env = dict(os.environ, PYTHONPATH=str(tree / "src"),  # each tree its own kernel build (torch rebuilds an
+                   TORCH_EXTENSIONS_DIR=str(Path(tempfile.gettempdir()) / f"step-ab-ext-{name.replace(' ', '-')}"))
+        # extension whose source path changed)
         procs[name] = p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if p.stdout.readline().strip() != "ready":
             sys.exit(f"{name}: the child process failed")

@@ -93,8 +93,8 @@ class EvictingLayer(LogicalLayer):
                 buf.data[:, :, buf.length : need].zero_()
                 buf.length = need
         rows = (slot.view(B, G, 1) + self.k.row_base()).view(-1)
-        self.k.data.view(-1, self.k.width).index_copy_(0, rows, to_rows(key_states, self.k.dtype).view(-1, self.k.width))
-        self.v.data.view(-1, self.v.width).index_copy_(0, rows, to_rows(value_states, self.v.dtype).view(-1, self.v.width))
+        self.k.data.view(-1, self.k.width).index_copy_(0, rows, to_rows(key_states, self.k.dtype).reshape(-1, self.k.width))
+        self.v.data.view(-1, self.v.width).index_copy_(0, rows, to_rows(value_states, self.v.dtype).reshape(-1, self.v.width))
         self.pos.data.view(-1).index_fill_(0, rows, self.seen)
         self.score.data.view(-1).index_fill_(0, rows, 0.0)
         self.kept += (~full).long()

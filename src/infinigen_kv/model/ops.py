@@ -22,6 +22,16 @@ KERNEL_ROWS = 8  # rows up to which the `linear` kernel beats the BLAS on float3
 CONVERT_ELEMENTS = 1 << 24  # most weight elements converted to float32 at once (64 MB: an LM head's slice)
 
 
+_CPU = []  # the CPU kernels module (or None), asked once: linear and rms_norm run ~180 times a decode step
+
+
+def cpu_kernels():
+    """The compiled CPU kernels, or None (model/backend.py chooses once per process)."""
+    if not _CPU:
+        _CPU.append(backends.cpu().ops)
+    return _CPU[0]
+
+
 def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values of a weight as held, in `dtype`: int8 rows dequantized, others converted."""
     return int8_rows.unpacked_kv(w, dtype) if w.dtype == torch.int8 else w.to(dtype)
@@ -54,19 +64,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16 or int8
     rows). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
-    the kernel where it reads the weight faster than the BLAS."""
+    the kernel where it reads the weight faster than the BLAS. Runs ~120 times a decode step: the kernel's case
+    is checked first, with as few tensor calls as it needs."""
+    if not prefill and x.is_cpu and x.dtype == torch.float32:
+        shape = x.shape
+        rows = x.numel() // shape[-1]
+        kern = cpu_kernels()
+        if kern is not None and 0 < rows <= (SMALL_BATCH if w.dtype != torch.float32 else KERNEL_ROWS):
+            x2 = x.view(rows, shape[-1]) if x.is_contiguous() else x.reshape(rows, shape[-1]).contiguous()
+            if residual is None:
+                return kern.linear(x2, w, bias).view(*shape[:-1], -1)
+            return kern.linear(x2, w, bias, residual.view(rows, -1)).view(*shape[:-1], -1)
+    return _linear(x, w, bias, prefill, residual)
+
+
+def _linear(x, w, bias, prefill, residual) -> torch.Tensor:
+    """linear's BLAS paths: a prompt chunk (padded to PREFILL_MIN_ROWS rows), W x^T for a few rows of float32 weights,
+    or the weight converted for the call."""
     shape = x.shape[:-1]
     rows = x.numel() // x.shape[-1]
     if rows == 0:
         return x.new_empty(*shape, w.shape[0])
     x2 = x.reshape(rows, x.shape[-1])
-    kern = backends.cpu().ops if x.is_cpu and x.dtype == torch.float32 else None
     if prefill:
         y = _prefill_linear(x2, w, bias)
-    elif kern is not None and rows <= (SMALL_BATCH if w.dtype != torch.float32 else KERNEL_ROWS):
-        r = None if residual is None else residual.reshape(rows, -1)
-        y = kern.linear(x2.contiguous(), w, bias, r) if r is not None else kern.linear(x2.contiguous(), w, bias)
-        return y.view(*shape, -1)
     elif x.is_cpu and 2 <= rows <= SMALL_BATCH and w.dtype == x.dtype:
         y = torch.mm(w, x2.t()).t()
         y = y + bias if bias is not None else y
@@ -79,7 +100,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
     """x / rms(x) * w over the last dim in float32 (plus_one: * (1 + w), Gemma), in x's dtype. A float32 x on CPU
     (Llama's form) is one kernel call, the same bits."""
-    if not plus_one and x.dtype == torch.float32 and x.is_cpu and (kern := backends.cpu().ops) is not None:
+    if not plus_one and x.dtype == torch.float32 and x.is_cpu and (kern := cpu_kernels()) is not None:
         return kern.rms_norm(x.contiguous(), w, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

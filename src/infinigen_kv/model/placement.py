@@ -28,6 +28,7 @@ def place(model: Transformer, device_map) -> None:
         raise ValueError(f"device_map must be 'auto' or a dict of module names to devices, not {device_map!r}")
     if model.args.tie_embeddings:
         top["lm_head"] = top["embed"]
+    model.placed = True
     for block, dev in zip(model.layers, per):
         block.to(dev)
     with torch.no_grad():

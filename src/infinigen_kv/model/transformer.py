@@ -88,7 +88,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor, prefill: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, prefill, residual)
+        p = self._parameters  # (not self.weight: nn.Module's attribute lookup, ~120 times a decode step)
+        return ops.linear(x, p["weight"], p.get("bias"), prefill, residual)
 
 
 class Norm(nn.Module):
@@ -99,9 +100,10 @@ class Norm(nn.Module):
         self.bias = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False) if kind == "layer" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self._parameters
         if self.kind == "layer":
-            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-        return ops.rms_norm(x, self.weight, self.eps, plus_one=self.kind == "rms1p")
+            return F.layer_norm(x, (x.shape[-1],), p["weight"], p.get("bias"), self.eps)
+        return ops.rms_norm(x, p["weight"], self.eps, plus_one=self.kind == "rms1p")
 
 
 class Attention(nn.Module):
@@ -148,18 +150,18 @@ class Attention(nn.Module):
         """q (B, H, T, d), k, v (B, G, T, d) of the normed input h (B, T, D), RoPE applied."""
         B, T, _ = h.shape
         H, G, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(h, prefill)  # (B, T, (H + 2G) d)
-        kern = backends.cpu().ops if h.is_cpu and h.dtype == torch.float32 else None
+        qkv = self._modules["wqkv"].forward(h, prefill)  # (B, T, (H + 2G) d)
+        kern = ops.cpu_kernels() if h.is_cpu and h.dtype == torch.float32 else None
         if T == 1 and self.rope and self.q_norm is None and kern is not None:  # q and k rotated in place, one call
             qkv = qkv.view(B, -1)
             kern.rope_(qkv, rope[0], rope[1], H + G)
             qkv = qkv.view(B, 1, H + 2 * G, d).transpose(1, 2)  # (B, H + 2G, 1, d)
-            return qkv[:, :H], qkv[:, H : H + G].contiguous(), qkv[:, H + G :].contiguous()  # (a cache's rows)
+            return qkv[:, :H], qkv[:, H : H + G], qkv[:, H + G :]
         if self.q_scale != 1.0:
             qkv = torch.cat([qkv[..., : H * d] * self.q_scale, qkv[..., H * d :]], dim=-1)
         q, k, v = qkv.view(B, T, H + 2 * G, d).split([H, G, G], dim=2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -175,7 +177,7 @@ class Attention(nn.Module):
             out, _ = attend(q, KVView(k, v), mask, self.scaling, window=self.window)
         else:
             out = attend_layer(cache, self.layer, q, k, v, mask, self.scaling, self.window, fetch, step.column)
-        return self.wo(out.reshape(B, T, -1).contiguous(), prefill, residual)  # (B, T, D)
+        return self._modules["wo"].forward(out.reshape(B, T, -1).contiguous(), prefill, residual)  # (B, T, D)
 
 
 class MLP(nn.Module):
@@ -189,18 +191,19 @@ class MLP(nn.Module):
         self.w2 = Linear(args.intermediate, args.dim, args.mlp_bias, weights, dtype)
 
     def forward(self, h: torch.Tensor, prefill: bool, residual: torch.Tensor | None) -> torch.Tensor:
-        a = self.w1(h, prefill)
+        m = self._modules  # (nn.Module's attribute lookup is the slow path: ~120 times a decode step)
+        a = m["w1"].forward(h, prefill)
         if self.act == "relu":
             a = F.relu(a)
         elif self.act == "silu":
-            backend = backends.cpu() if a.is_cpu and a.dtype == torch.float32 else None
-            if not prefill and backend is not None and backend.silu_lanes is not None and a.dim() == 2:
-                a = backend.ops.silu_mul(a, backend.silu_lanes)
+            backend = backends.cpu() if a.is_cpu and a.dtype == torch.float32 else None  # (silu_mul's lanes)
+            if not prefill and backend is not None and backend.silu_lanes is not None:
+                a = backend.ops.silu_mul(a.view(-1, a.shape[-1]), backend.silu_lanes).view(*a.shape[:-1], -1)
             else:
                 a = F.silu(a[..., : self.hidden].contiguous()) * a[..., self.hidden :]
         else:
             a = F.gelu(a[..., : self.hidden], approximate="tanh") * a[..., self.hidden :]
-        return self.w2(a, prefill, residual)
+        return m["w2"].forward(a, prefill, residual)
 
 
 class Block(nn.Module):
@@ -222,19 +225,20 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache, fetches: dict) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D); fetches: what earlier layers started for later ones (updated, this layer's taken)."""
         prefill = x.shape[1] > 1
-        h = self.attn_norm(x) if self.pre_norm else x
+        m = self._modules  # (nn.Module's attribute lookup is the slow path: ~200 times a decode step)
+        h = m["attn_norm"].forward(x) if self.pre_norm else x
         if cache is not None:
             fetches.update(cache.before_attention(self.layer, h, step))
         fetch = fetches.pop(self.layer, None)
         if self.sandwich:
-            x = x + self.attn_post_norm(self.attn(h, step, cache, fetch, None))
-            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x), prefill, None))
-        x = self.attn(h, step, cache, fetch, x)  # x + attention
+            x = x + m["attn_post_norm"].forward(m["attn"].forward(h, step, cache, fetch, None))
+            return x + m["mlp_post_norm"].forward(m["mlp"].forward(m["mlp_norm"].forward(x), prefill, None))
+        x = m["attn"].forward(h, step, cache, fetch, x)  # x + attention
         if not self.pre_norm:
-            x = self.attn_norm(x)
-        h = self.mlp_norm(x) if self.pre_norm else x
-        x = self.mlp(h, prefill, x)  # x + mlp
-        return x if self.pre_norm else self.mlp_norm(x)
+            x = m["attn_norm"].forward(x)
+        h = m["mlp_norm"].forward(x) if self.pre_norm else x
+        x = m["mlp"].forward(h, prefill, x)  # x + mlp
+        return x if self.pre_norm else m["mlp_norm"].forward(x)
 
 
 class Transformer(nn.Module):
@@ -247,6 +251,7 @@ class Transformer(nn.Module):
         self.args, self.weights, self.dtype = args, weights, dtype
         self.source = source  # the checkpoint directory it was loaded from (its tokenizer's), if any
         self.embed_file = None  # the key of the file the input embedding is mapped from (model/mapped.py), if any
+        self.placed = False  # layers on devices of their own (placement.place): the forward moves x between them
         E = args.embed_dim or args.dim
         wdtype = HELD.get(weights, dtype)
         self.embed = nn.Parameter(torch.empty(args.vocab_size, ops.held_width(E, weights), dtype=wdtype),
@@ -307,11 +312,12 @@ class Transformer(nn.Module):
         fetches = {}  # layer -> what an earlier layer's speculation started for it
         steps = {x.device: step}  # (layers placed across devices: the step on each)
         for block in self.layers:
-            if block.device != x.device:
+            if self.placed and block.device != x.device:
                 x = x.to(block.device)
                 steps.setdefault(x.device, step.to(x.device))
-            x = block(x, steps[x.device], cache, fetches)
-        x = x.to(self.lm_head.device)
+            x = block.forward(x, steps[x.device], cache, fetches)  # (no module hooks: not __call__)
+        if self.placed:
+            x = x.to(self.lm_head.device)
         if isinstance(logits_to_keep, torch.Tensor):  # positions by index (none: no logits computed)
             x = x[:, logits_to_keep]
         elif logits_to_keep:
