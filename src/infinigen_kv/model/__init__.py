@@ -1,2 +1,3 @@
-"""The model side: loading one (load.py), what differs between architectures (arch.py), what is installed on a
-model (install.py: the attention function of attention.py, hooks, fast CPU linears) and the CPU kernels."""
+"""The model side: our model classes (transformer.py, their config hparams.py, their operations ops.py), loading a
+checkpoint into them (load.py, weights.py, gguf.py, tokenizer.py), the facts the caches read (arch.py), attention
+over a cache layer's view (attention.py) and the CPU kernels."""

@@ -19,7 +19,7 @@ from . import int8_rows
 PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows
 SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32), and the kernel a held weight
 KERNEL_ROWS = 8  # rows up to which the `linear` kernel beats the BLAS on float32 weights
-CONVERT_ELEMENTS = 1 << 24  # most weight elements converted to float32 at once (64 MB: an LM head's slice)
+CONVERT_ELEMENTS = 1 << 22  # most weight elements converted to float32 at once: 16 MB, under the heap's mapping threshold (heap.py: larger temporaries are mapped and faulted in afresh at every call)
 
 
 _CPU = []  # the CPU kernels module (or None), asked once: linear and rms_norm run ~180 times a decode step
