@@ -52,7 +52,7 @@ def cells(model: str, weights: str, args) -> dict:
     """name -> (command, how to read its figure from (wall, rss, output))."""
     py = sys.executable
     m = [] if model == "default" else ["--model", model]
-    w = ["--weights", weights]
+    w = ["--dtype", "float32"] if weights == "float32" else ["--weights", weights]  # float32: no held weights
     gen = [py, "-m", "infinigen_kv.cli", "generate", *m, *w, "--max-new-tokens", "1", "--json"]
     out = {
         "startup_s": (gen + ["--prompt", "Hello"], lambda t, r, o: t),
@@ -60,6 +60,8 @@ def cells(model: str, weights: str, args) -> dict:
         "load_s": (gen + ["--prompt", "Hello"], lambda t, r, o: float(re.search(r"loaded .* in ([\d.]+) s", o)[1])),
         "prefill16_s": (gen + ["--prompt", " ".join(["word"] * 15)], lambda t, r, o: _json(o)["prefill_s"]),
     }
+    if args.no_bench:
+        return out
     bench = [py, "-m", "infinigen_kv.cli", "bench", "speed", *m, *w, "--methods", "full,infinigen",
              "--batch", args.batch, "--prompt-len", str(args.prompt_len), "--new-tokens", "16", "--repeats", "1",
              "--json", "--out", str(Path(tempfile.gettempdir()) / "engine-ab-bench")]
@@ -87,10 +89,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", required=True, help="the git revision to compare the working tree with")
     ap.add_argument("--models", default="default")
-    ap.add_argument("--weights", default="bfloat16")
+    ap.add_argument("--weights", default="bfloat16", help="bfloat16, int8 (held weights) or float32 (--dtype float32)")
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-bench", action="store_true", help="only the import and generate figures")
     ap.add_argument("--out", default=None, help="a folder for the raw figures (figures.json)")
     args = ap.parse_args()
     trees = {"before": worktree(args.rev), "after": ROOT / "src"}
