@@ -131,3 +131,18 @@ def test_a_conversion_parses_a_gguf_once(tmp_path):
         a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
         assert a is b and a.tensors[0].name == "x"
     assert gguf.GGUFReader is real and gguf.GGUFReader(path) is not a
+
+
+def test_logits_equal_transformers_on_the_real_weights(smollm):
+    """Our model of the converted checkpoint (float32) against transformers' model of the same files: the same logits
+    at the prompt's last position and after two decode steps, within float32 tolerance."""
+    from test_model import hf_steps, our_steps
+    from transformers import AutoModelForCausalLM
+
+    model, tok = smollm
+    ours, _ = ig.load_model(model.source, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(model.source, dtype=torch.float32).eval()
+    enc = tok(["The capital of France is Paris. The capital of Italy is", "Once upon a time"], return_tensors="pt",
+              padding=True)
+    torch.testing.assert_close(our_steps(ours, enc.input_ids, enc.attention_mask, 2),
+                               hf_steps(hf, enc.input_ids, enc.attention_mask, 2), atol=2e-3, rtol=1e-3)

@@ -64,3 +64,17 @@ def test_gemma3_exact_at_full_budget(gemma, tmp_path):
     tokens, logits = run(exact("dense", "auto"))
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=0.05, rtol=0.01)
+
+
+def test_logits_equal_transformers_on_the_real_weights(gemma):
+    """Gemma 3 270M's converted checkpoint in float32: our model's logits at the prompt and two decode steps equal
+    transformers' (local and global layers, their RoPEs, the (1 + w) norms, the embedding's scale)."""
+    from test_model import hf_steps, our_steps
+    from transformers import AutoModelForCausalLM
+
+    model, tok = gemma
+    ours, _ = ig.load_model(model.source, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(model.source, dtype=torch.float32).eval()
+    enc = tok(["The capital of France is Paris. The capital of Italy is"], return_tensors="pt")
+    torch.testing.assert_close(our_steps(ours, enc.input_ids, enc.attention_mask, 2),
+                               hf_steps(hf, enc.input_ids, enc.attention_mask, 2), atol=2e-3, rtol=1e-3)
