@@ -5,7 +5,6 @@ reference and a GGUF's one-time conversion, nothing else)."""
 import subprocess
 import sys
 
-import pytest
 
 from conftest import save_tiny
 

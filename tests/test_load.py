@@ -117,3 +117,34 @@ def test_an_untied_input_embedding_is_read_from_a_file_mapping(tmp_path, weights
     kept, _ = load_model(path, device="cpu", weights=weights)
     assert _mapping_of(kept.embed) is None
     assert torch.equal(kept.embed, ref.embed)
+
+
+def test_the_tokenizer_reads_as_transformers_does(tmp_path):
+    """tokenizer.json through the tokenizers library and the chat template through jinja2: the ids, text, padded
+    batches and chat prompts transformers' AutoTokenizer gives for the same files (left padding: ours)."""
+    from transformers import AutoTokenizer
+
+    from infinigen_kv.model.tokenizer import Tokenizer, TokenizerError
+
+    path = save_tiny(tmp_path / "m")
+    ours, ref = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(path)
+    ref.padding_side = "left"
+    for text in ("The quick brown fox", "  two spaces\nand a line", "pass key 12345"):
+        for special in (True, False):
+            assert ours(text, add_special_tokens=special)["input_ids"] == ref(text, add_special_tokens=special)[
+                "input_ids"]
+        ids = ref(text)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids) and ours.decode(ids, True) == ref.decode(ids, skip_special_tokens=True)
+    a, b = ours(["a b c d", "fox"], return_tensors="pt", padding=True), ref(["a b c d", "fox"], return_tensors="pt",
+                                                                         padding=True)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
+    chat = [{"role": "user", "content": "Say hi"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen) == ref.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=gen)
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == list(
+        ref.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (ref.eos_token_id, ref.pad_token_id,
+                                                                         ref.bos_token_id)
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)

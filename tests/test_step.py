@@ -2,7 +2,6 @@
 alone and in a left-padded batch, its kernel ops giving the PyTorch ops' bits where they replace them; a step's
 products reach the layers as values."""
 
-import copy
 import dataclasses
 
 import pytest

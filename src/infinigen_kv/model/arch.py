@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .hparams import SUPPORTED, UnsupportedModelError, from_config  # noqa: F401 (the names callers import here)
+from .hparams import UnsupportedModelError  # noqa: F401 (callers import it from here)
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,6 @@ class Arch:
     def key(self, layer: int, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
         """Keys of `layer` for inputs x (B, T, D), as the cache stores them (after RoPE): (B, G, T, d)."""
         return self.attns[layer].key(x, rope)
-
-
-def check_supported(config) -> None:
-    """UnsupportedModelError unless `config` (a ModelArgs, or a config.json dict) is an architecture we run."""
-    if isinstance(config, dict):
-        from_config(config)
 
 
 _ARCHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its Arch, made once

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import heap
-from ..config import DEFAULT_MODEL, cache_dir
+from ..config import cache_dir
 from . import backend as backends
 from . import gguf
 from .hparams import UnsupportedModelError, from_config

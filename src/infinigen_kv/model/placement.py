@@ -11,7 +11,7 @@ from .transformer import Transformer, _freq_name
 
 def place(model: Transformer, device_map) -> None:
     """Layers across devices: "auto" spreads them evenly over the visible GPUs (the embedding with the first, the
-    final norm and LM head with the last); a dict maps "embed", "norm", "lm_head" and "layers.i" (or transformers'
+    final norm and LM head with the last; a tied LM head, and the final norm, with the embedding); a dict maps "embed", "norm", "lm_head" and "layers.i" (or transformers'
     "model.layers.i", "model.embed_tokens") to a device. The forward moves activations between them."""
     n = model.args.n_layers
     if device_map == "auto":
@@ -28,6 +28,7 @@ def place(model: Transformer, device_map) -> None:
         raise ValueError(f"device_map must be 'auto' or a dict of module names to devices, not {device_map!r}")
     if model.args.tie_embeddings:
         top["lm_head"] = top["embed"]
+    top["norm"] = top["lm_head"]  # the forward moves x to the LM head's device before the final norm
     model.placed = True
     for block, dev in zip(model.layers, per):
         block.to(dev)

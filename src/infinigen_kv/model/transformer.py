@@ -157,9 +157,9 @@ class Attention(nn.Module):
             kern.rope_(qkv, rope[0], rope[1], H + G)
             qkv = qkv.view(B, 1, H + 2 * G, d).transpose(1, 2)  # (B, H + 2G, 1, d)
             return qkv[:, :H], qkv[:, H : H + G], qkv[:, H + G :]
-        if self.q_scale != 1.0:
-            qkv = torch.cat([qkv[..., : H * d] * self.q_scale, qkv[..., H * d :]], dim=-1)
         q, k, v = qkv.view(B, T, H + 2 * G, d).split([H, G, G], dim=2)
+        if self.q_scale != 1.0:  # OPT scales q before the scores
+            q = q * self.q_scale
         if self.q_norm is not None:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from ...config import ConfigError, InfiniGenConfig
+from ...config import InfiniGenConfig
 from ...model.arch import get_arch
 from ...model.transformer import compute_dtype
 from ..base import Rebatch
