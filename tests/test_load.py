@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infinigen_kv.model import int8_rows, mapped
+from infinigen_kv.model.transformer import HELD
 from infinigen_kv.model.weights import from_hf
 from infinigen_kv.model.load import ModelLoadError, load_model, model_dtype
 from infinigen_kv.runtime.prefix import model_fingerprint
@@ -85,38 +86,52 @@ def _mapping_of(t: torch.Tensor) -> str | None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
-def test_an_untied_input_embedding_is_read_from_a_file_mapping(tmp_path, weights, monkeypatch):
-    """An input embedding that is not the LM head lies in a file mapping of its held rows (written once to the user
-    cache, reused while the checkpoint is unchanged) with the values an in-memory load holds; a tied one, or a cache
-    that cannot be written, stays in memory."""
+def test_held_weights_are_read_from_a_file_mapping(tmp_path, weights, monkeypatch):
+    """A model held in bfloat16 or int8 rows lies in a file mapping of its held, merged parameters (written once to the
+    user cache at the first load, reused while the checkpoint is unchanged) with the values and logits an in-memory
+    load gives; a changed checkpoint is another file; a cache that cannot be written keeps the weights in memory."""
     path = save_tiny(tmp_path / "m", kind="qwen2")
     model, _ = load_model(path, device="cpu", weights=weights)
-    emb = model.embed
-    file = model.embed_file and mapped.path_of(model.embed_file)
-    assert file and _mapping_of(emb) == str(file) and emb.dtype == (torch.int8 if weights == "int8" else torch.bfloat16)
+    file = model.mapped_from and mapped.path_of(model.mapped_from)
+    assert file and all(_mapping_of(p) == str(file) for p in model.parameters())
+    assert model.embed.dtype == model.layers[0].attn.wqkv.weight.dtype == HELD[weights]
     written = file.stat().st_mtime_ns
     again, _ = load_model(path, device="cpu", weights=weights)  # the file reused, not rewritten
-    assert _mapping_of(again.embed) == str(file) and file.stat().st_mtime_ns == written
-    monkeypatch.setattr(mapped, "load", lambda *a: None)  # in memory: the same bits, the same logits
+    assert _mapping_of(again.lm_head) == str(file) and file.stat().st_mtime_ns == written
+    monkeypatch.setattr(mapped, "load", lambda *a: False)  # in memory: the same bits, the same logits
     ref, _ = load_model(path, device="cpu", weights=weights)
-    assert _mapping_of(ref.embed) is None
-    assert torch.equal(emb, ref.embed)
+    assert ref.mapped_from is None and _mapping_of(ref.embed) is None
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
     ids = torch.randint(3, 256, (2, 12))
-    with torch.no_grad():
-        assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
+    assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
     monkeypatch.undo()
     os.utime(f"{path}/model.safetensors")  # the checkpoint changed in place: another file
     changed, _ = load_model(path, device="cpu", weights=weights)
-    assert changed.embed_file not in (None, model.embed_file)
+    assert changed.mapped_from not in (None, model.mapped_from)
     # the prefix store's namespace follows the mapped file (not a sample of every page of it)
     assert model_fingerprint(again) == model_fingerprint(model) != model_fingerprint(changed)
     tied, _ = load_model(save_tiny(tmp_path / "g", kind="gemma3"), device="cpu", weights=weights)
-    assert tied.embed_file is None
+    assert _mapping_of(tied.embed) == str(mapped.path_of(tied.mapped_from)) and tied.lm_head is tied.embed
+    f32, _ = load_model(path, device="cpu", dtype="float32")  # float32 weights: read as the checkpoint has them
+    assert f32.mapped_from is None
     (tmp_path / "not-a-dir").write_text("")
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "not-a-dir"))  # the cache cannot be written
     kept, _ = load_model(path, device="cpu", weights=weights)
-    assert _mapping_of(kept.embed) is None
+    assert kept.mapped_from is None and _mapping_of(kept.embed) is None
     assert torch.equal(kept.embed, ref.embed)
+
+
+def test_a_held_file_that_does_not_match_is_not_mapped(tmp_path):
+    """A held file cut short, or written for other shapes, is read again from the checkpoint (and written anew)."""
+    path = save_tiny(tmp_path / "m", kind="llama-gqa")
+    model, _ = load_model(path, device="cpu", weights="bfloat16")
+    file = mapped.path_of(model.mapped_from)
+    data = file.read_bytes()
+    (tmp_path / "cut").write_bytes(data[: len(data) // 2])
+    os.replace(tmp_path / "cut", file)  # (a new file: the model above still maps the old one)
+    cut, _ = load_model(path, device="cpu", weights="bfloat16")
+    assert cut.mapped_from == model.mapped_from and file.stat().st_size == len(data)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), cut.state_dict().values()))
 
 
 def test_the_tokenizer_reads_as_transformers_does(tmp_path):

@@ -63,7 +63,7 @@ def cmd_generate(args) -> dict:
     device = next(model.parameters()).device
     cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
     prefix = _prefix_store(args, model, cache)  # (bad input: one error line, no other before it)
-    print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {loaded:.1f} s", file=sys.stderr, flush=True)
+    print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {loaded:.2f} s", file=sys.stderr, flush=True)
     res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, progress="generate", prefix=prefix)

@@ -1,15 +1,16 @@
-"""An input embedding read from a file mapping: only the rows a prompt looks up are in memory.
+"""A model's weights in their held form, saved once to one file in the user cache and mapped at every later load.
 
-A model whose LM head is not its input embedding (Qwen2.5, Llama 3, Mistral) reads the embedding one row a token;
-held in memory it is a whole vocabulary of rows (the 0.5B's 151,936 x 896: 272 MB in bfloat16, 145 MB as int8 rows)
-of which a prompt reads a few thousand. llama.cpp maps its GGUF and so holds only the pages it reads; here a local
-checkpoint's embedding, as the model holds it (bfloat16 or int8 rows), is written once to the user cache and mapped
-privately (copy-on-write, read-only in use), with the kernel told that reads are random (no read-ahead of
-neighbouring rows). The values are the held ones, bit for bit. A tied embedding (the LM head reads every row every
-step) stays in memory.
+The first load of a checkpoint reads its safetensors into the held form (bfloat16 or int8 rows, q/k/v and gate/up
+merged: weights.py), then writes every parameter as it is held, each at a page boundary, to one file; that load and
+every later one map the file privately (copy-on-write, read-only in use) and point the parameters at their bytes, as
+llama.cpp maps its GGUF. Loading then costs a mapping, not a copy: the pages come in as the first steps read them,
+from the page cache where another process read them before, and the OS may drop them (clean, file-backed) rather
+than swap them. An input embedding that is not the LM head is read one row a token: its pages are advised as random
+(no read-ahead of neighbouring rows), so only the rows a prompt looks up are in memory.
 
-The file's name digests the checkpoint's shard files (path, size, modification time), the held dtype and shape:
-a checkpoint changed in place is a new file. Where the cache cannot be written the embedding stays in memory.
+The file begins with an 8-byte little-endian header length and a JSON header (each tensor's dtype, shape, offset);
+its name digests the checkpoint's files (path, size, modification time), the model's facts and the held form: a
+checkpoint changed in place is a new file. Where the cache cannot be written the weights stay in memory.
 """
 
 from __future__ import annotations
@@ -18,52 +19,59 @@ import ctypes
 import hashlib
 import json
 import os
+import struct
 import sys
 from pathlib import Path
 
 import torch
 
 from ..config import cache_dir
+from . import int8_rows
 
-FORMAT = 1
+FORMAT = 2
+PAGE = 4096  # every tensor starts at a page: views of any dtype, and madvise on a tensor's own pages
 MADV_RANDOM = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
-def key(files: list[Path], w: torch.Tensor) -> str:
-    """The digest naming the mapped file of an embedding held as `w`, read from checkpoint shards `files`."""
+def key(files: list[Path], model) -> str:
+    """The digest naming the held file of `model` (built, not yet loaded) read from checkpoint shards `files`."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    facts = {"format": FORMAT, "files": stats, "dtype": str(w.dtype), "shape": list(w.shape)}
+    facts = {"format": FORMAT, "files": stats, "args": repr(model.args), "weights": model.weights,
+             "dtype": str(model.dtype), "group": int8_rows.GROUP}
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
 
 
 def path_of(k: str) -> Path:
-    return cache_dir() / "embeddings" / f"{k}.bin"
+    return cache_dir() / "held" / f"{k}.bin"
 
 
-def load(k: str, shape, dtype: torch.dtype) -> torch.Tensor | None:
-    """The mapped tensor of file `k`, or None where there is none of the right size."""
-    p = path_of(k)
-    numel = shape[0] * shape[1]
+def _unique(model) -> dict:
+    """name -> parameter, each parameter once (a tied LM head is the embedding)."""
+    return dict(model.named_parameters())
+
+
+def save(model, k: str) -> bool:
+    """Write every parameter of `model` as held to file `k`, atomically (a process mapping an older file keeps it);
+    False where the cache cannot be written."""
+    params = _unique(model)
+    table, offset = {}, 0
+    for name, p in params.items():
+        table[name] = [str(p.dtype).replace("torch.", ""), list(p.shape), offset]
+        offset += -(-p.numel() * p.element_size() // PAGE) * PAGE
+    header = json.dumps({"format": FORMAT, "tensors": table}).encode()
+    start = -(-(8 + len(header)) // PAGE) * PAGE
+    p_out = path_of(k)
+    tmp = p_out.with_name(f"{p_out.name}.tmp{os.getpid()}")
     try:
-        if p.stat().st_size != numel * torch.empty((), dtype=dtype).element_size():
-            return None
-        w = torch.from_file(str(p), shared=False, size=numel, dtype=dtype).view(*shape)
-    except (OSError, RuntimeError):
-        return None
-    _advise_random(w)
-    return w
-
-
-def save(k: str, w: torch.Tensor) -> bool:
-    """Write `w`'s bytes as file `k`, atomically (a process mapping an older file keeps it); False where the cache
-    cannot be written."""
-    p = path_of(k)
-    tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        raw = w.detach().contiguous().view(torch.int8 if w.dtype == torch.int8 else torch.int16).numpy()
-        raw.tofile(str(tmp))
-        os.replace(tmp, p)
+        p_out.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            for name, p in params.items():
+                f.seek(start + table[name][2])
+                f.write(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            f.truncate(start + offset)
+        os.replace(tmp, p_out)
         return True
     except OSError:
         try:
@@ -73,8 +81,43 @@ def save(k: str, w: torch.Tensor) -> bool:
         return False
 
 
+def load(model, k: str) -> bool:
+    """Point `model`'s parameters at file `k`'s mapping; False (the model untouched) where there is no such file or it
+    does not hold exactly the model's parameters."""
+    p = path_of(k)
+    try:
+        with open(p, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        size = p.stat().st_size
+        start = -(-(8 + n) // PAGE) * PAGE
+        params = _unique(model)
+        table = header["tensors"]
+        if header.get("format") != FORMAT or set(table) != set(params):
+            return False
+        views = {}
+        raw = torch.from_file(str(p), shared=False, size=size, dtype=torch.uint8)
+        for name, param in params.items():
+            dtype, shape, offset = table[name]
+            dt = DTYPES[dtype]
+            if dt != param.dtype or tuple(shape) != tuple(param.shape):
+                return False
+            nbytes = param.numel() * param.element_size()
+            if start + offset + nbytes > size:
+                return False
+            views[name] = raw[start + offset : start + offset + nbytes].view(dt).view(shape)
+    except (OSError, RuntimeError, ValueError, KeyError, struct.error):
+        return False
+    for name, param in params.items():
+        param.data = views[name]
+    if not model.args.tie_embeddings:
+        _advise_random(model.embed)
+    model.mapped_from = k
+    return True
+
+
 def _advise_random(w: torch.Tensor) -> None:
-    """No read-ahead on the mapping: a token's row faults in its own page, not its neighbours'."""
+    """No read-ahead on w's pages: a token's row faults in its own page, not its neighbours'."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -250,7 +250,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.weights, self.dtype = args, weights, dtype
         self.source = source  # the checkpoint directory it was loaded from (its tokenizer's), if any
-        self.embed_file = None  # the key of the file the input embedding is mapped from (model/mapped.py), if any
+        self.mapped_from = None  # the key of the file the parameters are mapped from (model/mapped.py), if any
         self.placed = False  # layers on devices of their own (placement.place): the forward moves x between them
         E = args.embed_dim or args.dim
         wdtype = HELD.get(weights, dtype)

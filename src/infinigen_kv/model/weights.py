@@ -4,7 +4,7 @@ Checkpoints name their tensors as transformers' models do (model.layers.3.self_a
 those names to ours, q/k/v into one merged weight and gate/up into another at their row offsets (as vLLM's
 stacked_params_mapping): a weight is never re-pointed after loading. A safetensors file is read through a mapping of at
 most READ_BYTES at a time, each slice converted (bfloat16, int8 rows) as it is copied, so loading holds the model and
-one slice; an input embedding that is not the LM head is mapped from a file of its held rows (mapped.py).
+one slice; a model held in bfloat16 or int8 rows is saved as held once and mapped at later loads (mapped.py).
 """
 
 from __future__ import annotations
@@ -120,26 +120,20 @@ READ_BYTES = 64 << 20  # most bytes of a shard mapped at once (a float32 LM head
 
 def load_files(model, files: list[Path]) -> None:
     """Every tensor of safetensors `files` into `model`, in row slices through a mapping reopened every READ_BYTES (the
-    pages read are unmapped as the load goes). An untied input embedding held in bfloat16 or int8 rows is mapped from
-    its file in the user cache, written at the first load (mapped.py)."""
+    pages read are unmapped as the load goes). A model whose weights are held apart from its compute dtype (bfloat16,
+    int8 rows) on CPU is then saved as held to the user cache and mapped from there, at this load and every later one
+    (mapped.py)."""
+    k = mapped.key(files, model) if model.weights is not None and model.device.type == "cpu" else None
+    if k is not None and mapped.load(model, k):
+        return
     params = dict(model.named_parameters(remove_duplicate=False))
-    emb_key = None
-    if not model.args.tie_embeddings and model.weights is not None:
-        emb_key = mapped.key(files, model.embed)
-        w = mapped.load(emb_key, model.embed.shape, model.embed.dtype)
-        if w is not None:
-            model.embed, model.embed_file = torch.nn.Parameter(w, requires_grad=False), emb_key
-            params.pop("embed")
-            emb_key = None  # mapped already
-    filled = {("embed", 0)} if "embed" not in params else set()
+    filled = set()
     with torch.no_grad():
         for f in files:
             filled |= _read_shard(f, model.args, params)
     _check_filled(model, filled)
-    if emb_key is not None and mapped.save(emb_key, model.embed):
-        w = mapped.load(emb_key, model.embed.shape, model.embed.dtype)
-        if w is not None:
-            model.embed, model.embed_file = torch.nn.Parameter(w, requires_grad=False), emb_key
+    if k is not None and mapped.save(model, k):
+        mapped.load(model, k)
 
 
 def _read_shard(path: Path, args: ModelArgs, params: dict) -> set:

@@ -51,11 +51,11 @@ def model_fingerprint(model) -> str:
     if cached is not None:
         return cached
     h = hashlib.blake2b(digest_size=16)
-    for name, p in model.named_parameters():
+    file = getattr(model, "mapped_from", None)  # weights mapped from a held file: its key names their values (a
+    for name, p in model.named_parameters():  # strided sample would read every page of it)
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        file = model.embed_file if p is model.embed else None  # a mapped embedding: its file's key (a strided
         h.update(file.encode() if file else p.detach().reshape(-1)[::997].to("cpu", torch.float32).numpy().tobytes())
-    fp = _FINGERPRINTS[model] = h.hexdigest()  # sample would read every page)
+    fp = _FINGERPRINTS[model] = h.hexdigest()
     return fp
 
 

@@ -76,6 +76,9 @@ def silu_mul_exact() -> bool:
 
 
 def _build():
+    built = _prebuilt()
+    if built is not None:
+        return built
     try:
         from torch.utils.cpp_extension import load
 
@@ -94,3 +97,37 @@ def _built() -> bool:
 
     d = Path(_get_build_directory(f"infinigen_cpu_{_cpu_key()}", verbose=False))
     return any(d.glob("*.so"))
+
+
+def _build_root() -> Path:
+    """torch's extension build root, as torch.utils.cpp_extension names it (TORCH_EXTENSIONS_DIR, or the user cache's
+    torch_extensions/py<version>_<cpu|cu...>), found without importing that module (it imports setuptools: ~0.15 s)."""
+    import torch
+    import torch._appdirs
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    accel = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+             f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))) / f"{py}_{accel}"
+
+
+def _prebuilt():
+    """The module built before for this CPU and source, imported straight from its .so; None: not built (or being
+    built: its lock file is there), and torch's `load` builds or waits for it."""
+    import importlib.util
+
+    name = f"infinigen_cpu_{_cpu_key()}"
+    try:
+        d = _build_root() / name
+        so = d / f"{name}.so"
+        if not so.is_file() or (d / "lock").exists():
+            return None
+        spec = importlib.util.spec_from_file_location(name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # (any surprise: torch's own load decides)
+        return None
