@@ -9,6 +9,7 @@
 #   WEIGHTS="F16 Q8_0" BATCHED=0 bash scripts/llama_cpp_bench.sh ...   # the F16 and Q8_0 copies, batch 1 only
 #   WEIGHTS="F16" BATCH1=0 bash scripts/llama_cpp_bench.sh ...         # the F16 copy only, batches only
 #   DEPTHS=4096,16384 ...                                              # batch 1 at these depths
+#   PREFILL=16,4096 ...                                                # prompt tokens/s at these lengths too
 #   BATCH_DEPTHS="4096 8192" BATCH_SETTINGS="off:f16 on:q8_0" ...       # batches at these prompt lengths, settings
 #
 # Each cell with flash attention off and on (KV F16) and on with KV q8_0, batches too: report llama.cpp's best per cell.
@@ -24,6 +25,7 @@ WEIGHTS=${WEIGHTS:-"GGUF F16"}  # GGUF: the file as given
 DEPTHS=${DEPTHS:-1024,4096,8192}
 REPS=${REPS:-3}  # repetitions of each llama-bench cell
 BATCHED=${BATCHED:-1}
+PREFILL=${PREFILL:-}  # prompt lengths for prompt-processing tokens/s (llama-bench -p), none by default
 BATCH1=${BATCH1:-1}
 BATCH_DEPTHS=${BATCH_DEPTHS:-4096}                     # prompt tokens per sequence in the batches
 BATCH_SETTINGS=${BATCH_SETTINGS:-"off:f16 on:f16 on:q8_0"}  # flash attention : KV type
@@ -70,6 +72,10 @@ for name in $WEIGHTS; do
     /usr/bin/time -f "max RSS %M KB" "$BIN/llama-bench" -m "$model" -t "$THREADS" -p 0 -n 32 -d 4096 -r 1 -fa on \
       -o md >/dev/null 2>"$OUT/rss-$name.txt" || true
     tail -1 "$OUT/rss-$name.txt"
+  fi
+  if [ -n "$PREFILL" ]; then
+    echo "== $name: prompt processing of $PREFILL tokens (llama-bench -p), flash attention off/on, KV F16"
+    "$BIN/llama-bench" -m "$model" -t "$THREADS" -p "$PREFILL" -n 0 -r "$REPS" -fa off,on -o md | tee "$OUT/prefill-$name.md"
   fi
   [ "$BATCHED" = 1 ] || continue
   # Distinct prompts (no -pps): every sequence has its own cells, as a batch of different requests has; a shared

@@ -51,6 +51,16 @@ def triton_module(name: str, monkeypatch):
         sys.modules.pop(name, None)
 
 
+@pytest.fixture
+def float32_products(monkeypatch):
+    """Prompt chunks multiplied in float32 on every CPU (not in bfloat16 where it is native): for tests that compare
+    held weights against float32 ones bit for bit."""
+    from infinigen_kv.model import backend
+
+    monkeypatch.setenv("INFINIGEN_BF16_PRODUCTS", "0")
+    monkeypatch.setattr(backend, "_chosen", {})
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     return {k: tiny_model(k) for k in KINDS}

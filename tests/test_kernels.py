@@ -334,9 +334,9 @@ def test_rope_in_place_has_transformers_bits(d):
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 @pytest.mark.parametrize("lengths", [(30,), (30, 22)])  # one decode row, two
-def test_held_weights_through_the_kernels_match_float32(lengths, weights):
+def test_held_weights_through_the_kernels_match_float32(lengths, weights, float32_products):
     """Decode through the `linear` kernel over held weights (bfloat16, int8 rows) equals the float32 model of the
-    values they hold."""
+    values they hold (the prompt multiplied in float32 too)."""
     from infinigen_kv.model.ops import dense
 
     held = tiny_model("qwen2", weights=weights)  # biases too

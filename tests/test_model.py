@@ -55,8 +55,9 @@ def test_logits_equal_transformers_at_prefill_and_each_step(kind):
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 @torch.inference_mode()
-def test_held_weights_compute_their_rounded_values(weights):
-    """bfloat16 / int8-row weights: our model equals a float32 model of the rounded weights' values."""
+def test_held_weights_compute_their_rounded_values(weights, float32_products):
+    """bfloat16 / int8-row weights: our model equals a float32 model of the rounded weights' values (prompt chunks
+    multiplied in float32)."""
     from infinigen_kv.model import ops
 
     hf = tiny_hf("llama-gqa")
@@ -68,6 +69,35 @@ def test_held_weights_compute_their_rounded_values(weights):
                 q.copy_(ops.dense(p, torch.float32))
     ids, mask = left_padded_batch(lengths=(20, 9))
     torch.testing.assert_close(our_steps(held, ids, mask, 3), our_steps(exact, ids, mask, 3), **TOL)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+@torch.inference_mode()
+def test_bfloat16_products_round_a_prompt_chunk_only(weights, monkeypatch):
+    """Where the CPU multiplies bfloat16 natively, a prompt chunk's products over held weights run in bfloat16: the
+    logits stay within bfloat16's rounding of the float32 products', each row the same bits alone or in a batch; a
+    decode step's rows still take the float32 kernels."""
+    from infinigen_kv.model import backend, ops
+
+    model = from_hf(tiny_hf("llama-gqa"), weights)
+    calls = []
+    monkeypatch.setattr(ops, "bf16_linear", lambda *a, f=ops.bf16_linear: calls.append(1) or f(*a))
+    ids = torch.randint(3, 256, (2, 40))
+    monkeypatch.setattr(backend, "_chosen", {})
+    monkeypatch.setenv("INFINIGEN_BF16_PRODUCTS", "0")
+    exact = model(ids, use_cache=False).logits
+    assert not calls
+    monkeypatch.setattr(backend, "_chosen", {})
+    monkeypatch.setattr(backend, "native_bf16", lambda: True)  # (oneDNN emulates it where the CPU has no BF16)
+    products = model(ids, use_cache=False).logits
+    assert calls
+    alone = model(ids[1:], use_cache=False).logits
+    torch.testing.assert_close(alone, products[1:], rtol=0, atol=0)
+    err = (products - exact).norm() / exact.norm()
+    assert 0 < err < 1e-2, err
+    calls.clear()
+    model(ids[:, :1], use_cache=False)  # a decode step's rows: the float32 kernels (no bfloat16 product)
+    assert not calls
 
 
 @torch.inference_mode()

@@ -113,6 +113,8 @@ def test_a_prefill_reads_the_lm_head_as_held(weights, monkeypatch):
     converted = []
     real = ops.converted_linear
     monkeypatch.setattr(ops, "converted_linear", lambda x, w, b: converted.append(w) or real(x, w, b))
+    bf16 = ops.bf16_linear  # (bfloat16 products, where the CPU has them: the weight in bfloat16 for the BLAS)
+    monkeypatch.setattr(ops, "bf16_linear", lambda x, w, b: converted.append(w) or bf16(x, w, b))
     ids, mask = left_padded_batch(lengths=(20, 13))
     prefill(model, ids, mask, ig.make_cache("full", model), 2)
     assert converted and not any(w is model.lm_head for w in converted)

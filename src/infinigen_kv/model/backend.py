@@ -26,6 +26,8 @@ class Backend:
     device_type: str
     ops: Any = None  # the compiled kernels (kernels/cpu.cpp), or None: PyTorch ops
     silu_lanes: int | None = None  # silu_mul's vector width where it gives F.silu's bits; None: PyTorch's silu
+    bf16_products: bool = False  # a prompt chunk's products with weights held in bfloat16 or int8 rows run in
+    # bfloat16 (the CPU multiplies it natively: AVX-512 BF16 or AMX; INFINIGEN_BF16_PRODUCTS=0 keeps float32)
 
     @property
     def kernels(self) -> bool:
@@ -57,7 +59,22 @@ def cpu() -> Backend:
 def _choose(kind: str) -> Backend:
     if kind != "cpu":
         return Backend(kind, kind)
-    ops = kernels.cpu()
+    ops, bf16 = kernels.cpu(), native_bf16()
     if ops is None:
-        return Backend("reference", kind)
-    return Backend("cpu-kernels", kind, ops, kernels.silu_lanes() if kernels.silu_mul_exact() else None)
+        return Backend("reference", kind, bf16_products=bf16)
+    return Backend("cpu-kernels", kind, ops, kernels.silu_lanes() if kernels.silu_mul_exact() else None, bf16)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX, where oneDNN's bfloat16 GEMM is ~2.5x
+    its float32 one), unless INFINIGEN_BF16_PRODUCTS=0. Without them oneDNN emulates it, slower than float32."""
+    import os
+
+    if os.environ.get("INFINIGEN_BF16_PRODUCTS", "1") == "0":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -4,8 +4,9 @@ the input's shape and the weight's dtype, never from state set elsewhere:
 
 - a few rows (a decode step of a batch) on CPU: the `linear` kernel, one streamed read of each weight row for every
   row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH);
-- a prompt chunk (`prefill=True`): the BLAS, the weight converted in slices where it is held in another dtype, padded
-  to PREFILL_MIN_ROWS rows so a row gets the same bits at any row count.
+- a prompt chunk (`prefill=True`): the BLAS, padded to PREFILL_MIN_ROWS rows so a row gets the same bits at any row
+  count; a weight held in bfloat16 or int8 rows multiplies in bfloat16 where the CPU does so natively
+  (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`).
 """
 
 from __future__ import annotations
@@ -49,23 +50,44 @@ def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return torch.cat([F.linear(x, dense(wp, x.dtype), bp) for wp, bp in parts], dim=-1)
 
 
-def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, bf16: bool = True) -> torch.Tensor:
     """x2 (rows, in) of a prompt chunk by the BLAS, padded to PREFILL_MIN_ROWS rows on CPU: below that the BLAS's
-    small-matrix path gives other bits, so a short prompt alone and in a batch would differ."""
+    small-matrix path gives other bits, so a short prompt alone and in a batch would differ. A weight held in bfloat16
+    or int8 rows multiplies in bfloat16 where the CPU does so natively (backend.bf16_products) unless `bf16` is
+    False."""
     rows = x2.shape[0]
-    if rows >= PREFILL_MIN_ROWS or not x2.is_cpu:
+    if not x2.is_cpu:
         return converted_linear(x2, w, bias)
-    padded = x2.new_zeros(PREFILL_MIN_ROWS, x2.shape[1])
-    padded[:rows] = x2
-    return converted_linear(padded, w, bias)[:rows]
+    if rows < PREFILL_MIN_ROWS:
+        padded = x2.new_zeros(PREFILL_MIN_ROWS, x2.shape[1])
+        padded[:rows] = x2
+        return _prefill_linear(padded, w, bias, bf16)[:rows]
+    if bf16 and w.dtype != x2.dtype and x2.dtype == torch.float32 and backends.cpu().bf16_products:
+        return bf16_linear(x2, w, bias)
+    return converted_linear(x2, w, bias)
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, in) float32 @ w^T in bfloat16 products (oneDNN, float32 accumulation), w as held (bfloat16, or int8
+    rows dequantized to bfloat16 in slices) -> (rows, out) float32: x and the product rounded to bfloat16 (a relative
+    error of ~2e-3 a value, the order of the bfloat16 weights' own rounding)."""
+    xb = x.to(torch.bfloat16)
+    if w.dtype == torch.bfloat16:
+        y = F.linear(xb, w).float()
+    else:
+        step = max(1, CONVERT_ELEMENTS // w.shape[1])
+        y = torch.cat([F.linear(xb, dense(w[s : s + step], torch.float32).to(torch.bfloat16))
+                       for s in range(0, w.shape[0], step)], dim=-1).float()
+    return y + bias if bias is not None else y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, prefill: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, bf16: bool = True) -> torch.Tensor:
     """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16 or int8
     rows). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
     the kernel where it reads the weight faster than the BLAS. Runs ~120 times a decode step: the kernel's case
-    is checked first, with as few tensor calls as it needs."""
+    is checked first, with as few tensor calls as it needs. bf16=False: a prompt chunk's product stays float32 (the
+    LM head: logits a client scores)."""
     if not prefill and x.is_cpu and x.dtype == torch.float32:
         shape = x.shape
         rows = x.numel() // shape[-1]
@@ -75,10 +97,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
             if residual is None:
                 return kern.linear(x2, w, bias).view(*shape[:-1], -1)
             return kern.linear(x2, w, bias, residual.view(rows, -1)).view(*shape[:-1], -1)
-    return _linear(x, w, bias, prefill, residual)
+    return _linear(x, w, bias, prefill, residual, bf16)
 
 
-def _linear(x, w, bias, prefill, residual) -> torch.Tensor:
+def _linear(x, w, bias, prefill, residual, bf16=True) -> torch.Tensor:
     """linear's BLAS paths: a prompt chunk (padded to PREFILL_MIN_ROWS rows), W x^T for a few rows of float32 weights,
     or the weight converted for the call."""
     shape = x.shape[:-1]
@@ -87,7 +109,7 @@ def _linear(x, w, bias, prefill, residual) -> torch.Tensor:
         return x.new_empty(*shape, w.shape[0])
     x2 = x.reshape(rows, x.shape[-1])
     if prefill:
-        y = _prefill_linear(x2, w, bias)
+        y = _prefill_linear(x2, w, bias, bf16)
     elif x.is_cpu and 2 <= rows <= SMALL_BATCH and w.dtype == x.dtype:
         y = torch.mm(w, x2.t()).t()
         y = y + bias if bias is not None else y

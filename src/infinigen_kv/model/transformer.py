@@ -338,7 +338,8 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: x (B, T, D) -> (B, T, V). A few rows read a held head through the kernel
-        (one read of a bfloat16 vocabulary, no float32 copy of it)."""
+        (one read of a bfloat16 vocabulary, no float32 copy of it); more (a prompt scored) take the BLAS in float32
+        products."""
         rows = x.numel() // x.shape[-1]
         if rows == 0:
             return x.new_empty(*x.shape[:-1], self.args.vocab_size)
@@ -347,7 +348,8 @@ class Transformer(nn.Module):
         if self.project_out is not None:
             x = self.project_out(x, rows > 1)
         held = self.lm_head.dtype != x.dtype
-        logits = ops.linear(x, self.lm_head, None, prefill=not (held and rows <= ops.SMALL_BATCH) and rows > 1)
+        logits = ops.linear(x, self.lm_head, None, prefill=not (held and rows <= ops.SMALL_BATCH) and rows > 1,
+                            bf16=False)  # (float32 products: logits a client scores, as echo's logprobs)
         cap = self.args.logit_softcap
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 

@@ -25,13 +25,14 @@ _silu_exact = None  # silu_mul_exact(), checked once
 
 
 def _cpu_key() -> str:
-    """A short hash of the CPU's feature flags: a build for one instruction set is never loaded on another."""
+    """A short hash of the CPU's feature flags, the compiler flags and the source: a build for one instruction set (or
+    another source) is never loaded for another."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + _SRC.read_text()).encode()).hexdigest()[:10]
+    return hashlib.sha1((flags + " ".join(_FLAGS) + _SRC.read_text()).encode()).hexdigest()[:10]
 
 
 def enabled() -> bool:

@@ -1,0 +1,53 @@
+"""Prefill-mode perplexity and prompt tokens/s with a prompt chunk's products in bfloat16 against float32, one process,
+the two alternated: what multiplying in bfloat16 (backend.bf16_products, where the CPU has AVX-512 BF16 or AMX) costs
+in accuracy and gains in speed.
+
+    python scripts/dev/prefill_products.py --data WIKITEXT_TEST_TXT [--model M] [--weights bfloat16|int8] [--windows 6]
+
+Each window of --window tokens is one forward (no cache), its logits scored at every position.
+"""
+
+import argparse
+import dataclasses
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from infinigen_kv.model import backend
+from infinigen_kv.model.load import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="a text file (WikiText-2's test split)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--weights", default="bfloat16")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--windows", type=int, default=6)
+    args = ap.parse_args()
+    model, tok = load_model(args.model, weights=args.weights)
+    text = open(args.data, encoding="utf-8").read()[: 200 * args.window * args.windows]
+    ids = torch.tensor(tok(text)["input_ids"])
+    base = backend.cpu()
+    results: dict = {}
+    for on in (False, True, False, True):
+        backend._chosen[("cpu", True)] = dataclasses.replace(base, bf16_products=on)
+        nll, n, seconds = 0.0, 0, 0.0
+        with torch.inference_mode():
+            for i in range(args.windows):
+                x = ids[i * args.window : (i + 1) * args.window][None]
+                start = time.perf_counter()
+                logits = model(x, use_cache=False).logits[0]
+                seconds += time.perf_counter() - start
+                nll += F.cross_entropy(logits[:-1].float(), x[0, 1:], reduction="sum").item()
+                n += x.shape[1] - 1
+        results.setdefault(on, []).append((math.exp(nll / n), args.windows * args.window / seconds))
+    for on, runs in results.items():
+        print(f"{'bfloat16' if on else 'float32 '} products: perplexity {runs[0][0]:.4f}, "
+              f"tokens/s {', '.join(f'{r[1]:.1f}' for r in runs)}")
+
+
+if __name__ == "__main__":
+    main()
