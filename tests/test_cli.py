@@ -362,8 +362,8 @@ def test_a_prefill_through_the_prefix_cache_reports_its_progress(tiny_dir, tmp_p
         r = cli_patched(every_chunk, "generate", "--model", tiny_dir, "--prompt", TEXT, "--max-new-tokens", "2", *extra)
         assert r.returncode == 0, r.stderr
         lines = [line for line in r.stderr.splitlines() if "prefill" in line]
-        assert lines and all(re.fullmatch(r"infinigen: generate: prefill \d+/\d+ tokens \(\d+ s\)", x) for x in lines), (
-            extra, r.stderr)
+        line = r"infinigen: generate: prefill \d+/\d+ tokens \(\d+ s, \d+ tokens/s, ~\d+ s left\)"
+        assert lines and all(re.fullmatch(line, x) for x in lines), (extra, r.stderr)
 
 
 def test_model_paths_are_checked_before_torch_loads(tmp_path):

@@ -87,7 +87,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
 
 class PrefillProgress:
     """A long prefill's progress on stderr, `progress(tokens done)` after each chunk: a tqdm bar on a terminal (shown
-    once the prefill has taken 2 s), elsewhere (a log, a pipe) a line every ~10 s."""
+    once the prefill has taken 2 s), elsewhere (a log, a pipe) a line every ~10 s: tokens done, tokens/s, time left."""
 
     EVERY_S = 10.0
 
@@ -102,8 +102,9 @@ class PrefillProgress:
         if self.bar is not None:
             self.bar.update(done - self.bar.n)
         elif done < self.total and (now := time.perf_counter()) - self.last >= self.EVERY_S:
-            print(f"infinigen: {self.desc}: prefill {done}/{self.total} tokens ({now - self.start:.0f} s)",
-                  file=sys.stderr, flush=True)
+            rate = max(done, 1) / max(now - self.start, 1e-9)
+            print(f"infinigen: {self.desc}: prefill {done}/{self.total} tokens ({now - self.start:.0f} s, "
+                  f"{rate:.0f} tokens/s, ~{(self.total - done) / rate:.0f} s left)", file=sys.stderr, flush=True)
             self.last = now
 
     def close(self) -> None:
