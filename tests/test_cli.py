@@ -193,7 +193,8 @@ def test_a_long_prefill_reports_its_progress_off_a_terminal(tiny_models, monkeyp
     ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=2, progress="generate")
     out = capsys.readouterr()
     lines = [line for line in out.err.splitlines() if "prefill" in line]
-    assert out.out == "" and lines and all(re.fullmatch(r"infinigen: generate: prefill \d+/80 tokens \(\d+ s\)", x)
+    line = r"infinigen: generate: prefill \d+/80 tokens \(\d+ s, \d+ tokens/s, ~\d+ s left\)"
+    assert out.out == "" and lines and all(re.fullmatch(line, x)
                                            for x in lines), out.err
     assert len(lines) < 5  # not one a chunk
 
