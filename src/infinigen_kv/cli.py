@@ -66,9 +66,11 @@ def _add_model_args(p):
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
                    "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
-    p.add_argument("--weights", choices=["bfloat16", "int8"], default=None,
-                   help="CPU: how the linear and embedding weights are held: bfloat16, or int8 rows (llama.cpp's "
-                   "q8_0: 32 values a float16 scale; half the bytes, read as they lie in decode) (default: bfloat16)")
+    p.add_argument("--weights", choices=["bfloat16", "int8", "int4"], default=None,
+                   help="CPU: how the linear and embedding weights are held: bfloat16, int8 rows (llama.cpp's "
+                   "q8_0: 32 values a float16 scale; half the bytes, read as they lie in decode), or int4 rows (q4_1: "
+                   "32 values a float16 scale and minimum, 5 bits a weight; embedding and LM head as int8 rows) "
+                   "(default: bfloat16)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="CPU threads, fixed (default: all cores, fewer while measured faster on a busy machine; "
                    "see the README, 'CPU decode path')")

@@ -166,13 +166,14 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 INT8_WEIGHTS = "int8-weights"  # float32 compute, linear and embedding weights held as int8 rows (CPU, --weights int8)
-WEIGHTS = ("auto", "bfloat16", "int8")  # how a CPU model holds its linear and embedding weights (--weights)
+INT4_WEIGHTS = "int4-weights"  # float32 compute, the layers' linear weights as int4 rows (CPU, --weights int4)
+WEIGHTS = ("auto", "bfloat16", "int8", "int4")  # how a CPU model holds its linear and embedding weights (--weights)
 
 
 def model_dtype(model) -> str:
-    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", or its dtype."""
+    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", "int4-weights", or its dtype."""
     if model.weights is not None:
-        return INT8_WEIGHTS if model.weights == "int8" else BF16_WEIGHTS
+        return {"int8": INT8_WEIGHTS, "int4": INT4_WEIGHTS}.get(model.weights, BF16_WEIGHTS)
     return str(model.dtype).replace("torch.", "")
 
 
@@ -180,7 +181,8 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
                device_map: str | dict | None = None, weights: str | None = None):
     """(model, tokenizer): our model (transformer.Transformer) of a checkpoint, on CPU in float32 with bfloat16
     linear and embedding weights (BF16_WEIGHTS), on CUDA in bfloat16/float16, unless `dtype` says; weights="int8"
-    (CPU): those weights as int8 rows. Each tensor is read from the checkpoint's safetensors into its held form.
+    (CPU): those weights as int8 rows; "int4": the layers' linear weights as int4 rows (model/int4_rows.py), the
+    embedding and LM head as int8 rows. Each tensor is read from the checkpoint's safetensors into its held form.
     `device_map` ("auto", or {layer name: device}) places the layers across GPUs (transformer.place); the
     InfiniGen cache then keeps each layer's partial keys and working set on that layer's device.
     What loading frees goes back to the OS at once (heap.mapped)."""
@@ -189,13 +191,14 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
 
 
 def _held(dev, dtype, device_map, weights) -> tuple:
-    """(how the weights are held: None, "bfloat16" or "int8"; the compute dtype) for the options given."""
+    """(how the weights are held: None, "bfloat16", "int8" or "int4"; the compute dtype) for the options given."""
     if weights not in (None, *WEIGHTS):
         raise ModelLoadError(f"unknown weights {weights!r}: choose from {', '.join(WEIGHTS)}")
-    if weights == "int8":
+    if weights in ("int8", "int4"):
         if dev.type != "cpu" or device_map is not None or dtype not in (None, "", "auto", BF16_WEIGHTS):
-            raise ModelLoadError("int8 weights run on CPU, in float32 compute: drop --device, --device-map and --dtype")
-        return "int8", torch.float32
+            raise ModelLoadError(f"{weights} weights run on CPU, in float32 compute: drop --device, --device-map and "
+                                 "--dtype")
+        return weights, torch.float32
     if dev.type == "cpu" and device_map is None and (bf16_weights(dtype, dev) or weights == "bfloat16"):
         return "bfloat16", torch.float32
     return None, resolve_dtype(dtype, dev)

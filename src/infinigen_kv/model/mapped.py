@@ -31,7 +31,8 @@ from . import int8_rows
 FORMAT = 2
 PAGE = 4096  # every tensor starts at a page: views of any dtype, and madvise on a tensor's own pages
 MADV_RANDOM = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+          "uint8": torch.uint8}
 
 
 def key(files: list[Path], model) -> str:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as backends
-from . import int8_rows
+from . import int4_rows, int8_rows
 
 PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows
 SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32), and the kernel a held weight
@@ -34,8 +34,10 @@ def cpu_kernels():
 
 
 def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of a weight as held, in `dtype`: int8 rows dequantized, others converted."""
-    return int8_rows.unpacked_kv(w, dtype) if w.dtype == torch.int8 else w.to(dtype)
+    """The values of a weight as held, in `dtype`: int8 and int4 rows dequantized, others converted."""
+    if w.dtype == torch.int8:
+        return int8_rows.unpacked_kv(w, dtype)
+    return int4_rows.unpacked(w, dtype) if w.dtype == torch.uint8 else w.to(dtype)
 
 
 def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -132,22 +134,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool = Fals
 
 
 def embedding(ids: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of the embedding table w (as held: float32, bfloat16 or int8 rows) for ids, in `dtype`."""
-    rows = F.embedding(ids, w)
-    if rows.dtype == torch.int8:
-        return int8_rows.unpacked_kv(rows, dtype)
-    return rows.to(dtype)
+    """Rows of the embedding table w (as held: float32, bfloat16, int8 or int4 rows) for ids, in `dtype`."""
+    return dense(F.embedding(ids, w), dtype)
 
 
 def held(w: torch.Tensor, weights: str | None) -> torch.Tensor:
-    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8" (rows)."""
+    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8" or "int4" (rows)."""
     if weights == "bfloat16":
         return w.to(torch.bfloat16)
     if weights == "int8":
         return w if w.dtype == torch.int8 else int8_rows.pack_kv(w.float())
+    if weights == "int4":
+        return w if w.dtype == torch.uint8 else int4_rows.pack(w.float())
     return w
 
 
 def held_width(in_features: int, weights: str | None) -> int:
-    """Columns a held weight of `in_features` inputs takes (int8 rows end with their scales)."""
+    """Columns a held weight of `in_features` inputs takes (int8 and int4 rows end with their scales)."""
+    if weights == "int4":
+        return int4_rows.width(in_features)
     return int8_rows.kv_width(in_features) if weights == "int8" else in_features

@@ -31,7 +31,9 @@ from .hparams import ModelArgs
 from .rope import apply_rope, inv_freq
 from .kv import KVView
 
-HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8}  # weights held apart from the compute dtype (CPU)
+HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}  # weights held apart from the compute
+# dtype (CPU)
+EMBED_HELD = {"int4": "int8"}  # the embedding and LM head at more bits than the layers (llama.cpp's Q4_K_M: Q6_K)
 
 
 @dataclass(frozen=True)
@@ -253,8 +255,9 @@ class Transformer(nn.Module):
         self.mapped_from = None  # the key of the file the parameters are mapped from (model/mapped.py), if any
         self.placed = False  # layers on devices of their own (placement.place): the forward moves x between them
         E = args.embed_dim or args.dim
-        wdtype = HELD.get(weights, dtype)
-        self.embed = nn.Parameter(torch.empty(args.vocab_size, ops.held_width(E, weights), dtype=wdtype),
+        ew = EMBED_HELD.get(weights, weights)  # how the embedding and LM head are held
+        wdtype = HELD.get(ew, dtype)
+        self.embed = nn.Parameter(torch.empty(args.vocab_size, ops.held_width(E, ew), dtype=wdtype),
                                   requires_grad=False)
         self.positions = (nn.Parameter(torch.empty(args.max_positions + args.position_offset, args.dim, dtype=dtype),
                                        requires_grad=False) if args.position_offset else None)
@@ -263,7 +266,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i, weights, dtype) for i in range(args.n_layers))
         self.norm = Norm(args.dim, args.norm, args.norm_eps, dtype) if args.final_norm else None
         self.lm_head = self.embed if args.tie_embeddings else nn.Parameter(
-            torch.empty(args.vocab_size, ops.held_width(E, weights), dtype=wdtype), requires_grad=False)
+            torch.empty(args.vocab_size, ops.held_width(E, ew), dtype=wdtype), requires_grad=False)
         for key, rope in args.ropes:
             self.register_buffer(_freq_name(key), inv_freq(rope, args.head_dim), persistent=False)
 

@@ -72,6 +72,8 @@ def copy_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
         dst.copy_(rows)
     elif dst.dtype == torch.int8:
         dst[start : start + n].copy_(ops.held(rows, "int8"))
+    elif dst.dtype == torch.uint8:
+        dst[start : start + n].copy_(ops.held(rows, "int4"))
     else:
         dst[start : start + n].copy_(rows)
 

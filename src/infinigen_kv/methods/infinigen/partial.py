@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model import backend as backends
+from ...model import ops
 from ...model.ops import dense
 
 
@@ -102,7 +103,7 @@ class PartialQuery:
 
     def gathered(self, layer: int) -> torch.Tensor:
         """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
-        weight as held (bfloat16 with --dtype bf16-weights): read at the bandwidth, where the same rows scattered
+        weight as held (bfloat16 with --dtype bf16-weights; int4 rows as int8 rows): read at the bandwidth, where the same rows scattered
         through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module (_GATHERED), so every cache of
         the model shares it (12.6 MB for the default model, 5% of its weights)."""
         W = self._gathered.get(layer)
@@ -112,7 +113,10 @@ class PartialQuery:
             memo = _GATHERED.setdefault(attn, {})
             key = (w.dtype, self.rows[layer].numpy().tobytes())
             if key not in memo:
-                memo[key] = w[self.q_rows(layer)].contiguous()
+                rows = w[self.q_rows(layer)].contiguous()
+                if rows.dtype == torch.uint8:  # int4 rows: as int8 rows of their values, which the kernel reads
+                    rows = ops.held(dense(rows, torch.float32), "int8")
+                memo[key] = rows
             W = self._gathered[layer] = memo[key]
         return W
 

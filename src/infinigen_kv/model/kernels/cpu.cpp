@@ -856,19 +856,132 @@ inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t i
   for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
 }
 
+// ---------------------------------------------------------------------------------------------------
+// int4 rows (weights "int4", model/int4_rows.py): q4_1 groups of 32 laid out as a row: in / 2 bytes of levels (group
+// g's 16 bytes: byte j = q[j] | q[j + 16] << 4), then the groups' float16 scales d, then their float16 minimums m; a
+// weight is d q + m with q in [0, 15]. Decode products: the activations quantized once a call to int8 in groups of
+// 32 (scale sx = absmax / 127, as llama.cpp's q8_1), with each group's sum sx sum(xq); a group's dot product is then
+// d sx sum(q xq) + m sx sum(xq). The 32 products u8 x s8 are summed exactly in int32: VNNI's dpbusd where the CPU
+// has it, else maddubs (pairs at most 2 x 15 x 127: no saturation) and madd, the same integers either way.
+constexpr int64_t Q4_GROUP = 32;
+inline int64_t q4_width(int64_t in) { return in / 2 + 4 * (in / Q4_GROUP); }
+
+struct QuantizedX8 {
+  int64_t ng;
+  std::vector<int8_t> q;  // (R, in)
+  std::vector<float> s, sum;  // (R, ng): a group's scale, and its values' sum as quantized
+  QuantizedX8(const float* x, int64_t R, int64_t in) : ng(in / Q4_GROUP), q(R * in), s(R * ng), sum(R * ng) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < ng; ++g) {
+        const float* xg = x + r * in + g * Q4_GROUP;
+        float m = 0.f;
+        for (int64_t i = 0; i < Q4_GROUP; ++i) m = std::max(m, std::fabs(xg[i]));
+        const float sc = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+        int8_t* qg = q.data() + r * in + g * Q4_GROUP;
+        int32_t total = 0;
+        for (int64_t i = 0; i < Q4_GROUP; ++i) {
+          qg[i] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(xg[i] * inv))));
+          total += qg[i];
+        }
+        s[r * ng + g] = sc;
+        sum[r * ng + g] = sc * float(total);
+      }
+  }
+};
+
+#ifdef IG_AVX2
+// 8 int32 lanes of sums of u[i] s[i] (u unsigned bytes, s signed), each lane four neighbouring products
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// a group's 32 levels from its 16 bytes, in order: q[0..15] (low nibbles), q[16..31] (high nibbles)
+inline __m256i q4_levels(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+#endif
+
+// y[b * ldy] = x[b] . w for RB rows of quantized activations (row b's values at xq + b in, its groups' scales and sums
+// at xs + b ng, xsum + b ng)
+template <int RB>
+inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq, const float* __restrict xs,
+                        const float* __restrict xsum, int64_t in, float* y, int64_t ldy) {
+  const int64_t ng = in / Q4_GROUP;
+  const int8_t* d = reinterpret_cast<const int8_t*>(w + in / 2);
+  const int8_t* m = d + 2 * ng;
+  float sum[RB] = {}, mins[RB] = {};
+#ifdef IG_AVX2
+  __m256 acc[RB], accm[RB];
+  for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8) {  // eight groups: their integer dot products reduced into one vector, scaled at once
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * g)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 2 * g)));
+    __m256i wv[8];
+    for (int k = 0; k < 8; ++k) wv[k] = q4_levels(w + (g + k) * (Q4_GROUP / 2));
+    for (int b = 0; b < RB; ++b) {
+      const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * in + g * Q4_GROUP);
+      __m256i p[8];
+      for (int k = 0; k < 8; ++k) p[k] = dot_u8s8(wv[k], _mm256_loadu_si256(xg + k));
+      const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));  // the 8 groups' sums of q xq
+      acc[b] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b * ng + g)), acc[b]);
+      accm[b] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + b * ng + g), accm[b]);
+    }
+  }
+  for (; g < ng; ++g) {  // the last groups one at a time
+    const __m256i wv = q4_levels(w + g * (Q4_GROUP / 2));
+    const float dg = half_at(d + 2 * g), mg = half_at(m + 2 * g);
+    for (int b = 0; b < RB; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * in + g * Q4_GROUP));
+      acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wv, xv)), _mm256_set1_ps(dg * xs[b * ng + g]), acc[b]);
+      mins[b] += mg * xsum[b * ng + g];
+    }
+  }
+  for (int b = 0; b < RB; ++b) sum[b] = hsum(acc[b]) + hsum(accm[b]) + mins[b];
+#else
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * (Q4_GROUP / 2);
+    const float dg = half_at(d + 2 * g), mg = half_at(m + 2 * g);
+    for (int b = 0; b < RB; ++b) {
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < Q4_GROUP / 2; ++j)
+        dot += int32_t(wg[j] & 0x0F) * xg[j] + int32_t(wg[j] >> 4) * xg[j + Q4_GROUP / 2];
+      sum[b] += float(dot) * (dg * xs[b * ng + g]);
+      mins[b] += mg * xsum[b * ng + g];
+    }
+  }
+  for (int b = 0; b < RB; ++b) sum[b] += mins[b];
+#endif
+  for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
+}
+
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
                  float* y) {
-  constexpr bool I8 = std::is_same_v<W, int8_t>;
-  const int64_t ldw = I8 ? kv_width(in) : in;  // a weight row's elements
+  constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>;
+  const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : in;  // a weight row's elements
   std::optional<QuantizedX> qx;
+  std::optional<QuantizedX8> qx8;
   if constexpr (I8) qx.emplace(x, R, in);
+  if constexpr (I4) qx8.emplace(x, R, in);
   // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not depend on
   // how many rows share the call (an 8-row block, one chain per row, did)
   auto rows = [&](auto rb, const W* w, int64_t b, float* yo) {
     constexpr int RB = decltype(rb)::value;
     if constexpr (I8)
       rows_dot_q8<RB>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, in, qx->pad, yo, out);
+    else if constexpr (I4)
+      rows_dot_q4<RB>(w, qx8->q.data() + b * in, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng, in, yo,
+                      out);
     else
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
@@ -1214,18 +1327,19 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return y;
 }
 
-// x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, bias (out) float32 or None
-// -> (R, out) float32
+// x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, or (out, q4_width(in)) uint8
+// int4 rows, bias (out) float32 or None -> (R, out) float32
 // residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
-  const bool i8 = W.scalar_type() == at::kChar;
-  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8,
-              "W must be float32, bfloat16 or int8 rows");
+  const bool i8 = W.scalar_type() == at::kChar, i4 = W.scalar_type() == at::kByte;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4,
+              "W must be float32, bfloat16, int8 rows or int4 rows");
   const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && W.size(1) == (i8 ? kv_width(in) : in), "bad shapes");
+  TORCH_CHECK(!i4 || in % Q4_GROUP == 0, "int4 rows need whole groups of 32");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && W.size(1) == (i8 ? kv_width(in) : i4 ? q4_width(in) : in), "bad shapes");
   const float* bp = nullptr;
   if (bias.has_value()) {
     check_cpu_contig(*bias, "bias");
@@ -1243,6 +1357,8 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
     linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i8)
     linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i4)
+    linear_impl(x.data_ptr<float>(), W.data_ptr<uint8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
   else
     linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, rp, R, in, out,
                 y.data_ptr<float>());
@@ -1386,8 +1502,8 @@ at::Tensor silu_mul(at::Tensor gu, int64_t lanes) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16 or int8-row weights, plus a residual", py::arg("x"),
-          py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row or int4-row weights, plus a residual",
+          py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied",

@@ -1,0 +1,39 @@
+"""Prefill-mode perplexity of a model with its weights held each way (`--weights`): one forward a window of WikiText-2,
+every position scored, the same windows for each.
+
+    python scripts/dev/weights_ppl.py --data WIKITEXT_TEST_TXT [--model M] [--weights bfloat16,int8,int4] [--windows 4]
+"""
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from infinigen_kv.model.load import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="a text file (WikiText-2's test split)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--weights", default="bfloat16,int8,int4")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--windows", type=int, default=4)
+    args = ap.parse_args()
+    text = open(args.data, encoding="utf-8").read()[: 200 * args.window * args.windows]
+    for weights in args.weights.split(","):
+        model, tok = load_model(args.model, weights=weights)
+        ids = torch.tensor(tok(text)["input_ids"])
+        nll, n = 0.0, 0
+        with torch.inference_mode():
+            for i in range(args.windows):
+                x = ids[i * args.window : (i + 1) * args.window][None]
+                logits = model(x, use_cache=False).logits[0]
+                nll += F.cross_entropy(logits[:-1].float(), x[0, 1:], reduction="sum").item()
+                n += x.shape[1] - 1
+        print(f"{weights}: perplexity {math.exp(nll / n):.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

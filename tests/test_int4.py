@@ -1,0 +1,117 @@
+"""int4 weight rows (--weights int4: q4_1 groups of 32 in a row, model/int4_rows.py) and the kernel that reads them."""
+
+import pytest
+import torch
+
+import infinigen_kv as ig
+from infinigen_kv.model import int4_rows, kernels
+from infinigen_kv.model.load import load_model
+from conftest import left_padded_batch, save_tiny, tiny_model
+from test_exactness import step_logits
+
+K = kernels.cpu()
+
+
+def q8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x (R, in) as the kernel reads a decode step's activations: int8 values in groups of 32 by absmax / 127."""
+    xg = x.view(x.shape[0], -1, 32)
+    scale = xg.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(scale > 0, xg / scale, 0.0).round().clamp(-127, 127) * scale).view_as(x)
+
+
+def test_rows_hold_q4_1_groups():
+    """A row: 16 bytes of levels a group (q[j] low nibble, q[j + 16] high), then float16 scales, then minimums;
+    the values read back within a group's step (d / 2), a group's minimum and maximum nearly exact; packing what was
+    read back gives the same bytes; widths other than whole groups are refused by name."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 96) * torch.rand(5, 1)
+    x[2, :32] = 0.25  # a constant group: d = 0, every value its minimum
+    rows = int4_rows.pack(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (5, int4_rows.width(96)) == (5, 48 + 12)
+    back = int4_rows.unpacked(rows)
+    d = rows[:, 48:54].contiguous().view(torch.float16).float()  # (5, 3)
+    m = rows[:, 54:].contiguous().view(torch.float16).float()
+    step = d.repeat_interleave(32, -1)
+    assert ((back - x).abs() <= step / 2 + 1e-3 * x.abs().amax(-1, keepdim=True)).all()
+    assert torch.equal(back[2, :32], torch.full((32,), 0.25))
+    levels = torch.cat([rows[:, :48].view(5, 3, 16) & 15, rows[:, :48].view(5, 3, 16) >> 4], -1).float()
+    assert torch.equal(back, (levels * d[..., None] + m[..., None]).view(5, 96))
+    assert torch.equal(int4_rows.pack(back), rows)
+    assert int4_rows.dim(rows.shape[-1]) == 96
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int4_rows.width(40)
+
+
+@pytest.mark.skipif(K is None, reason="no CPU kernels")
+@pytest.mark.parametrize("inputs", [576, 64, 896])
+def test_int4_linear_kernel(inputs, monkeypatch):
+    """`linear` over int4 rows: the product of the values the rows hold with the activations as int8 groups (the
+    kernel's own rounding), a row's result whatever rows share the call, with a bias and a residual."""
+    torch.manual_seed(9)
+    W = torch.randn(37, inputs) * torch.rand(37, 1)
+    W[3, :32] = 0  # a zero group
+    rows = int4_rows.pack(W)
+    x = torch.randn(6, inputs) * 3
+    x[1, 32:64] = 0  # a zero group of activations
+    bias, res = torch.randn(37), torch.randn(6, 37)
+    y = K.linear(x, rows, None, None)
+    dense = int4_rows.unpacked(rows)
+    ref = torch.nn.functional.linear(q8_groups(x), dense)
+    assert (y - ref).abs().max() <= 1e-5 * (x.abs() @ dense.abs().t()).max()
+    exact = torch.nn.functional.linear(x, dense)  # the activations' rounding: ~2^-8 of a group's largest value
+    assert (y - exact).abs().max() <= 1e-2 * (x.abs() @ dense.abs().t()).max()
+    for r in (1, 2, 4, 5):
+        assert torch.equal(K.linear(x[:r].contiguous(), rows, None, None), y[:r])
+    assert torch.equal(K.linear(x, rows, bias, res), res + (y + bias))
+
+
+@torch.inference_mode()
+def test_an_int4_model_decodes_what_its_values_compute(float32_products):
+    """--weights int4: the layers' linears as int4 rows, the embedding and LM head as int8 rows (as llama.cpp's
+    Q4_K_M keeps its output layer at more bits); prefill and decode close to a float32 model of the values held (the
+    decode activations rounded to int8 groups), every method exact at full budget against full."""
+    from infinigen_kv.model.ops import dense
+
+    held = tiny_model("qwen2", weights="int4")
+    attn = held.layers[0].attn
+    assert attn.wqkv.weight.dtype == held.layers[0].mlp.w2.weight.dtype == torch.uint8
+    assert held.embed.dtype == held.lm_head.dtype == torch.int8
+    ref = tiny_model("qwen2")
+    for p, q in zip(held.parameters(), ref.parameters()):
+        q.copy_(dense(p, torch.float32))
+    ids, mask = left_padded_batch(lengths=(30, 22))
+    got = step_logits(held, ig.make_cache("full", held), ids, mask)
+    want = step_logits(ref, ig.make_cache("full", ref), ids, mask)
+    assert ((got - want).norm() / want.norm()) < 2e-2
+    assert torch.equal(step_logits(held, ig.make_cache("infinigen", held, alpha=1e9, budget=1.0), ids, mask), got)
+
+
+def test_int4_weights_load_and_map(tmp_path):
+    """load_model(weights="int4") from a checkpoint: the held file mapped at the next load, the same bits; on a
+    device other than the CPU, or with a width not in whole groups, one clear error."""
+    from infinigen_kv.model.load import ModelLoadError
+
+    path = save_tiny(tmp_path / "m", kind="qwen2")
+    model, _ = load_model(path, device="cpu", weights="int4")
+    again, _ = load_model(path, device="cpu", weights="int4")
+    assert again.mapped_from == model.mapped_from is not None
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert model.layers[0].mlp.w1.weight.dtype == torch.uint8
+    with pytest.raises(ModelLoadError, match="int4 weights run on CPU"):
+        load_model(path, device="cpu", weights="int4", dtype="float32")
+
+
+def test_a_q4_1_gguf_comes_back_as_it_was():
+    """The default model's GGUF holds its layers in Q4_1: each tensor, dequantized (as the conversion writes it) and
+    packed as int4 rows, is its GGUF blocks byte for byte (d, m, levels: moved into the row's order)."""
+    gguf = pytest.importorskip("gguf")
+    from infinigen_kv.model.load import default_gguf
+
+    reader = gguf.GGUFReader(str(default_gguf()))
+    q4_1 = [t for t in reader.tensors if t.tensor_type.name == "Q4_1"][:6]
+    assert q4_1
+    for t in q4_1:
+        x = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).float()
+        blocks = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(x.shape[0], -1, 20)  # (rows, groups, 20)
+        want = torch.cat([blocks[..., 4:].flatten(1), blocks[..., :2].flatten(1), blocks[..., 2:4].flatten(1)], -1)
+        assert torch.equal(int4_rows.pack(x), want), t.name
