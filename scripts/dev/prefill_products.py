@@ -9,14 +9,12 @@ Each window of --window tokens is one forward (no cache), its logits scored at e
 
 import argparse
 import dataclasses
-import math
-import time
 
 import torch
-import torch.nn.functional as F
 
 from infinigen_kv.model import backend
 from infinigen_kv.model.load import load_model
+from weights_ppl import window_perplexity  # (this folder: on the path when a script here runs)
 
 
 def main() -> None:
@@ -34,16 +32,8 @@ def main() -> None:
     results: dict = {}
     for on in (False, True, False, True):
         backend._chosen[("cpu", True)] = dataclasses.replace(base, bf16_products=on)
-        nll, n, seconds = 0.0, 0, 0.0
-        with torch.inference_mode():
-            for i in range(args.windows):
-                x = ids[i * args.window : (i + 1) * args.window][None]
-                start = time.perf_counter()
-                logits = model(x, use_cache=False).logits[0]
-                seconds += time.perf_counter() - start
-                nll += F.cross_entropy(logits[:-1].float(), x[0, 1:], reduction="sum").item()
-                n += x.shape[1] - 1
-        results.setdefault(on, []).append((math.exp(nll / n), args.windows * args.window / seconds))
+        ppl, seconds = window_perplexity(model, ids, args.window, args.windows)
+        results.setdefault(on, []).append((ppl, args.windows * args.window / seconds))
     for on, runs in results.items():
         print(f"{'bfloat16' if on else 'float32 '} products: perplexity {runs[0][0]:.4f}, "
               f"tokens/s {', '.join(f'{r[1]:.1f}' for r in runs)}")

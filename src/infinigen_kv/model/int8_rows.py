@@ -79,8 +79,9 @@ def unpacked_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     *lead, w = rows.shape
     d = kv_dim(w)
     kern = backends.for_device(rows.device).ops
-    if kern is not None and dtype == torch.float32:
-        return kern.dequantize_kv_rows(rows.contiguous(), d)
+    if kern is not None:  # (float32 values, then rounded to dtype: the PyTorch path's bits)
+        out = kern.dequantize_kv_rows(rows.contiguous(), d)
+        return out if dtype == torch.float32 else out.to(dtype)
     scale = rows[..., d:].contiguous().view(torch.float16).float()  # (..., groups)
     values = torch.nn.functional.pad(rows[..., :d].float(), (0, -d % GROUP)).view(*lead, -1, GROUP)
     out = (values * scale.unsqueeze(-1)).view(*lead, -1)[..., :d]

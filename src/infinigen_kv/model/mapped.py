@@ -47,15 +47,10 @@ def path_of(k: str) -> Path:
     return cache_dir() / "held" / f"{k}.bin"
 
 
-def _unique(model) -> dict:
-    """name -> parameter, each parameter once (a tied LM head is the embedding)."""
-    return dict(model.named_parameters())
-
-
 def save(model, k: str) -> bool:
     """Write every parameter of `model` as held to file `k`, atomically (a process mapping an older file keeps it);
     False where the cache cannot be written."""
-    params = _unique(model)
+    params = dict(model.named_parameters())  # each parameter once (a tied LM head is the embedding)
     table, offset = {}, 0
     for name, p in params.items():
         table[name] = [str(p.dtype).replace("torch.", ""), list(p.shape), offset]
@@ -92,7 +87,7 @@ def load(model, k: str) -> bool:
             header = json.loads(f.read(n))
         size = p.stat().st_size
         start = -(-(8 + n) // PAGE) * PAGE
-        params = _unique(model)
+        params = dict(model.named_parameters())
         table = header["tensors"]
         if header.get("format") != FORMAT or set(table) != set(params):
             return False

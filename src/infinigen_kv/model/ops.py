@@ -73,13 +73,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
     """x (rows, in) float32 @ w^T in bfloat16 products (oneDNN, float32 accumulation), w as held (bfloat16, or int8
     rows dequantized to bfloat16 in slices) -> (rows, out) float32: x and the product rounded to bfloat16 (a relative
     error of ~2e-3 a value, the order of the bfloat16 weights' own rounding)."""
-    xb = x.to(torch.bfloat16)
-    if w.dtype == torch.bfloat16:
-        y = F.linear(xb, w).float()
-    else:
-        step = max(1, CONVERT_ELEMENTS // w.shape[1])
-        y = torch.cat([F.linear(xb, dense(w[s : s + step], torch.float32).to(torch.bfloat16))
-                       for s in range(0, w.shape[0], step)], dim=-1).float()
+    y = converted_linear(x.to(torch.bfloat16), w, None).float()
     return y + bias if bias is not None else y
 
 

@@ -31,8 +31,8 @@ from .hparams import ModelArgs
 from .rope import apply_rope, inv_freq
 from .kv import KVView
 
-HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}  # weights held apart from the compute
-# dtype (CPU)
+# weights held apart from the compute dtype (CPU)
+HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 EMBED_HELD = {"int4": "int8"}  # the embedding and LM head at more bits than the layers (llama.cpp's Q4_K_M: Q6_K)
 
 

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model import backend as backends
-from ...model import ops
-from ...model.ops import dense
+from ...model.ops import dense, held
 
 
 def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
@@ -103,8 +102,8 @@ class PartialQuery:
 
     def gathered(self, layer: int) -> torch.Tensor:
         """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
-        weight as held (bfloat16 with --dtype bf16-weights; int4 rows as int8 rows): read at the bandwidth, where the same rows scattered
-        through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module (_GATHERED), so every cache of
+        weight as held (bfloat16 with --dtype bf16-weights; int4 rows as int8 rows): read at the bandwidth, where the
+        same rows scattered through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module (_GATHERED), so every cache of
         the model shares it (12.6 MB for the default model, 5% of its weights)."""
         W = self._gathered.get(layer)
         if W is None:
@@ -115,7 +114,7 @@ class PartialQuery:
             if key not in memo:
                 rows = w[self.q_rows(layer)].contiguous()
                 if rows.dtype == torch.uint8:  # int4 rows: as int8 rows of their values, which the kernel reads
-                    rows = ops.held(dense(rows, torch.float32), "int8")
+                    rows = held(dense(rows, torch.float32), "int8")
                 memo[key] = rows
             W = self._gathered[layer] = memo[key]
         return W
