@@ -416,7 +416,8 @@ def step_profile(c: Check, n: int, B: int, only=None) -> dict:
     ig01 = {"budget": 0.1, "calibration": str(cal_path)}
     for name, method, opts, graph in [("full", "full", {}, None), ("full-eager", "full", {}, False),
                                       ("infinigen-0.1", "infinigen", ig01, None),
-                                      ("infinigen-0.1-eager", "infinigen", ig01, False)]:
+                                      ("infinigen-0.1-eager", "infinigen", ig01, False),
+                                      ("infinigen-0.1-int8", "infinigen", {**ig01, "kv_dtype": "int8"}, None)]:
         if only and name not in only:
             continue
         cache = c.cache(method, model, **opts)
@@ -685,22 +686,24 @@ def filled(c: Check, model, method: str, opts: dict, ids: torch.Tensor, first: i
 
 def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
     """The 8B shape at B x n (n to the model's 128k), contexts filled without their prefill (a real prefill of
-    FILL tokens, then `fill`): full, offload and infinigen at 0.1 and 0.05 (one filled cache, its budget changed),
-    graph on; the device's peak in decode, the host pool; at B1 infinigen 0.1's graph tokens against eager ones
-    (each from its own fill)."""
+    FILL tokens, then `fill`): full, offload and infinigen at 0.1 and 0.05 with bfloat16 and int8 rows (one filled
+    cache a row format, its budget changed), graph on; the device's peak in decode, the host pool; at B1 infinigen
+    0.1's graph tokens against eager ones (each from its own fill)."""
     model, cal_path = big(c)
     first = 256 if c.dry else 4096
     V = model.config.vocab_size
     ig01 = {"budget": 0.1, "calibration": str(cal_path), **({"min_budget": 0} if c.dry else {})}  # (dry: caps differ)
-    runs = [("full", "full", {}, (None,)), ("offload", "offload", {}, (None,)),
-            ("infinigen", "infinigen", ig01, (0.1, 0.05))]
+    runs = [("full", "full", {}, (None,), ""), ("offload", "offload", {}, (None,), ""),
+            ("infinigen", "infinigen", ig01, (0.1, 0.05), ""),
+            ("infinigen", "infinigen", {**ig01, "kv_dtype": "int8"}, (0.1, 0.05), "-int8")]  # half the link's bytes
     rows, ok, graph = [], True, None
     for B in batches:
         ids = torch.randint(10, V, (B, n + new_tokens), generator=torch.Generator().manual_seed(0)).to(c.device)
-        for name, method, opts, budgets in runs:
-            if only and not any(m.startswith(name) for m in only):
+        for name, method, opts, budgets, suffix in runs:
+            names = [name if b is None else f"{name}-{b}{suffix}" for b in budgets]
+            if only and not set(names) & set(only):
                 continue
-            row = {"method": name, "batch": B, "context": n}
+            row = {"method": name + suffix, "batch": B, "context": n}
             try:
                 t0 = time.perf_counter()
                 cache, logits = filled(c, model, method, opts, ids, first, n, len(budgets) * new_tokens)
@@ -715,7 +718,7 @@ def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
                         warnings.simplefilter("always")
                         res = generate(model, ids[:, :at], cache=cache, max_new_tokens=new_tokens, stop_at_eos=False,
                                        on_step=peaks, prefilled=logits)
-                    r = dict(row, method=name if budget is None else f"{name}-{budget}", static=steps.made > 0)
+                    r = dict(row, method=names[i], static=steps.made > 0)
                     ok &= r["static"]
                     if failed := capture_failures(caught):
                         r["capture_failed"] = failed
@@ -725,7 +728,7 @@ def step_long(c: Check, n: int, batches, new_tokens: int, only=None) -> dict:
                              parts_gib=device_parts(model, cache, c.device))
                     if getattr(cache, "stats", {}).get("fetched_fraction") is not None and method != "full":
                         r["fetched_fraction"] = round(cache.stats["fetched_fraction"], 4)
-                    if B == 1 and budget == 0.1:
+                    if B == 1 and names[i] == "infinigen-0.1":
                         graph = res.tokens
                     rows.append(r)
                     log(f"  long {r}")
@@ -942,6 +945,7 @@ def main() -> int:
     ap.add_argument("--methods", default=None, help="speed: these rows only (names as in its table)")
     ap.add_argument("--new-tokens", type=int, default=None, help="speed: decode steps timed (default 32; dry: 4)")
     ap.add_argument("--profile-at", default=None, help="profile: CONTEXTxBATCH (default the first context and batch)")
+    ap.add_argument("--profile-methods", default=None, help="profile: these rows only (default: --methods)")
     ap.add_argument("--memory-at", default=None, help="memory: CONTEXTxBATCH (default 32768x4; dry: 256x2)")
     ap.add_argument("--long-context", type=int, default=None,
                     help="long: the context (default 130048: 128k's rows less the new tokens, so that a pinned "
@@ -984,7 +988,8 @@ def main() -> int:
     steps = {"tests": lambda: step_tests(c), "exact": lambda: step_exact(c), "race": lambda: step_race(c),
              "syncs": lambda: step_syncs(c), "batching": lambda: step_batching(c),
              "speed": lambda: step_speed(c, contexts, batches, new_tokens, only),
-             "profile": lambda: step_profile(c, *profile_at, only), "trace": lambda: step_trace(c),
+             "profile": lambda: step_profile(c, *profile_at, args.profile_methods.split(",") if args.profile_methods
+                                             else only), "trace": lambda: step_trace(c),
              "memory": lambda: step_memory(c, *memory_at, new_tokens),
              "serve": lambda: step_serve(c, args.serve_prompt or (256 if dry else 16384), args.serve_clients,
                                          args.serve_new_tokens or (8 if dry else 64)),
