@@ -41,7 +41,8 @@ def test_gpu_check_dry_run(tmp_path):
     long = report["steps"]["long"]
     assert long["graph_tokens_equal_eager_b1"] is True
     assert [(r["method"], r["batch"]) for r in long["rows"]] == [
-        (m, b) for b in (1, 2) for m in ("full", "offload", "infinigen-0.1", "infinigen-0.05")]
+        (m, b) for b in (1, 2) for m in ("full", "offload", "infinigen-0.1", "infinigen-0.05", "infinigen-0.1-int8",
+                                         "infinigen-0.05-int8")]
     assert all(r["static"] and r["context"] == 512 and r["step_ms"] > 0 for r in long["rows"])
     assert "Long contexts, filled" in (tmp_path / "summary.md").read_text()
     serve = report["steps"]["serve"]["rows"]
