@@ -10,8 +10,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from infinigen_kv.model.attention import sdpa
 
 
+@pytest.mark.parametrize("repeat", [False, True])
 @pytest.mark.parametrize("T,past", [(1, 40), (16, 300), (128, 700), (200, 0)])
-def test_grouped_query_sdpa_is_transformers_bits(T, past):
+def test_grouped_query_sdpa_is_transformers_bits(T, past, repeat, monkeypatch):
+    """repeat: the K/V heads repeated for a masked chunk, as on a GPU (its memory-efficient kernel takes no grouped
+    heads): the same bits."""
+    from infinigen_kv.model import attention
+
+    monkeypatch.setattr(attention, "repeat_groups", lambda query: repeat)
     torch.manual_seed(T + past)
     G, r, d, S = 3, 3, 64, past + T
     module = types.SimpleNamespace(num_key_value_groups=r, is_causal=True)

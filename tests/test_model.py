@@ -53,6 +53,20 @@ def test_logits_equal_transformers_at_prefill_and_each_step(kind):
     torch.testing.assert_close(our_steps(ours, ids, mask, 4), hf_steps(hf, ids, mask, 4), **TOL)
 
 
+@torch.inference_mode()
+def test_a_model_moved_to_bfloat16_computes_in_it():
+    """`.to(torch.bfloat16)` (as a GPU user does): biases, activations and weights all in bfloat16 (a float32 bias
+    beside bfloat16 products failed), the rotary frequencies still float32; tokens as transformers' bfloat16 model."""
+    hf = tiny_hf("qwen2").to(torch.bfloat16)
+    ours = from_hf(tiny_hf("qwen2")).to(torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    assert all(b.dtype == torch.float32 for b in ours.buffers())
+    ids, mask = left_padded_batch(lengths=(24, 17))
+    got, ref = our_steps(ours, ids, mask, 4), hf_steps(hf, ids, mask, 4)
+    assert got.dtype == torch.bfloat16
+    assert (got.float().argmax(-1) == ref.float().argmax(-1)).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 @torch.inference_mode()
 def test_held_weights_compute_their_rounded_values(weights, float32_products):

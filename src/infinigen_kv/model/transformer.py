@@ -270,6 +270,18 @@ class Transformer(nn.Module):
         for key, rope in args.ropes:
             self.register_buffer(_freq_name(key), inv_freq(rope, args.head_dim), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)`, `.half()`: the model then computes in its weights' new dtype; the rotary frequencies stay
+        float32 (positions to 128k times a bfloat16 frequency would be off by whole turns)."""
+        super()._apply(fn, recurse)
+        if self.weights is None:
+            self.dtype = self.embed.dtype
+        for key, rope in self.args.ropes:
+            name = _freq_name(key)
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, inv_freq(rope, self.args.head_dim).to(getattr(self, name).device))
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.embed.device
