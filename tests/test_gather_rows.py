@@ -8,9 +8,9 @@ from conftest import triton_module
 from infinigen_kv.methods.infinigen import gather_rows as gr
 
 
-def buffers(dtype, seed: int = 0):
+def buffers(dtype, seed: int = 0, d: int = 40):
     g = torch.Generator().manual_seed(seed)
-    B, G, cap, d, m = 2, 3, 50, 40, 21  # d not a power of two; m over one program's rows
+    B, G, cap, m = 2, 3, 50, 21  # d not a power of two; m over one program's rows
     # a spare sequence; int8 rows (K/V in int8) are bytes: random values over their whole range
     pools = [(torch.randint(-128, 128, (B + 1, G, cap, d), generator=g, dtype=dtype) if dtype == torch.int8 else
               torch.randn(B + 1, G, cap, d, generator=g).to(dtype))[:B] for _ in range(2)]
@@ -19,11 +19,15 @@ def buffers(dtype, seed: int = 0):
     return *pools, idx, *ws
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_the_triton_kernel_gathers_what_the_reference_gathers(dtype, monkeypatch):
-    """On a GPU the kernel itself; here in Triton's interpreter."""
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 40), (torch.bfloat16, 40), (torch.int8, 40), (torch.int8, 136),
+                                     (torch.int8, 30)])
+def test_the_triton_kernel_gathers_what_the_reference_gathers(dtype, d, monkeypatch):
+    """On a GPU the kernel itself; here in Triton's interpreter. int8 rows of 40 and 136 bytes (q8_0 rows at
+    d = 128) are copied as 8-byte words, of 30 bytes as bytes."""
     with triton_module("infinigen_kv.methods.infinigen.gather_rows_triton", monkeypatch) as (kernel, dev):
-        expect, got = buffers(dtype), [t.to(dev) for t in buffers(dtype)]
+        expect, got = buffers(dtype, d=d), [t.to(dev) for t in buffers(dtype, d=d)]
+        if dtype == torch.int8:
+            assert (kernel.as_words(got[0]).dtype == torch.int64) == (d % 8 == 0)
         gr.reference(*expect)
         kernel.triton_gather(*got)
         got = [t.cpu() for t in got]
