@@ -70,16 +70,18 @@ def test_exact_on_real_prompt(smollm, tmp_path):
 
 
 def test_passkey_with_default_settings(smollm):
-    """Default InfiniGen settings (default calibration made on first use) answer a 2k passkey prompt while
-    fetching at most a quarter of the past entries."""
+    """Default InfiniGen settings (default calibration made on first use) answer a 2k passkey prompt. At 2k on this
+    model speculation would save under 3% of a step's bytes (min_saving): the steps attend densely; made to
+    speculate (min_saving 0, a 512-token floor) they fetch about a quarter of the past and still answer."""
     model, tok = smollm
-    for seed in (0, 1):
+    for seed, options, most in ((0, {}, 1.0), (1, {"min_saving": 0.0, "min_budget": 512}, 0.35)):
         s = passkey(tok, 2000, seed=seed)
         enc = tok(s.prompt, return_tensors="pt")
-        cache = ig.InfiniGenCache(model)
+        cache = ig.InfiniGenCache(model, **options)
         r = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8)
         assert s.answer in tok.decode(r.tokens[0]), tok.decode(r.tokens[0])
-        assert cache.stats["fetched_fraction"] <= 0.55  # 1024 (min_budget) of the 2k past, and layer 0 whole
+        fetched = cache.stats["fetched_fraction"]  # speculating: 512 (min_budget) of the 2k past, layer 0 whole
+        assert (fetched == 1.0 if most == 1.0 else fetched <= most), (options, fetched)
 
 
 def test_short_prompts_answer_as_the_full_cache_at_the_defaults(smollm):

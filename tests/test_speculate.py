@@ -145,11 +145,42 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
     got = ig.generate(model, ids, cache=dense, max_new_tokens=12, stop_at_eos=False)
     assert torch.equal(got.tokens, ref.tokens) and dense.stats["fetched_fraction"] == 1.0
     assert calls == []  # a step whose past is under every layer's cap is known dense at layer 0: no layer speculates
-    spec = ig.make_cache("infinigen", model, min_budget=16)  # a floor under the past: it selects
+    spec = ig.make_cache("infinigen", model, min_budget=16, min_saving=0.0)  # a floor under the past: it selects
     speculate = spec.selection.speculate
     spec.selection.speculate = lambda *a: calls.append(a[1]) or speculate(*a)
     ig.generate(model, ids, cache=spec, max_new_tokens=12, stop_at_eos=False)
     assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6 and len(calls) > 0
+
+
+def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_models):
+    """Where the K/V a step would save is under min_saving of its bytes (weights + K/V: a short context on a model
+    whose weights are most of the step) it attends densely, the full cache's tokens; min_saving 0 speculates there,
+    as does min_budget 0 (no floor: a budget sweep, each budget as named)."""
+    import infinigen_kv as ig
+    from infinigen_kv.config import ConfigError, InfiniGenConfig
+    from infinigen_kv.methods.infinigen.speculator import speculation_pays
+
+    assert speculation_pays(10, 100, 0.08) and not speculation_pays(7, 100, 0.08) and speculation_pays(0, 1, 0.0)
+    for bad in (-0.1, 1.0, True):
+        with pytest.raises(ConfigError, match="min_saving"):
+            InfiniGenConfig(min_saving=bad)
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(0))
+    ref = ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=8, stop_at_eos=False)
+    fractions = {}
+    for name, opts, weights in (("small weights", {}, None), ("large weights", {}, 10**12),
+                                ("large weights, min_saving 0", {"min_saving": 0.0}, 10**12),
+                                ("large weights, no floor", {"min_budget": 0}, 10**12)):
+        cache = ig.make_cache("infinigen", model, **{"min_budget": 16, "min_saving": 0.01, **opts})
+        assert 0 < cache.weight_bytes < 10**7
+        if weights:
+            cache.weight_bytes = weights  # as a model of 1 TB would read each step
+        got = ig.generate(model, ids, cache=cache, max_new_tokens=8, stop_at_eos=False)
+        fractions[name] = cache.stats["fetched_fraction"]
+        if fractions[name] == 1.0:
+            assert torch.equal(got.tokens, ref.tokens)
+    assert fractions["large weights"] == 1.0
+    assert all(f < 0.6 for name, f in fractions.items() if name != "large weights")
 
 
 def test_infinigen_token_budget_caps_each_head_and_large_is_exact():

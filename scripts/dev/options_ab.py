@@ -28,7 +28,17 @@ from infinigen_kv.runtime.generation import prefill
 
 def parse(config: str) -> tuple[str, dict]:
     method, *opts = config.split(":")
-    return method, dict(o.split("=", 1) for o in opts)
+    return method, {k: value(v) for k, v in (o.split("=", 1) for o in opts)}
+
+
+def value(text: str):
+    """An option's value: an int, a float, or the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def main() -> int:

@@ -48,6 +48,12 @@ class InfiniGenConfig:
     # attends densely without speculating. 0 turns the floor off (a budget sweep: each budget as named). A token
     # count budget is not floored (docs/BENCHMARKS.md, "The budget floor").
     min_budget: int = DEFAULT_MIN_BUDGET
+    # min_saving: on CPU, a decode step speculates only where the K/V bytes it saves (all rows, less the partial
+    # keys and the chosen rows, read scattered) are at least this share of the step's bytes (weights + K/V);
+    # below it, the selection's fixed costs take what it saves and the step attends densely. 0: speculates
+    # wherever those bytes are saved at all; min_budget 0 (no floor: a budget sweep) speculates wherever the
+    # budget leaves rows out (docs/BENCHMARKS.md, "Never slower than full").
+    min_saving: float = 0.03
     # max_num_kv: optional absolute cap on fetched tokens per (sequence, KV head, layer).
     max_num_kv: int | None = None
     # gqa_combine: how the r query heads of a KV group vote for tokens: "max" (any head wants it) or
@@ -102,6 +108,8 @@ class InfiniGenConfig:
         check_budget(self.budget)
         check_min_budget(self.min_budget)
         check_fraction("partial_ratio", self.partial_ratio)
+        if isinstance(self.min_saving, bool) or not (0.0 <= self.min_saving < 1.0):
+            raise ConfigError(f"min_saving must be a share of a step's bytes in [0, 1), got {self.min_saving!r}")
         if not (self.alpha > 0):
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
         if self.max_num_kv is not None and self.max_num_kv < 1:

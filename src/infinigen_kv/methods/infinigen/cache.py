@@ -57,6 +57,16 @@ class Transfers:
         return self.by_device[device]
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of the parameters a decode step reads, as held, each once (tied embeddings as the LM head); an untied
+    embedding, of which a step reads one row a token, left out."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    if isinstance(embed, torch.Tensor) and embed is not head:
+        params.pop(embed.data_ptr(), None)
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
 class InfiniGenCache(Rebatch):
     """`InfiniGenCache(model, config)`: calibrates on first use (or loads the cached calibration) and
     installs the speculation hooks and the attention function on the model (once per model). `selection`
@@ -89,6 +99,7 @@ class InfiniGenCache(Rebatch):
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
         self.limited = self.selection.calibrated and (self.config.capacity is not None
                                                       or self.config.capacity_bytes is not None)
+        self.weight_bytes = step_weight_bytes(model)  # what a decode step reads besides the K/V (_under_floor)
         self.transfers = Transfers()
         self.transfer = self.transfers.for_device(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers

@@ -77,6 +77,17 @@ def saves_bytes(n: int, cap: int, row: int, partial_row: int) -> bool:
     return n * partial_row + cap * row < n * row
 
 
+SCATTERED = 2.0  # a chosen row costs about two of a sequential pass's: a CPU reads scattered rows at ~11 of 22 GB/s
+
+
+def speculation_pays(saved: float, total: float, share: float) -> bool:
+    """Whether a step should speculate: the K/V bytes it saves (all rows, less the partial keys scored and the
+    chosen rows at SCATTERED each) are at least `share` of the step's bytes (weights + all K/V). Below that the
+    selection's fixed costs (partial queries, scores, top-k, a few ops a layer) take what it saves: a short
+    context on a model whose weights are most of the step (the 0.5B in bfloat16 at 4k: ~1% of its bytes)."""
+    return saved >= share * total
+
+
 def layer_scales(recall: list, lo: float = 0.5, hi: float = 3.0) -> list:
     """Per layer, its share of the budget from its speculation recall (None: a dense layer, no share):
     proportional to its misses, 1 - recall, clamped to [lo, hi] and renormalized so the speculated layers'
@@ -205,18 +216,30 @@ class Speculate:
 
     @staticmethod
     def _under_floor(cache) -> bool:
-        """Whether no layer's cap leaves out any of its past this step (a short past under min_budget): then no
-        layer speculates or attends through a selection (CPU, a pool without capacity; once a step, at layer 0)."""
+        """Whether this step attends densely with no layer speculating (CPU, pools without a capacity; once a step,
+        at layer 0): when no layer's cap leaves out any of its past (a short past under min_budget), or when what
+        speculation would save is under `min_saving` of the step's bytes (`speculation_pays`)."""
         c = cache.config
-        for layer in cache.layers[1:]:
-            if not layer.is_initialized or layer.dense:
+        saved, total, selects = 0.0, float(cache.weight_bytes), False
+        for layer in cache.layers:
+            if not layer.is_initialized:
+                continue
+            B, n = layer.k.batch, layer.k.length
+            row = (layer.k.width + layer.v.width) * layer.k.data.element_size()
+            total += B * n * row
+            if layer.dense:
                 continue
             if layer.slots is not None or not layer.transfer.host_compute:
                 return False
             n = layer.partial.length
-            if fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget) < n:
-                return False
-        return True
+            cap = fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget)
+            if cap < n:
+                selects = True
+                saved += B * (n * row - n * layer.partial.width * layer.partial.data.element_size()
+                              - SCATTERED * cap * row)
+        if not c.min_budget:  # no floor (a budget sweep): each budget as named wherever it leaves rows out
+            return not selects
+        return not (selects and speculation_pays(saved, total, c.min_saving))
 
     def speculate(self, cache, nxt: int, x: torch.Tensor, step, layer_idx: int) -> Fetch | None:
         """Layer nxt's fetch from layer layer_idx's input x (B, 1, D) (step: the forward's transformer.Step): its partial query scored against its partial key cache, the tokens
