@@ -71,8 +71,8 @@ def test_exact_on_real_prompt(smollm, tmp_path):
 
 def test_passkey_with_default_settings(smollm):
     """Default InfiniGen settings (default calibration made on first use) answer a 2k passkey prompt. At 2k on this
-    model speculation would save under 3% of a step's bytes (min_saving): the steps attend densely; made to
-    speculate (min_saving 0, a 512-token floor) they fetch about a quarter of the past and still answer."""
+    model speculation saves no bytes once its chosen rows' scattered reads are counted: the steps attend densely;
+    made to speculate (min_saving 0, a 512-token floor) they fetch about a quarter of the past and still answer."""
     model, tok = smollm
     for seed, options, most in ((0, {}, 1.0), (1, {"min_saving": 0.0, "min_budget": 512}, 0.35)):
         s = passkey(tok, 2000, seed=seed)

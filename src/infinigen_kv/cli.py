@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .argtypes import (_budget, _budget_list, _capacity, _choices, _device, _fraction, _int_list, _non_negative_int,
-                       _port, _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file)
+                       _number, _port, _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file)
 from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
                      PARTIAL_DTYPES, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
@@ -102,6 +102,10 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
         p.add_argument("--min-budget", type=_non_negative_int, default=None, metavar="TOKENS",
                        help="floor of a fractional budget in tokens: at least this many entries, or the whole past "
                        "when shorter, which is then attended densely; 0 = no floor (default: %d)" % DEFAULT_MIN_BUDGET)
+    p.add_argument("--min-saving", type=_number("--min-saving", lambda v: 0.0 <= v < 1.0, "in [0, 1)"), default=None,
+                   metavar="SHARE", help="InfiniGen on CPU: speculate only where it saves this share of a decode step's "
+                   "bytes (weights + K/V), else attend densely; 0 = wherever it saves any (default: %s)"
+                   % InfiniGenConfig.min_saving)
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--gqa-combine", choices=["max", "mean"], default=None,
                    help="InfiniGen: how the query heads of a KV group vote for tokens (default: %s)" % InfiniGenConfig.gqa_combine)

@@ -22,7 +22,8 @@ class RunError(Exception):
 def _method_options(args) -> dict:
     kind, value = getattr(args, "capacity", None) or (None, None)
     return {"alpha": args.alpha, "partial_ratio": args.partial_ratio, "budget": args.budget, "min_budget": args.min_budget,
-            "calibration": args.calibration, "bits": args.quant_bits, "eviction": getattr(args, "eviction", None),
+            "min_saving": getattr(args, "min_saving", None), "calibration": args.calibration, "bits": args.quant_bits,
+            "eviction": getattr(args, "eviction", None),
             "local_layers": args.local_layers, "layer_budget": args.layer_budget, "gqa_combine": args.gqa_combine,
             "channel_rule": args.channel_rule, "skew": args.skew, "calibration_text": args.calibration_text,
             "partial_dtype": getattr(args, "partial_dtype", None), "kv_dtype": getattr(args, "kv_dtype", None),

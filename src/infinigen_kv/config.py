@@ -53,7 +53,7 @@ class InfiniGenConfig:
     # below it, the selection's fixed costs take what it saves and the step attends densely. 0: speculates
     # wherever those bytes are saved at all; min_budget 0 (no floor: a budget sweep) speculates wherever the
     # budget leaves rows out (docs/BENCHMARKS.md, "Never slower than full").
-    min_saving: float = 0.03
+    min_saving: float = 0.04
     # max_num_kv: optional absolute cap on fetched tokens per (sequence, KV head, layer).
     max_num_kv: int | None = None
     # gqa_combine: how the r query heads of a KV group vote for tokens: "max" (any head wants it) or

@@ -84,7 +84,7 @@ def speculation_pays(saved: float, total: float, share: float) -> bool:
     """Whether a step should speculate: the K/V bytes it saves (all rows, less the partial keys scored and the
     chosen rows at SCATTERED each) are at least `share` of the step's bytes (weights + all K/V). Below that the
     selection's fixed costs (partial queries, scores, top-k, a few ops a layer) take what it saves: a short
-    context on a model whose weights are most of the step (the 0.5B in bfloat16 at 4k: ~1% of its bytes)."""
+    context on a model whose weights are most of the step (the 0.5B in bfloat16 at 4k: ~2% of its bytes)."""
     return saved >= share * total
 
 
@@ -224,7 +224,7 @@ class Speculate:
         for layer in cache.layers:
             if not layer.is_initialized:
                 continue
-            B, n = layer.k.batch, layer.k.length
+            B, n = layer.k.batch * layer.k.heads, layer.k.length  # rows of a (sequence, KV head) each
             row = (layer.k.width + layer.v.width) * layer.k.data.element_size()
             total += B * n * row
             if layer.dense:
