@@ -94,15 +94,22 @@ def test_bench_accuracy_needs_data(capsys):
     main_error(capsys, "bench", "accuracy", "--tasks", "nope", text="unknown task")
 
 
-def test_bench_speed_contract_floor_and_plots(tmp_path, capsys):
+def test_bench_speed_contract_floor_and_plots(tmp_path, capsys, monkeypatch):
+    """The rows, the plots, and each prefill's progress on stderr (here every chunk of 32 tokens: a long prompt's
+    lines come every ~10 s)."""
     from infinigen_kv.cli import main
+    from infinigen_kv.runtime import generation
 
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 32)
+    monkeypatch.setattr(generation.PrefillProgress, "EVERY_S", 0.0)
     model_dir = save_tiny(tmp_path / "model")
     out = tmp_path / "speed"
     assert main(["bench", "speed", "--model", model_dir, "--methods", "full,infinigen,offload,h2o", "--batch", "1,2",
                  "--prompt-len", "48,96", "--new-tokens", "3", "--repeats", "1", "--min-budget", "0", "--out", str(out),
                  "--json"]) == 0  # no floor: the tiny prompts are all under it
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "infinigen: bench speed infinigen B2 x 96: prefill 32/96 tokens (" in captured.err
     assert result["machine"]["read_bandwidth_gb_s"] > 0 and result["machine"]["device"] == "cpu"
     rows = result["rows"]
     assert len(rows) == 4 * 2 * 2

@@ -101,9 +101,11 @@ def prompts(tokenizer, batch: int, length: int, data: str | None = None) -> tupl
     return ids, torch.ones_like(ids)
 
 
-def run_once(model, method, ids, mask, new_tokens, options):
+def run_once(model, method, ids, mask, new_tokens, options, label=None):
+    """One timed run; label: the run's name in the prefill's progress on stderr (a long prompt's prefill takes
+    minutes: tokens done, tokens/s, time left)."""
     cache = make_cache(method, model, **options)
-    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False)
+    res = generate(model, ids, mask, cache=cache, max_new_tokens=new_tokens, stop_at_eos=False, progress=label)
     stats = cache_stats(cache)
     return res, stats, bytes_read_per_step(model, cache, ids.shape[0], ids.shape[1], res.decode_steps)
 
@@ -128,7 +130,8 @@ def run_speed(model, tokenizer, methods, batches, prompt_lens, new_tokens, repea
             runs = {m: [] for m in methods}
             for rep in range(repeats):
                 for method in methods:  # interleaved: drift of a noisy machine hits every method alike
-                    runs[method].append(run_once(model, method, ids, mask, new_tokens, options))
+                    runs[method].append(run_once(model, method, ids, mask, new_tokens, options,
+                                                 f"bench speed {method} B{B} x {n}"))
                     r = runs[method][-1][0]
                     print(f"  B={B} n={n} {method} rep {rep}: {r.decode_tokens_per_s:.2f} tok/s", flush=True,
                           file=sys.stderr)
