@@ -43,6 +43,16 @@ def test_rows_hold_q4_1_groups():
 
 
 @pytest.mark.skipif(K is None, reason="no CPU kernels")
+def test_the_kernel_unpacks_rows_as_pytorch_does():
+    """A prompt chunk's int4 weights unpacked by the kernel (float32 and bfloat16): PyTorch's bits, batched rows."""
+    torch.manual_seed(1)
+    rows = int4_rows.pack(torch.randn(3, 7, 896) * 3)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = int4_rows.unpacked(rows, dtype)
+        assert got.dtype == dtype and torch.equal(got, int4_rows.reference_unpacked(rows, dtype))
+
+
+@pytest.mark.skipif(K is None, reason="no CPU kernels")
 @pytest.mark.parametrize("inputs", [576, 64, 896])
 def test_int4_linear_kernel(inputs, monkeypatch):
     """`linear` over int4 rows: the product of the values the rows hold with the activations as int8 groups (the

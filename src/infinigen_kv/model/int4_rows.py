@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from . import backend as backends
+
 GROUP = 32
 
 
@@ -53,7 +55,17 @@ def pack(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored rows (..., width(in)) uint8 -> the values they hold (..., in) in `dtype`."""
+    """Stored rows (..., width(in)) uint8 -> the values they hold (..., in) in `dtype` (the CPU kernel where
+    built, for float32 and bfloat16: the same bits)."""
+    *lead, w = rows.shape
+    n = dim(w)
+    if dtype in (torch.float32, torch.bfloat16) and (kern := backends.for_device(rows.device).ops) is not None:
+        return kern.dequantize_q4_rows(rows.contiguous(), n, dtype == torch.bfloat16)
+    return reference_unpacked(rows, dtype)
+
+
+def reference_unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """unpacked in PyTorch ops."""
     *lead, w = rows.shape
     n = dim(w)
     ng = n // GROUP

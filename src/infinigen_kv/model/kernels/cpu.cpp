@@ -1252,6 +1252,45 @@ at::Tensor dequantize_kv_rows(at::Tensor rows, int64_t d) {
   return out;
 }
 
+// int4 rows (..., q4_width(n)) uint8 -> their values (..., n) in float32 or bfloat16: level x scale + min per group of
+// 32 (int4_rows.unpacked's bits: a 4-bit level times a float16 scale is exact in float32, so the one rounding is the
+// sum's, fused or not; bfloat16 rounds that to nearest even, as PyTorch's .to). A prompt chunk's weights for the
+// BLAS, a slice at a time: PyTorch's ops took 1.3x the bfloat16 weights' prefill in unpacking.
+at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() >= 1 && n % Q4_GROUP == 0 && rows.size(-1) == q4_width(n),
+              "bad int4 rows");
+  const int64_t w = q4_width(n), R = rows.numel() / w, ng = n / Q4_GROUP;
+  auto sizes = rows.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* rp = rows.data_ptr<uint8_t>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    float v[Q4_GROUP];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* row = rp + i * w;
+      const uint8_t* lv = row;
+      const uint8_t* dm = row + n / 2;
+      for (int64_t g = 0; g < ng; ++g) {
+        const float d = half_at(reinterpret_cast<const int8_t*>(dm + 2 * g));
+        const float m = half_at(reinterpret_cast<const int8_t*>(dm + 2 * (ng + g)));
+        const uint8_t* b = lv + g * (Q4_GROUP / 2);
+        for (int64_t j = 0; j < Q4_GROUP / 2; ++j) {
+          v[j] = float(b[j] & 0x0F) * d + m;
+          v[j + Q4_GROUP / 2] = float(b[j] >> 4) * d + m;
+        }
+        if (bf16) {
+          auto* o = out.data_ptr<at::BFloat16>() + i * n + g * Q4_GROUP;
+          for (int64_t j = 0; j < Q4_GROUP; ++j) o[j] = at::BFloat16(v[j]);
+        } else {
+          std::copy(v, v + Q4_GROUP, out.data_ptr<float>() + i * n + g * Q4_GROUP);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
 // strides above: views of the step's merged q k v output) into K, V (B, G, cap, d) (float32 or bfloat16: the pool's
 // kv_dtype; or (B, G, cap, kv_width(d)) int8 rows, pack_kv_row), and the int8 row of k's partial channels (G, p) into
@@ -1513,6 +1552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("quantize_rows", &quantize_rows, "int8 partial key rows with their per-row scale");
   mod.def("quantize_kv_rows", &quantize_kv_rows, "int8 K/V rows: groups of 32 values, a float16 scale each");
   mod.def("dequantize_kv_rows", &dequantize_kv_rows, "int8 K/V rows' values in float32");
+  mod.def("dequantize_q4_rows", &dequantize_q4_rows, "int4 weight rows' values in float32 or bfloat16");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
