@@ -39,7 +39,7 @@ def dim(row_bytes: int) -> int:
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
-    """Values x (..., in) -> stored rows (..., width(in)) uint8 (PyTorch; the same bits as the CPU kernel)."""
+    """Values x (..., in) -> stored rows (..., width(in)) uint8, in PyTorch ops (once, at load)."""
     *lead, n = x.shape
     width(n)
     xg = x.float().reshape(*lead, n // GROUP, GROUP)

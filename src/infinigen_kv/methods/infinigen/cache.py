@@ -99,7 +99,7 @@ class InfiniGenCache(Rebatch):
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
         self.limited = self.selection.calibrated and (self.config.capacity is not None
                                                       or self.config.capacity_bytes is not None)
-        self.weight_bytes = step_weight_bytes(model)  # what a decode step reads besides the K/V (_under_floor)
+        self.weight_bytes = step_weight_bytes(model)  # what a decode step reads besides the K/V (_attends_densely)
         self.transfers = Transfers()
         self.transfer = self.transfers.for_device(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers

@@ -49,7 +49,7 @@ def _gather(pk, pv, idx, wk, wv, spk_b, spk_g, spk_t, spv_b, spv_g, spv_t, si_b,
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
-    """Rows of 1- or 2-byte values viewed as 8-byte words where their width and strides allow: int8 rows (136 bytes
+    """Rows of bytes viewed as 8-byte words where their width and strides allow: int8 rows (136 bytes
     at d = 128) have no 16-byte-divisible stride for Triton to vectorize on, so each lane would read the pinned pool
     one byte at a time across the link (18.8 GB/s measured for int8 rows on an H100 against 55 for bfloat16's
     256-byte rows); as words each lane reads 8 bytes."""
@@ -62,7 +62,7 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def triton_gather(pool_k, pool_v, idx, ws_k, ws_v) -> None:
     """gather_rows's op as one kernel launch (see gather_rows.py for the shapes)."""
-    if pool_k.dtype == ws_k.dtype and pool_v.dtype == ws_v.dtype and pool_k.element_size() < 4:  # copies of bytes
+    if pool_k.dtype == ws_k.dtype and pool_v.dtype == ws_v.dtype and pool_k.element_size() == 1:  # copied bytes
         words = [as_words(t) for t in (pool_k, pool_v, ws_k, ws_v)]
         if all(w.dtype == torch.int64 for w in words):
             pool_k, pool_v, ws_k, ws_v = words

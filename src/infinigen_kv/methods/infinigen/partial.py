@@ -103,8 +103,8 @@ class PartialQuery:
     def gathered(self, layer: int) -> torch.Tensor:
         """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
         weight as held (bfloat16 with --dtype bf16-weights; int4 rows as int8 rows): read at the bandwidth, where the
-        same rows scattered through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module (_GATHERED), so every cache of
-        the model shares it (12.6 MB for the default model, 5% of its weights)."""
+        same rows scattered through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module
+        (_GATHERED), so every cache of the model shares it (12.6 MB for the default model, 5% of its weights)."""
         W = self._gathered.get(layer)
         if W is None:
             attn = self.arch.attns[layer]

@@ -188,7 +188,7 @@ class Speculate:
     static = True  # selects in static steps (model/static.py): a fixed number of slots over the pool's capacity
 
     def __init__(self):
-        self._dense_step = False  # this decode step's past is under every layer's cap (_under_floor)
+        self._dense_step = False  # this decode step attends densely, no layer speculating (_attends_densely)
 
     def dense(self, cache, layer_idx: int) -> bool:
         """Layer 0, and a model's local layers unless `local_layers="speculate"`: their window is short (512
@@ -204,7 +204,7 @@ class Speculate:
         itself from its own input, just before it runs. Every later layer is chosen one layer ahead.
         """
         if layer_idx == 0:  # layer 0: see above (a static step always selects: its shapes do not follow the past)
-            self._dense_step = step.column is None and self._under_floor(cache)
+            self._dense_step = step.column is None and self._attends_densely(cache)
             return
         if self._dense_step:
             return
@@ -215,7 +215,7 @@ class Speculate:
                 yield nxt, fetch
 
     @staticmethod
-    def _under_floor(cache) -> bool:
+    def _attends_densely(cache) -> bool:
         """Whether this step attends densely with no layer speculating (CPU, pools without a capacity; once a step,
         at layer 0): when no layer's cap leaves out any of its past (a short past under min_budget), or when what
         speculation would save is under `min_saving` of the step's bytes (`speculation_pays`)."""
@@ -234,11 +234,11 @@ class Speculate:
             n = layer.partial.length
             cap = fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget)
             if cap < n:
+                if not c.min_budget:  # no floor (a budget sweep): each budget as named wherever it leaves rows out
+                    return False
                 selects = True
                 saved += B * (n * row - n * layer.partial.width * layer.partial.data.element_size()
                               - SCATTERED * cap * row)
-        if not c.min_budget:  # no floor (a budget sweep): each budget as named wherever it leaves rows out
-            return not selects
         return not (selects and speculation_pays(saved, total, c.min_saving))
 
     def speculate(self, cache, nxt: int, x: torch.Tensor, step, layer_idx: int) -> Fetch | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-RINT = tl.constexpr(12582912.0)  # 1.5 x 2^23: (x + RINT) - RINT rounds a float32 |x| < 2^22 to the nearest integer, ties to even
+# 1.5 x 2^23: (x + RINT) - RINT rounds a float32 |x| < 2^22 to the nearest integer, ties to even (a constexpr: a
+# jitted function reads no plain global)
+RINT = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -1265,6 +1265,8 @@ at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
   sizes.back() = n;
   auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* rp = rows.data_ptr<uint8_t>();
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
     float v[Q4_GROUP];
     for (int64_t i = i0; i < i1; ++i) {
@@ -1279,11 +1281,10 @@ at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
           v[j] = float(b[j] & 0x0F) * d + m;
           v[j + Q4_GROUP / 2] = float(b[j] >> 4) * d + m;
         }
-        if (bf16) {
-          auto* o = out.data_ptr<at::BFloat16>() + i * n + g * Q4_GROUP;
-          for (int64_t j = 0; j < Q4_GROUP; ++j) o[j] = at::BFloat16(v[j]);
+        if (ob != nullptr) {
+          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
         } else {
-          std::copy(v, v + Q4_GROUP, out.data_ptr<float>() + i * n + g * Q4_GROUP);
+          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
         }
       }
     }
