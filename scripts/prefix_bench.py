@@ -2,7 +2,7 @@
 docs/BENCHMARKS.md).
 
     python scripts/prefix_bench.py --data DIR [--model M] [--methods infinigen,full]
-        [--scenarios chat,shared,restart,memory] [--out docs/results/prefix-DATE]
+        [--scenarios chat,shared,restart,memory,questions] [--out docs/results/prefix-DATE]
 
 chat     a ~4,000-token document, then 8 user turns (64 tokens each answer, greedy, EOS ignored): time to first
          token per turn with the prefix cache and without (--prefix-cache-bytes 0), per method.
@@ -12,6 +12,9 @@ restart  a server with --prefix-cache-dir asked about the document, stopped, sta
          restarted server's first TTFT against a cold start's.
 memory   distinct 2,000-token system prompts under a small --max-pool-bytes and --prefix-cache-bytes: RSS growth over
          idle against the two limits, and every request's outcome (none lost).
+questions  one long document (--questions-doc-words: ~32k tokens, a 32k model's context) and 5 questions about it, each
+         a fresh request (the document, then the question), with the prefix cache and without: time to first token
+         of each, whether the answers are identical, the server's peak RSS (VmHWM).
 """
 
 from __future__ import annotations
@@ -154,6 +157,39 @@ def restart(args, method: str) -> dict:
     return row
 
 
+def questions(args, method: str) -> list[dict]:
+    """The document and each question as its own request, with the prefix cache and then without (a second
+    server): per question TTFT, prompt / cached tokens, and the answers compared across the two runs."""
+    doc, runs = document(args.data, args.questions_doc_words), {}
+    for reuse in (True, False):
+        proc, url = start(args.model, method, ["--served-model-name", MODEL_ID] + ([] if reuse else
+                                                                                 ["--prefix-cache-bytes", "0"]))
+        try:
+            client, rows = client_for(url), []
+            for i, question in enumerate(QUESTIONS[: args.questions]):
+                ttft, answer, prompt, cached = streamed_chat(client, [{"role": "user", "content": f"{doc}\n\n{question}"}])
+                rows.append({"question": i + 1, "ttft_s": round(ttft, 3), "prompt_tokens": prompt,
+                             "cached_tokens": cached, "answer": answer})
+                print(json.dumps({"scenario": "questions", "method": method, "reuse": reuse,
+                                  "peak_rss": rss(proc.pid, "VmHWM"), **rows[-1]}), flush=True)
+            runs[reuse] = {"rows": rows, "peak_rss": rss(proc.pid, "VmHWM")}
+        finally:
+            stop(proc)
+    out = []
+    for reuse, run in runs.items():
+        rows = run["rows"]
+        later = [r["ttft_s"] for r in rows[1:]]
+        row = {"scenario": "questions", "method": method, "reuse": reuse, "peak_rss": run["peak_rss"],
+               "first_ttft_s": rows[0]["ttft_s"], "later_ttft_s": later,
+               "later_over_first_max": round(max(later) / rows[0]["ttft_s"], 4) if later else None,
+               "identical_answers": ([a["answer"] == b["answer"] for a, b in zip(rows, runs[False]["rows"])]
+                                     if reuse else None),
+               "questions": rows}
+        print(json.dumps({k: v for k, v in row.items() if k != "questions"}), flush=True)
+        out.append(row)
+    return out
+
+
 def memory(args, method: str) -> dict:
     pool, prefix = args.memory_limits
     proc, url = start(args.model, method, ["--served-model-name", MODEL_ID, "--max-pool-bytes", str(pool),
@@ -199,6 +235,9 @@ def main():
     p.add_argument("--doc-words", type=int, default=3000, help="chat/restart document (~4,000 tokens)")
     p.add_argument("--system-words", type=int, default=1500, help="shared system prompt (~2,000 tokens)")
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--questions-doc-words", type=int, default=24_900,
+                   help="questions: the document (~32k tokens with the 0.5B's tokenizer, within a 32k context)")
+    p.add_argument("--questions", type=int, default=5)
     p.add_argument("--clients", default="8,32")
     p.add_argument("--requests", type=int, default=1, help="shared: requests per client")
     p.add_argument("--memory-limits", default="1GiB,256MiB", help="memory: --max-pool-bytes,--prefix-cache-bytes")
@@ -223,6 +262,8 @@ def main():
                 rows.append(restart(args, method))
             elif scenario == "memory":
                 rows.append(memory(args, method))
+            elif scenario == "questions":
+                rows += questions(args, method)
             else:
                 raise SystemExit(f"unknown scenario {scenario}")
     if args.out:

@@ -51,7 +51,7 @@ def quantiles(xs):
     return round(q[49], 2), round(q[98], 2)
 
 
-def rss(pid) -> int:
-    """Resident bytes of a process (VmRSS)."""
+def rss(pid, field: str = "VmRSS") -> int:
+    """Resident bytes of a process now (VmRSS), or at its peak so far (VmHWM)."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))

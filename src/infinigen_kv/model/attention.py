@@ -15,12 +15,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import backend as backends
+from . import kernels
 from .decode_attention import decode_attention
 from .kv import KVView, from_rows
 
 # SDPA backends on a GPU: all but cuDNN's, which builds a plan on the host for every new key length (a host-bound
 # decode step spent a large share of its time there: docs/BENCHMARKS.md, "On a GPU")
 GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+LONG_PAST = 1024  # keys before a prompt chunk from which a CPU row attends in bfloat16 products (_over_long_past)
 
 
 def attend_layer(cache, i: int, q, k, v, mask, scaling: float, window, fetch, at=None) -> torch.Tensor:
@@ -181,12 +183,27 @@ def _prefill_by_row(query, key, value, attention_mask, scaling, window):
             continue
         row = [query[b : b + 1, :, s:].contiguous()] + [t[b : b + 1, :, k0:].contiguous() for t in (key, value)]
         if k0 < past + s:  # the row's own past: its keys under the model's mask, as the row alone has them
-            out[b, s:] = sdpa(*row, m[b : b + 1, None, s:, k0:].contiguous(), scaling)[0]
+            long = _over_long_past(*row, scaling)
+            out[b, s:] = long if long is not None else sdpa(*row, m[b : b + 1, None, s:, k0:].contiguous(), scaling)[0]
         elif window and T - s > window:
             out[b, s:] = _local_prefill(*row, window, scaling)[0]
         else:
             out[b, s:] = sdpa(*row, None, scaling)[0]
     return out
+
+
+def _over_long_past(query, key, value, scaling):
+    """One row's chunk query (1, H, T, d) over its keys (1, G, S, d), the last T its own (causal: the model's mask of a
+    left-padded row once its padding is cut), in the CPU kernel of bfloat16 products (kernels/prefill.cpp) where the
+    past is long (LONG_PAST keys or more: there it is most of a prefill's arithmetic, ~2x PyTorch's float32
+    attention). -> (T, H, d), or None: not on CPU, a short past, no kernel (no AVX-512 BF16), d no multiple of 64."""
+    T, d = query.shape[2], query.shape[3]
+    if query.is_cuda or key.shape[2] - T < LONG_PAST or d % 64 or query.dtype != torch.float32:
+        return None
+    kern = kernels.cpu()
+    if kern is None or not kern.prefill_attend_native():
+        return None
+    return kern.prefill_attend(query[0].transpose(0, 1), key[0].contiguous(), value[0].contiguous(), _scale(scaling, d))
 
 
 def _local_prefill(query, key, value, window: int, scaling):

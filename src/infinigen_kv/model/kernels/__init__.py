@@ -1,4 +1,5 @@
-"""The CPU kernels of the decode step (cpu.cpp), built on first use with the machine's compiler.
+"""The CPU kernels of the decode step (cpu.cpp) and of a prompt chunk's attention over a long past (prefill.cpp),
+built on first use with the machine's compiler.
 
 `cpu()` returns the compiled module, or None where it cannot be built (no C++ compiler) or is switched
 off with INFINIGEN_KERNELS=0 (read once, at the first call: `cpu()` runs hundreds of times a step);
@@ -15,7 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
-_SRC = Path(__file__).with_name("cpu.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "prefill.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp"]
 _module = None
@@ -32,7 +33,7 @@ def _cpu_key() -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + " ".join(_FLAGS) + _SRC.read_text()).encode()).hexdigest()[:10]
+    return hashlib.sha1((flags + " ".join(_FLAGS) + "".join(p.read_text() for p in _SOURCES)).encode()).hexdigest()[:10]
 
 
 def enabled() -> bool:
@@ -85,7 +86,7 @@ def _build():
 
         if not _built():
             print("infinigen: building the CPU kernels (once per machine) ...", file=sys.stderr, flush=True)
-        return load(name=f"infinigen_cpu_{_cpu_key()}", sources=[str(_SRC)], extra_cflags=_FLAGS,
+        return load(name=f"infinigen_cpu_{_cpu_key()}", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, headers or ninja: the PyTorch path serves
         warnings.warn(f"infinigen: CPU kernels unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "

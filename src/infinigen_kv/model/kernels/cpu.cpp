@@ -1541,6 +1541,9 @@ at::Tensor silu_mul(at::Tensor gu, int64_t lanes) {
   return y;
 }
 
+bool prefill_attend_native();  // prefill.cpp
+at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row or int4-row weights, plus a residual",
           py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
@@ -1557,4 +1560,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
+  mod.def("prefill_attend_native", &prefill_attend_native, "whether prefill_attend was built (AVX-512 BF16)");
+  mod.def("prefill_attend", &prefill_attend, "a prompt chunk's causal attention over its past, bfloat16 products");
 }
