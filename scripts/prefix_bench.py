@@ -13,8 +13,8 @@ restart  a server with --prefix-cache-dir asked about the document, stopped, sta
 memory   distinct 2,000-token system prompts under a small --max-pool-bytes and --prefix-cache-bytes: RSS growth over
          idle against the two limits, and every request's outcome (none lost).
 questions  one long document (--questions-doc-words: ~32k tokens, a 32k model's context) and 5 questions about it, each
-         a fresh request (the document, then the question), with the prefix cache and without: time to first token
-         of each, whether the answers are identical, the server's peak RSS (VmHWM).
+         a fresh completion request (the document, then the question), with the prefix cache and without: time to
+         first token of each, whether the answers are identical, the server's peak RSS (VmHWM).
 """
 
 from __future__ import annotations
@@ -50,13 +50,22 @@ def client_for(url: str) -> openai.OpenAI:
 
 def streamed_chat(client, messages, max_tokens=64, **kw):
     """(time to first token, answer text, prompt tokens, cached tokens) of one streamed greedy chat request."""
+    return streamed(client.chat.completions.create, lambda c: c.choices[0].delta.content, messages=messages,
+                    max_tokens=max_tokens, **kw)
+
+
+def streamed_completion(client, prompt: str, max_tokens=64):
+    """The same for a completion request (a prompt as it is: any model, no chat template needed)."""
+    return streamed(client.completions.create, lambda c: c.choices[0].text, prompt=prompt, max_tokens=max_tokens)
+
+
+def streamed(create, piece, **kw):
     t0, first, parts, usage = time.perf_counter(), None, [], None
-    for chunk in client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True},
-                                                **kw):
-        if chunk.choices and chunk.choices[0].delta.content:
+    for chunk in create(model=MODEL_ID, temperature=0, stream=True, stream_options={"include_usage": True}, **kw):
+        text = piece(chunk) if chunk.choices else None
+        if text:
             first = first or time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
+            parts.append(text)
         if chunk.usage is not None:
             usage = chunk.usage
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
@@ -158,8 +167,9 @@ def restart(args, method: str) -> dict:
 
 
 def questions(args, method: str) -> list[dict]:
-    """The document and each question as its own request, with the prefix cache and then without (a second
-    server): per question TTFT, prompt / cached tokens, and the answers compared across the two runs."""
+    """The document and each question as its own completion request (any model: no chat template needed), with the
+    prefix cache and then without (a second server): per question TTFT, prompt / cached tokens, and the answers
+    compared across the two runs."""
     doc, runs = document(args.data, args.questions_doc_words), {}
     for reuse in (True, False):
         proc, url = start(args.model, method, ["--served-model-name", MODEL_ID] + ([] if reuse else
@@ -167,7 +177,7 @@ def questions(args, method: str) -> list[dict]:
         try:
             client, rows = client_for(url), []
             for i, question in enumerate(QUESTIONS[: args.questions]):
-                ttft, answer, prompt, cached = streamed_chat(client, [{"role": "user", "content": f"{doc}\n\n{question}"}])
+                ttft, answer, prompt, cached = streamed_completion(client, f"{doc}\n\nQuestion: {question}\nAnswer:")
                 rows.append({"question": i + 1, "ttft_s": round(ttft, 3), "prompt_tokens": prompt,
                              "cached_tokens": cached, "answer": answer})
                 print(json.dumps({"scenario": "questions", "method": method, "reuse": reuse,
