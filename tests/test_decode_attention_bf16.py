@@ -8,7 +8,7 @@ import torch
 from infinigen_kv.model import kernels
 
 K = kernels.cpu()
-pytestmark = pytest.mark.skipif(K is None or not K.prefill_attend_native(),
+pytestmark = pytest.mark.skipif(K is None or not K.bf16_dots_native(),
                                 reason="no CPU kernels with AVX-512 BF16 here (float32 products serve)")
 
 

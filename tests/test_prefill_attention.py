@@ -2,13 +2,15 @@
 attention of the same bfloat16 inputs, within the rounding of its bfloat16 probabilities, and the same rows as
 PyTorch's attention where a left-padded batch goes row by row (model/attention._prefill_by_row)."""
 
+import types
+
 import pytest
 import torch
 
 from infinigen_kv.model import attention, kernels
 
 K = kernels.cpu()
-pytestmark = pytest.mark.skipif(K is None or not K.prefill_attend_native(),
+pytestmark = pytest.mark.skipif(K is None or not K.bf16_dots_native(),
                                 reason="no CPU kernels with AVX-512 BF16 here (PyTorch's attention serves)")
 
 
@@ -60,9 +62,8 @@ def test_a_left_padded_batch_over_a_long_past_row_by_row(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "LONG_PAST", 32)
     real = K.prefill_attend
-    monkeypatch.setattr(attention.kernels, "cpu", lambda: type("M", (), {
-        "prefill_attend_native": staticmethod(lambda: True),
-        "prefill_attend": staticmethod(lambda *a: calls.append(a[1].shape) or real(*a))})())
+    ops = type("Ops", (), {"prefill_attend": staticmethod(lambda *a: calls.append(a[1].shape) or real(*a))})()
+    monkeypatch.setattr(attention.backends, "cpu", lambda: types.SimpleNamespace(bf16_attention=True, ops=ops))
     got = attention._prefill_by_row(q, k, v, mask, d**-0.5, None)
     assert calls == [(G, S, d), (G, S - 30, d)]  # both rows: the second over its keys after the padding
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import backend as backends
-from . import kernels
 from .decode_attention import decode_attention
 from .kv import KVView, from_rows
 
@@ -200,10 +199,11 @@ def _over_long_past(query, key, value, scaling):
     T, d = query.shape[2], query.shape[3]
     if query.is_cuda or key.shape[2] - T < LONG_PAST or d % 64 or query.dtype != torch.float32:
         return None
-    kern = kernels.cpu()
-    if kern is None or not kern.prefill_attend_native():
+    backend = backends.cpu()
+    if not backend.bf16_attention:
         return None
-    return kern.prefill_attend(query[0].transpose(0, 1), key[0].contiguous(), value[0].contiguous(), _scale(scaling, d))
+    return backend.ops.prefill_attend(query[0].transpose(0, 1), key[0].contiguous(), value[0].contiguous(),
+                                      _scale(scaling, d))
 
 
 def _local_prefill(query, key, value, window: int, scaling):

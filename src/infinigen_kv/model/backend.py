@@ -2,7 +2,8 @@
 per device (and per INFINIGEN_KERNELS setting) and asked by every call site.
 
 - "cpu-kernels": the compiled CPU kernels (kernels/cpu.cpp): `linear`, `rms_norm`, `rope_`, `silu_mul`,
-  `speculate`, `partial_query`, `quantize_rows`, `store_token`, `attend` (reading the pool in place);
+  `speculate`, `partial_query`, `quantize_rows`, `store_token`, `attend` (reading the pool in place), and
+  `prefill_attend` (kernels/prefill.cpp: a prompt chunk over a long past);
 - "reference": PyTorch's ops on CPU (INFINIGEN_KERNELS=0, or no compiler): what the kernels are tested against;
 - "cuda": PyTorch's ops on a GPU.
 
@@ -28,6 +29,8 @@ class Backend:
     silu_lanes: int | None = None  # silu_mul's vector width where it gives F.silu's bits; None: PyTorch's silu
     bf16_products: bool = False  # a prompt chunk's products with weights held in bfloat16 or int8 rows run in
     # bfloat16 (the CPU multiplies it natively: AVX-512 BF16 or AMX; INFINIGEN_BF16_PRODUCTS=0 keeps float32)
+    bf16_attention: bool = False  # the kernels attend over a long past in bfloat16 products (built with AVX-512
+    # BF16): a prompt chunk's (ops.prefill_attend) and a decode query's over 1,024 or more bfloat16 rows
 
     @property
     def kernels(self) -> bool:
@@ -62,7 +65,8 @@ def _choose(kind: str) -> Backend:
     ops, bf16 = kernels.cpu(), native_bf16()
     if ops is None:
         return Backend("reference", kind, bf16_products=bf16)
-    return Backend("cpu-kernels", kind, ops, kernels.silu_lanes() if kernels.silu_mul_exact() else None, bf16)
+    return Backend("cpu-kernels", kind, ops, kernels.silu_lanes() if kernels.silu_mul_exact() else None, bf16,
+                   ops.bf16_dots_native())
 
 
 def native_bf16() -> bool:

@@ -1564,7 +1564,7 @@ at::Tensor silu_mul(at::Tensor gu, int64_t lanes) {
   return y;
 }
 
-bool prefill_attend_native();  // prefill.cpp
+bool bf16_dots_native();  // prefill.cpp
 at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -1583,6 +1583,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
-  mod.def("prefill_attend_native", &prefill_attend_native, "whether prefill_attend was built (AVX-512 BF16)");
+  mod.def("bf16_dots_native", &bf16_dots_native, "whether this build multiplies bfloat16 pairs (AVX-512 BF16)");
   mod.def("prefill_attend", &prefill_attend, "a prompt chunk's causal attention over its past, bfloat16 products");
 }
