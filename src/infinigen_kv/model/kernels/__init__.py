@@ -17,7 +17,6 @@ import warnings
 from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "prefill.cpp")]
-_HEADERS = [Path(__file__).with_name("bf16_dots.h")]  # included by cpu.cpp: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp"]
 _module = None
@@ -34,8 +33,7 @@ def _cpu_key() -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    text = "".join(p.read_text() for p in _SOURCES + _HEADERS)
-    return hashlib.sha1((flags + " ".join(_FLAGS) + text).encode()).hexdigest()[:10]
+    return hashlib.sha1((flags + " ".join(_FLAGS) + "".join(p.read_text() for p in _SOURCES)).encode()).hexdigest()[:10]
 
 
 def enabled() -> bool:

@@ -30,7 +30,6 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-#include "bf16_dots.h"
 
 namespace {
 
@@ -568,10 +567,6 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<int64_t> blk(BLOCK);
     std::vector<char> mask(BLOCK);
     std::vector<float> ks(BLOCK * ng, 1.f), vs(BLOCK * ng, 1.f);  // int8 rows' group scales, token by token
-#ifdef IG_BF16_DOTS
-    constexpr bool BF16_ROWS = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;
-    std::vector<uint16_t> qb(BF16_ROWS ? r * D : 0), pb(BF16_ROWS ? r * (BLOCK + 16) : 0);
-#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / splits, sp = item % splits;
       const int64_t b = row / G, g = row % G;
@@ -589,10 +584,6 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       std::fill(M, M + r, NEG_INF);
       std::fill(L, L + r, 0.f);
       std::fill(A, A + r * d, 0.f);
-#ifdef IG_BF16_DOTS
-      const bool dots = BF16_ROWS && ntok >= bf16dots::LONG_ROWS;  // the row's own length: batch-invariant
-      if (dots) bf16dots::round_rows(qr, r * d, qb.data());
-#endif
       for (int64_t tb = t0; tb < t1; tb += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, t1 - tb);
         for (int64_t j = 0; j < nb; ++j) {
@@ -619,12 +610,6 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             kv_scales(Vr + blk[j] * rw, d, vs.data() + j * ng);
           }
         int64_t j0 = 0;
-#ifdef IG_BF16_DOTS
-        if constexpr (BF16_ROWS)
-          for (; dots && j0 + 16 <= nb; j0 += 16)
-            bf16dots::scores16<D>(qb.data(), r, reinterpret_cast<const uint16_t*>(Kr), rw, blk.data() + j0, scale,
-                                  s.data() + j0, BLOCK);
-#endif
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // 8 tokens at a time per head: no per-token horizontal sum
           for (; j0 + 8 <= nb; j0 += 8)
@@ -680,14 +665,6 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             for (int64_t i = 0; i < d; ++i) a[i] *= corr;
           }
         }
-#ifdef IG_BF16_DOTS
-        if constexpr (BF16_ROWS)
-          if (dots) {
-            bf16dots::values<D>(s.data(), BLOCK, r, nb, reinterpret_cast<const uint16_t*>(Vr), rw, blk.data(), A,
-                                pb.data());
-            continue;
-          }
-#endif
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // per head, up to 64 output channels held in registers over the block
           constexpr int C = D / 8 < 8 ? D / 8 : 8;
