@@ -33,7 +33,8 @@ def _cpu_key() -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + " ".join(_FLAGS) + "".join(p.read_text() for p in _SOURCES)).encode()).hexdigest()[:10]
+    text = "".join(p.read_text() for p in _SOURCES)
+    return hashlib.sha1((flags + " ".join(_FLAGS) + text).encode()).hexdigest()[:10]
 
 
 def enabled() -> bool:

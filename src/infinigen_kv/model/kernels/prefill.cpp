@@ -179,7 +179,8 @@ at::Tensor attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       for (int64_t i = 0; i < Mr; ++i) {  // row i: position t0 + i / r, head g r + i % r
         const bool real = i < M;
         const float* qr = qd + (t0 + i / r) * qs0 + (g * r + i % r) * qs1;
-        for (int64_t c = 0; c < d2; ++c) qp[i * d2 + c] = real ? pair(bf16_bits(qr[2 * c]), bf16_bits(qr[2 * c + 1])) : 0u;
+        for (int64_t c = 0; c < d2; ++c)
+          qp[i * d2 + c] = real ? pair(bf16_bits(qr[2 * c]), bf16_bits(qr[2 * c + 1])) : 0u;
         lim[i] = real ? past + t0 + i / r + 1 : 0;
         m[i] = -std::numeric_limits<float>::infinity();
         l[i] = 0.f;
