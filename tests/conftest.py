@@ -53,8 +53,13 @@ def triton_module(name: str, monkeypatch):
 
 @pytest.fixture
 def float32_products(monkeypatch):
-    """Prompt chunks multiplied in float32 on every CPU (not in bfloat16 where it is native): for tests that compare
-    held weights against float32 ones bit for bit."""
+    """Prompt chunks and decode rows multiplied in float32 on every CPU (not in bfloat16 where it is native): for
+    tests that compare held weights against float32 ones bit for bit."""
+    use_float32_products(monkeypatch)
+
+
+def use_float32_products(monkeypatch):
+    """float32_products inside a test (monkeypatch.undo() goes back to the machine's products)."""
     from infinigen_kv.model import backend
 
     monkeypatch.setenv("INFINIGEN_BF16_PRODUCTS", "0")

@@ -7,6 +7,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.bench.tasks import passkey
 from infinigen_kv.model.arch import get_arch
+from conftest import use_float32_products
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def test_gemma3_loads_with_its_layer_types(gemma):
 
 
 @torch.inference_mode()
-def test_gemma3_exact_at_full_budget(gemma, tmp_path):
+def test_gemma3_exact_at_full_budget(gemma, tmp_path, monkeypatch):
     """Budget 1.0: InfiniGen (local layers dense, or speculated in their window) and full offload give the
     full cache's tokens and logits on two left-padded prompts of ~900 and ~600 tokens (longer than the window;
     no floor, so that every decode step speculates)."""
@@ -51,7 +52,9 @@ def test_gemma3_exact_at_full_budget(gemma, tmp_path):
         config = ig.InfiniGenConfig(alpha=1e9, budget=1.0, min_budget=0, local_layers=mode, kv_dtype=kv_dtype)
         return ig.InfiniGenCache(model, config, calibration=cal)
 
-    # float32 rows: the full cache's logits to float32 tolerance
+    # float32 rows and products: the full cache's logits to float32 tolerance (in bfloat16 products a last-bit
+    # difference upstream can flip a product's rounding)
+    use_float32_products(monkeypatch)
     ref_tokens, ref_logits = run(ig.make_cache("full", model, kv_dtype="float32"))
     for cache in (exact("dense", "float32"), exact("speculate", "float32"),
                   ig.make_cache("offload", model, kv_dtype="float32")):
@@ -59,7 +62,9 @@ def test_gemma3_exact_at_full_budget(gemma, tmp_path):
         assert torch.equal(tokens, ref_tokens)
         torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
         assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
-    # the default bf16 rows: the full cache's tokens (a last-bit difference upstream can flip a row's rounding: 2^-8)
+    # the defaults (bf16 rows, the machine's products): the full cache's tokens (a last-bit difference upstream can
+    # flip a row's rounding: 2^-8)
+    monkeypatch.undo()
     ref_tokens, ref_logits = run(ig.make_cache("full", model))
     tokens, logits = run(exact("dense", "auto"))
     assert torch.equal(tokens, ref_tokens)

@@ -152,12 +152,15 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
     assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6 and len(calls) > 0
 
 
-def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_models):
-    """Where the K/V a step would save is under min_saving of its bytes (weights + K/V: a short context on a model
+def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_models, monkeypatch):
+    """Where the bytes a step would save are under min_saving of its bytes (weights + K/V: a short context on a model
     whose weights are most of the step) it attends densely, the full cache's tokens; min_saving 0 speculates there,
-    as does min_budget 0 (no floor: a budget sweep, each budget as named)."""
+    as does min_budget 0 (no floor: a budget sweep, each budget as named). A speculating layer's fixed cost counts
+    too: a tiny model's layers save a few kB at 70 tokens, under it."""
     import infinigen_kv as ig
     from infinigen_kv.config import ConfigError, InfiniGenConfig
+    from infinigen_kv.methods.infinigen import speculator
+    from infinigen_kv.methods.infinigen.partial import PartialQuery
     from infinigen_kv.methods.infinigen.speculator import speculation_pays
 
     assert speculation_pays(10, 100, 0.08) and not speculation_pays(7, 100, 0.08) and speculation_pays(0, 1, 0.0)
@@ -168,6 +171,11 @@ def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_
     ids = torch.randint(3, 256, (2, 60), generator=torch.Generator().manual_seed(0))
     ref = ig.generate(model, ids, cache=ig.make_cache("full", model), max_new_tokens=8, stop_at_eos=False)
     fractions = {}
+    cache = ig.make_cache("infinigen", model, min_budget=16, min_saving=0.01)
+    ig.generate(model, ids, cache=cache, max_new_tokens=8, stop_at_eos=False)
+    assert cache.stats["fetched_fraction"] == 1.0  # the fixed cost of its layers: dense
+    monkeypatch.setattr(speculator, "LAYER_COST", 0.0)  # the share of the K/V bytes alone: no fixed cost, no
+    monkeypatch.setattr(PartialQuery, "weight_bytes", lambda self, layer: 0)  # partial query's weights
     for name, opts, weights in (("small weights", {}, None), ("large weights", {}, 10**12),
                                 ("large weights, min_saving 0", {"min_saving": 0.0}, 10**12),
                                 ("large weights, no floor", {"min_budget": 0}, 10**12)):
@@ -180,7 +188,7 @@ def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_
         if fractions[name] == 1.0:
             assert torch.equal(got.tokens, ref.tokens)
     assert fractions["large weights"] == 1.0
-    assert all(f < 0.6 for name, f in fractions.items() if name != "large weights")
+    assert all(f < 0.6 for name, f in fractions.items() if name != "large weights"), fractions
 
 
 def test_infinigen_token_budget_caps_each_head_and_large_is_exact():

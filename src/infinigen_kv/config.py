@@ -48,12 +48,12 @@ class InfiniGenConfig:
     # attends densely without speculating. 0 turns the floor off (a budget sweep: each budget as named). A token
     # count budget is not floored (docs/BENCHMARKS.md, "The budget floor").
     min_budget: int = DEFAULT_MIN_BUDGET
-    # min_saving: on CPU, a decode step speculates only where the K/V bytes it saves (all rows, less the partial
-    # keys and the chosen rows, read scattered) are at least this share of the step's bytes (weights + K/V);
-    # below it, the selection's fixed costs take what it saves and the step attends densely. 0: speculates
-    # wherever those bytes are saved at all; min_budget 0 (no floor: a budget sweep) speculates wherever the
-    # budget leaves rows out (docs/BENCHMARKS.md, "Never slower than full").
-    min_saving: float = 0.04
+    # min_saving: on CPU, a decode step speculates only where the bytes it saves (all K/V rows, less the partial
+    # keys, the chosen rows (read scattered), the partial queries' weights and a fixed cost a speculating layer) are
+    # at least this share of the step's bytes (weights + K/V); below it the step attends densely, as full does.
+    # 0: the rule off, speculating wherever a layer's cap leaves rows out, as min_budget 0 (no floor: a budget
+    # sweep) does (docs/BENCHMARKS.md, "Never slower than full").
+    min_saving: float = 0.02
     # max_num_kv: optional absolute cap on fetched tokens per (sequence, KV head, layer).
     max_num_kv: int | None = None
     # gqa_combine: how the r query heads of a KV group vote for tokens: "max" (any head wants it) or

@@ -29,8 +29,8 @@ class Backend:
     silu_lanes: int | None = None  # silu_mul's vector width where it gives F.silu's bits; None: PyTorch's silu
     bf16_products: bool = False  # a prompt chunk's products with weights held in bfloat16 or int8 rows run in
     # bfloat16 (the CPU multiplies it natively: AVX-512 BF16 or AMX; INFINIGEN_BF16_PRODUCTS=0 keeps float32)
-    bf16_attention: bool = False  # the kernels attend a prompt chunk over a long past in bfloat16 products
-    # (ops.prefill_attend, built with AVX-512 BF16)
+    bf16_attention: bool = False  # the kernels attend over a long past in bfloat16 products (built with AVX-512
+    # BF16): a prompt chunk's (ops.prefill_attend) and a decode query's over 1,024 or more bfloat16 rows
 
     @property
     def kernels(self) -> bool:

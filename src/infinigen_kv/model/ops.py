@@ -3,7 +3,8 @@ float32 compute on CPU) or int8 rows (model/int8_rows.py, llama.cpp's q8_0 layou
 the input's shape and the weight's dtype, never from state set elsewhere:
 
 - a few rows (a decode step of a batch) on CPU: the `linear` kernel, one streamed read of each weight row for every
-  row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH);
+  row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH); a
+  bfloat16 weight in bfloat16 products where the CPU has them (kernels/bf16_dots.h), as a prompt chunk's;
 - a prompt chunk (`prefill=True`): the BLAS, padded to PREFILL_MIN_ROWS rows so a row gets the same bits at any row
   count; a weight held in bfloat16 or int8 rows multiplies in bfloat16 where the CPU does so natively
   (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`).
@@ -82,17 +83,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
     """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16 or int8
     rows). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
     the kernel where it reads the weight faster than the BLAS. Runs ~120 times a decode step: the kernel's case
-    is checked first, with as few tensor calls as it needs. bf16=False: a prompt chunk's product stays float32 (the
-    LM head: logits a client scores)."""
+    is checked first, with as few tensor calls as it needs. A weight held in bfloat16 multiplies x rounded to
+    bfloat16 where the CPU does so natively (backend.bf16_products), a prompt chunk's and a decode step's alike;
+    bf16=False keeps float32 products (the LM head: logits a client scores)."""
     if not prefill and x.is_cpu and x.dtype == torch.float32:
         shape = x.shape
         rows = x.numel() // shape[-1]
         kern = cpu_kernels()
         if kern is not None and 0 < rows <= (SMALL_BATCH if w.dtype != torch.float32 else KERNEL_ROWS):
             x2 = x.view(rows, shape[-1]) if x.is_contiguous() else x.reshape(rows, shape[-1]).contiguous()
+            products = bf16 and backends.cpu().bf16_products  # (a bfloat16 weight's only)
             if residual is None:
-                return kern.linear(x2, w, bias).view(*shape[:-1], -1)
-            return kern.linear(x2, w, bias, residual.view(rows, -1)).view(*shape[:-1], -1)
+                return kern.linear(x2, w, bias, None, products).view(*shape[:-1], -1)
+            return kern.linear(x2, w, bias, residual.view(rows, -1), products).view(*shape[:-1], -1)
     return _linear(x, w, bias, prefill, residual, bf16)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model import backend as backends
+from ...model import int8_rows
 from ...model.ops import dense, held
 
 
@@ -51,6 +52,7 @@ class PartialQuery:
             self.channels = [c.contiguous() for c in calibration.channels]
         self._rows_memo = {}  # layer -> its q_proj rows of P and their partners on its device (rows_on)
         self._gathered = {}  # layer -> the kernel's contiguous copy of its q_proj rows (gathered)
+        self._bytes = {}  # layer -> weight_bytes
         self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
 
     def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None, memo: dict,
@@ -92,6 +94,22 @@ class PartialQuery:
         cos_p, ssin_p = self._step_rope_channels(cos, sin, x.device, memo, kind, scale * a.q_scale)
         p = y.shape[-1] // 2
         return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
+
+    def weight_bytes(self, layer: int) -> int:
+        """Bytes of weight the partial query of `layer` reads a decode step: the folded weights, the gathered q_proj
+        rows of its channels (as the kernel holds them: int4 rows as int8), or the whole q_proj."""
+        if layer not in self._bytes:
+            self._bytes[layer] = self._weight_bytes(layer)
+        return self._bytes[layer]
+
+    def _weight_bytes(self, layer: int) -> int:
+        if self.weight is not None:
+            return self.weight[layer].numel() * self.weight[layer].element_size()
+        w = self.arch.attns[layer].q_proj.weight
+        if self.rows is None:
+            return w.numel() * w.element_size()
+        per_row = w.shape[1] * w.element_size() if w.dtype != torch.uint8 else int8_rows.kv_width(self.arch.hidden_size)
+        return len(self.q_rows(layer)) * per_row
 
     def q_rows(self, layer: int) -> torch.Tensor:
         """(H c,) the q_proj rows the partial query of `layer` needs: h d + S[g] for every query head h of group g."""

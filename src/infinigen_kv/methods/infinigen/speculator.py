@@ -78,13 +78,17 @@ def saves_bytes(n: int, cap: int, row: int, partial_row: int) -> bool:
 
 
 SCATTERED = 2.0  # a chosen row costs about two of a sequential pass's: a CPU reads scattered rows at ~11 of 22 GB/s
+# What a speculating layer costs beyond the bytes it reads (its partial query's and kernel's calls, the Python around
+# them: ~50 us a layer on the 2-core EPYC), as the bytes read in that time (~30 GB/s)
+LAYER_COST = 1.5e6
 
 
 def speculation_pays(saved: float, total: float, share: float) -> bool:
-    """Whether a step should speculate: the K/V bytes it saves (all rows, less the partial keys scored and the
-    chosen rows at SCATTERED each) are at least `share` of the step's bytes (weights + all K/V). Below that the
-    selection's fixed costs (partial queries, scores, top-k, a few ops a layer) take what it saves: a short
-    context on a model whose weights are most of the step (the 0.5B in bfloat16 at 4k: ~2% of its bytes)."""
+    """Whether a step should speculate: the bytes it saves (all K/V rows, less the partial keys scored, the chosen
+    rows at SCATTERED each, the partial queries' weights and LAYER_COST a speculating layer) are at least `share`
+    of the step's bytes (weights + all K/V): a margin for what the count leaves out. Below it the selection costs
+    what it saves: a short context on a model whose weights are most of the step, or a small model's many layers
+    at a few thousand tokens."""
     return saved >= share * total
 
 
@@ -238,7 +242,9 @@ class Speculate:
                     return False
                 selects = True
                 saved += B * (n * row - n * layer.partial.width * layer.partial.data.element_size()
-                              - SCATTERED * cap * row)
+                              - SCATTERED * cap * row) - cache.pq.weight_bytes(layer.layer_idx) - LAYER_COST
+        if not c.min_saving:  # the rule off: speculates wherever a layer's cap leaves rows out
+            return not selects
         return not (selects and speculation_pays(saved, total, c.min_saving))
 
     def speculate(self, cache, nxt: int, x: torch.Tensor, step, layer_idx: int) -> Fetch | None:

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "prefill.cpp")]
+_HEADERS = [Path(__file__).with_name("bf16_dots.h")]  # included by cpu.cpp: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp"]
 _module = None
@@ -33,7 +34,7 @@ def _cpu_key() -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    text = "".join(p.read_text() for p in _SOURCES)
+    text = "".join(p.read_text() for p in _SOURCES + _HEADERS)
     return hashlib.sha1((flags + " ".join(_FLAGS) + text).encode()).hexdigest()[:10]
 
 

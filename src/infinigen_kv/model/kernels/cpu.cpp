@@ -9,7 +9,8 @@
 //
 // Shapes: B sequences, G KV heads, r query heads per KV head, p partial channels, d head size,
 // cap rows allocated per (sequence, head) in the pool, n valid rows.
-// Storage may be float32, bfloat16, float16 or int8 rows (q8_0 groups); arithmetic is float32.
+// Storage may be float32, bfloat16, float16 or int8 rows (q8_0 groups); arithmetic is float32, but for bfloat16
+// products of bfloat16 rows and weights where the CPU has AVX-512 BF16 (bf16_dots.h).
 
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // (not torch/extension.h: its C++ frontend headers cost ~10 s of every build)
@@ -30,6 +31,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#include "bf16_dots.h"
 
 namespace {
 
@@ -436,6 +438,39 @@ inline void kv_scales(const int8_t* row, int64_t d, float* sc) {
   for (int64_t g = 0; g < kv_groups(d); ++g) sc[g] = half_at(row + d + 2 * g);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define IG_VNNI512 1
+// 16 tokens' 32-byte chunks (rows of stride w bytes from kt, at byte offset c0) as 8 vectors of 4-byte groups: T[c]
+// lane j = bytes 4c..4c+3 of token j's chunk, each byte + 128 (unsigned, for dpbusd), tokens in order
+inline void transpose16x8(const int8_t* kt, int64_t w, int64_t c0, __m512i* T) {
+  __m512i z[8];  // z[i]: 128-bit lanes (a 0-3, b 0-3, a 4-7, b 4-7) of rows a, b (dwords): (i, i + 4), (8 + i, 12 + i)
+  for (int i = 0; i < 8; ++i) {
+    const int64_t a = i < 4 ? i : 4 + i, b = a + 4;
+    const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + a * w + c0));
+    const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + b * w + c0));
+    const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1);
+    z[i] = _mm512_shuffle_i32x4(ab, ab, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  __m512i t[8], u[8];
+  for (int g = 0; g < 2; ++g)  // per 128-bit lane, the 4 x 4 dword transpose of z[4g .. 4g + 3]
+    for (int i = 0; i < 2; ++i) {
+      t[4 * g + 2 * i] = _mm512_unpacklo_epi32(z[4 * g + 2 * i], z[4 * g + 2 * i + 1]);
+      t[4 * g + 2 * i + 1] = _mm512_unpackhi_epi32(z[4 * g + 2 * i], z[4 * g + 2 * i + 1]);
+    }
+  for (int g = 0; g < 2; ++g) {  // u[4g + c'] lane L: dword c' (lanes 0, 1) or 4 + c' (lanes 2, 3) of 4 rows
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int c = 0; c < 4; ++c) {  // rows 0-7 from u[c], rows 8-15 from u[4 + c]
+    T[c] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(1, 0, 1, 0)), flip);
+    T[4 + c] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 2, 3, 2)), flip);
+  }
+}
+#endif
+
 template <int P>
 void score_rows_i8(const float* qs, const int8_t* kr, int64_t r, int64_t p, int64_t n, float* s) {
   const int64_t w = p + 4;
@@ -443,6 +478,36 @@ void score_rows_i8(const float* qs, const int8_t* kr, int64_t r, int64_t p, int6
   std::vector<float> sq(r);
   for (int64_t h = 0; h < r; ++h) sq[h] = quantize_row(qs + h * p, p, q8.data() + h * p);
   int64_t t0 = 0;
+#ifdef IG_VNNI512
+  if constexpr (P > 0 && P % 32 == 0) {
+    // 16 tokens at a time, their rows transposed once into 4-byte groups for all r heads: per head P / 4 dpbusd of
+    // a group of its query (broadcast) with 16 tokens' same group, no horizontal sum. dpbusd multiplies unsigned by
+    // signed bytes: the keys + 128 times the query, less 128 x the query's sum: the same integers as below.
+    std::vector<int32_t> qg(r * (P / 4)), corr(r);
+    for (int64_t h = 0; h < r; ++h) {
+      std::memcpy(qg.data() + h * (P / 4), q8.data() + h * p, P);
+      int32_t total = 0;
+      for (int64_t i = 0; i < P; ++i) total += q8[h * p + i];
+      corr[h] = 128 * total;
+    }
+    alignas(64) float sc[16];
+    __m512i T[P / 4];
+    for (; t0 + 16 <= n; t0 += 16) {
+      const int8_t* kt = kr + t0 * w;
+      prefetch_row(kt + 32 * w, 16 * w);  // two blocks ahead
+      for (int c = 0; c < P / 32; ++c) transpose16x8(kt, w, 32 * c, T + 8 * c);
+      for (int j = 0; j < 16; ++j) sc[j] = row_scale(kt + j * w, P);
+      const __m512 skv = _mm512_load_ps(sc);
+      for (int64_t h = 0; h < r; ++h) {
+        const int32_t* qh = qg.data() + h * (P / 4);
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), T[0], _mm512_set1_epi32(qh[0]));
+        for (int c = 1; c < P / 4; ++c) acc = _mm512_dpbusd_epi32(acc, T[c], _mm512_set1_epi32(qh[c]));
+        const __m512i dot = _mm512_sub_epi32(acc, _mm512_set1_epi32(corr[h]));
+        _mm512_storeu_ps(s + h * n + t0, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), skv), _mm512_set1_ps(sq[h])));
+      }
+    }
+  }
+#endif
 #ifdef IG_AVX2
   if constexpr (P > 0 && P % 32 == 0) {
     constexpr int C = P / 32;  // 32-byte chunks of a row
@@ -567,6 +632,10 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<int64_t> blk(BLOCK);
     std::vector<char> mask(BLOCK);
     std::vector<float> ks(BLOCK * ng, 1.f), vs(BLOCK * ng, 1.f);  // int8 rows' group scales, token by token
+#ifdef IG_BF16_DOTS
+    constexpr bool BF16_ROWS = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;
+    std::vector<uint16_t> qb(BF16_ROWS ? r * D : 0), pb(BF16_ROWS ? r * (BLOCK + 16) : 0);
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / splits, sp = item % splits;
       const int64_t b = row / G, g = row % G;
@@ -584,25 +653,32 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       std::fill(M, M + r, NEG_INF);
       std::fill(L, L + r, 0.f);
       std::fill(A, A + r * d, 0.f);
+#ifdef IG_BF16_DOTS
+      const bool dots = BF16_ROWS && ntok >= bf16dots::LONG_ROWS;  // the row's own length: batch-invariant
+      if (dots) bf16dots::round_rows(qr, r * d, qb.data());
+#endif
+      auto position = [&](int64_t t) {  // the pool row of the item's t-th token
+        if (has_new && t == 0) return new_rows ? new_rows[row] : new_row;
+        const int64_t u = has_new ? t - 1 : t;
+        return idx ? idx[row * m + u] : f0 + u;
+      };
+      // scattered rows: all of a block's K and V lines asked for at once (memory-level parallelism), the next
+      // block's while this one is computed
+      auto prefetch_block = [&](int64_t from) {
+        for (int64_t t = from; t < std::min(t1, from + BLOCK); ++t) {
+          const int64_t pos = position(t);
+          prefetch_row(Kr + pos * rw, rw);
+          prefetch_row(Vr + pos * rw, rw);
+        }
+      };
+      if (idx) prefetch_block(t0);
       for (int64_t tb = t0; tb < t1; tb += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, t1 - tb);
+        if (idx) prefetch_block(tb + BLOCK);
         for (int64_t j = 0; j < nb; ++j) {
-          int64_t t = tb + j;
-          int64_t pos;
-          bool ok = true;
-          if (has_new && t == 0) {
-            pos = new_rows ? new_rows[row] : new_row;
-          } else {
-            int64_t u = has_new ? t - 1 : t;
-            pos = idx ? idx[row * m + u] : f0 + u;
-            if (!idx && kb) ok = kb[pos];
-          }
+          const int64_t pos = position(tb + j);
           blk[j] = pos;
-          mask[j] = ok;
-          if (idx) {  // scattered rows: ask for all of the block's K and V lines at once (memory-level parallelism)
-            prefetch_row(Kr + pos * rw, rw);
-            prefetch_row(Vr + pos * rw, rw);
-          }
+          mask[j] = (has_new && tb + j == 0) || idx || !kb || kb[pos];  // (the new row may lie past keep)
         }
         if constexpr (I8)
           for (int64_t j = 0; j < nb; ++j) {
@@ -610,6 +686,12 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             kv_scales(Vr + blk[j] * rw, d, vs.data() + j * ng);
           }
         int64_t j0 = 0;
+#ifdef IG_BF16_DOTS
+        if constexpr (BF16_ROWS)
+          for (; dots && j0 + 16 <= nb; j0 += 16)
+            bf16dots::scores16<D>(qb.data(), r, reinterpret_cast<const uint16_t*>(Kr), rw, blk.data() + j0, scale,
+                                  s.data() + j0, BLOCK);
+#endif
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // 8 tokens at a time per head: no per-token horizontal sum
           for (; j0 + 8 <= nb; j0 += 8)
@@ -665,6 +747,14 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             for (int64_t i = 0; i < d; ++i) a[i] *= corr;
           }
         }
+#ifdef IG_BF16_DOTS
+        if constexpr (BF16_ROWS)
+          if (dots) {
+            bf16dots::values<D>(s.data(), BLOCK, r, nb, reinterpret_cast<const uint16_t*>(Vr), rw, blk.data(), A,
+                                pb.data());
+            continue;
+          }
+#endif
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // per head, up to 64 output channels held in registers over the block
           constexpr int C = D / 8 < 8 ? D / 8 : 8;
@@ -966,13 +1056,21 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
 
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
-                 float* y) {
+                 float* y, bool bf16 = false) {
   constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>;
   const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : in;  // a weight row's elements
   std::optional<QuantizedX> qx;
   std::optional<QuantizedX8> qx8;
   if constexpr (I8) qx.emplace(x, R, in);
   if constexpr (I4) qx8.emplace(x, R, in);
+  std::vector<uint16_t> xb;  // bf16: bfloat16 weights times x rounded to bfloat16, in bfloat16 products
+#ifdef IG_BF16_DOTS
+  if constexpr (std::is_same_v<W, uint16_t>)
+    if (bf16) {
+      xb.resize(R * in);
+      bf16dots::round_any(x, R * in, xb.data());
+    }
+#endif
   // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not depend on
   // how many rows share the call (an 8-row block, one chain per row, did)
   auto rows = [&](auto rb, const W* w, int64_t b, float* yo) {
@@ -982,6 +1080,10 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     else if constexpr (I4)
       rows_dot_q4<RB>(w, qx8->q.data() + b * in, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng, in, yo,
                       out);
+#ifdef IG_BF16_DOTS
+    else if (std::is_same_v<W, uint16_t> && !xb.empty())
+      bf16dots::rows_dot<RB>(reinterpret_cast<const uint16_t*>(w), xb.data() + b * in, in, yo, out);
+#endif
     else
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
@@ -1017,6 +1119,13 @@ void partial_query_impl(const float* x, const W* wp, const float* bias, const in
   constexpr bool I8 = std::is_same_v<W, int8_t>;
   std::optional<QuantizedX> qx;
   if constexpr (I8) qx.emplace(x, B, D);
+  std::vector<uint16_t> xb;  // bfloat16 weights: x rounded to bfloat16, bfloat16 products (a query that only ranks)
+#ifdef IG_BF16_DOTS
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    xb.resize(B * D);
+    bf16dots::round_any(x, B * D, xb.data());
+  }
+#endif
   std::vector<float> y(B * H * d, 0.f);  // (B, H, d): the needed channels of each head's query
   at::parallel_for(0, H * c, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -1029,6 +1138,12 @@ void partial_query_impl(const float* x, const W* wp, const float* bias, const in
           rows_dot_q8<4>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, D, qx->pad, yo + b * H * d, H * d);
         for (; b < B; ++b)
           rows_dot_q8<1>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, D, qx->pad, yo + b * H * d, H * d);
+      } else if (!xb.empty()) {
+#ifdef IG_BF16_DOTS
+        const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+        for (; b + 4 <= B; b += 4) bf16dots::rows_dot<4>(wb, xb.data() + b * D, D, yo + b * H * d, H * d);
+        for (; b < B; ++b) bf16dots::rows_dot<1>(wb, xb.data() + b * D, D, yo + b * H * d, H * d);
+#endif
       } else {
         for (; b + 4 <= B; b += 4) rows_dot<4>(w, x + b * D, D, yo + b * H * d, H * d);
         for (; b < B; ++b) rows_dot<1>(w, x + b * D, D, yo + b * H * d, H * d);
@@ -1370,7 +1485,9 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
 // x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, or (out, q4_width(in)) uint8
 // int4 rows, bias (out) float32 or None -> (R, out) float32
 // residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
-at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual) {
+// bf16: a bfloat16 W multiplies x rounded to bfloat16 in bfloat16 products where the build has them (bf16_dots.h)
+at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual,
+                  bool bf16) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
@@ -1401,7 +1518,7 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
     linear_impl(x.data_ptr<float>(), W.data_ptr<uint8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
   else
     linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, rp, R, in, out,
-                y.data_ptr<float>());
+                y.data_ptr<float>(), bf16);
   return y;
 }
 
@@ -1546,7 +1663,8 @@ at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row or int4-row weights, plus a residual",
-          py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+          py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
+          py::arg("bf16") = false);
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied",
@@ -1561,5 +1679,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
   mod.def("bf16_dots_native", &bf16_dots_native, "whether this build multiplies bfloat16 pairs (AVX-512 BF16)");
+#ifdef IG_BF16_DOTS
+  mod.attr("BF16_ATTEND_ROWS") = bf16dots::LONG_ROWS;  // attend's rows from which bfloat16 rows take its products
+#else
+  mod.attr("BF16_ATTEND_ROWS") = py::none();
+#endif
   mod.def("prefill_attend", &prefill_attend, "a prompt chunk's causal attention over its past, bfloat16 products");
 }

@@ -218,7 +218,7 @@ at::Tensor attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }  // namespace
 
 // Whether this build multiplies bfloat16 pairs (AVX-512 BF16 at compile time: the build is for the machine it runs
-// on): whether prefill_attend runs here.
+// on): prefill_attend, and attend's products over long bfloat16 rows (bf16_dots.h, the same condition).
 bool bf16_dots_native() { return PREFILL_NATIVE; }
 
 // q (Tq, H, d) float32, k / v (G, S, d) float32 or bfloat16 contiguous, S >= Tq, H a multiple of G, d of 64.
