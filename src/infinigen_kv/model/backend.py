@@ -27,10 +27,11 @@ class Backend:
     device_type: str
     ops: Any = None  # the compiled kernels (kernels/cpu.cpp), or None: PyTorch ops
     silu_lanes: int | None = None  # silu_mul's vector width where it gives F.silu's bits; None: PyTorch's silu
-    bf16_products: bool = False  # a prompt chunk's products with weights held in bfloat16 or int8 rows run in
-    # bfloat16 (the CPU multiplies it natively: AVX-512 BF16 or AMX; INFINIGEN_BF16_PRODUCTS=0 keeps float32)
-    bf16_attention: bool = False  # the kernels attend over a long past in bfloat16 products (built with AVX-512
-    # BF16): a prompt chunk's (ops.prefill_attend) and a decode query's over 1,024 or more bfloat16 rows
+    bf16_products: bool = False  # products with weights held in bfloat16 (or int8 rows, a prompt's) run in bfloat16:
+    # a prompt chunk's and a decode step's linears (the CPU multiplies it natively: AVX-512 BF16 or AMX;
+    # INFINIGEN_BF16_PRODUCTS=0 keeps float32)
+    bf16_attention: bool = False  # the kernels attend in bfloat16 products (built with AVX-512 BF16): a prompt
+    # chunk over a long past (ops.prefill_attend), a decode query over 64 or more bfloat16 rows (kernels/bf16_dots.h)
 
     @property
     def kernels(self) -> bool:

@@ -503,7 +503,8 @@ void score_rows_i8(const float* qs, const int8_t* kr, int64_t r, int64_t p, int6
         __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), T[0], _mm512_set1_epi32(qh[0]));
         for (int c = 1; c < P / 4; ++c) acc = _mm512_dpbusd_epi32(acc, T[c], _mm512_set1_epi32(qh[c]));
         const __m512i dot = _mm512_sub_epi32(acc, _mm512_set1_epi32(corr[h]));
-        _mm512_storeu_ps(s + h * n + t0, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), skv), _mm512_set1_ps(sq[h])));
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), skv);
+        _mm512_storeu_ps(s + h * n + t0, _mm512_mul_ps(v, _mm512_set1_ps(sq[h])));
       }
     }
   }
