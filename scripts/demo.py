@@ -1,5 +1,7 @@
-"""`make demo`: a ~4,000-token prompt with a pass key hidden in it, answered by `infinigen generate` once
-with the full cache and once with InfiniGen; prints both answers, both speeds and the fetched fraction."""
+"""`make demo`: a ~8,000-token prompt (near the default model's 8,192-token context) with a pass key hidden in it,
+answered by `infinigen generate` once with the full cache and once with InfiniGen; prints both answers, both speeds
+and the fetched fraction. At ~4,000 tokens InfiniGen's steps would attend densely on this model (speculation would
+save less than it costs: docs/BENCHMARKS.md, "Never slower than full")."""
 
 import json
 import subprocess
@@ -14,7 +16,7 @@ build = root / "build"
 build.mkdir(exist_ok=True)
 print("Loading the default model (SmolLM2-135M-Instruct; the first run converts its GGUF once) ...", flush=True)
 _, tokenizer = load_model()
-sample = passkey(tokenizer, length=4000, seed=0)
+sample = passkey(tokenizer, length=8000, seed=0)
 prompt_file = build / "demo_prompt.txt"
 prompt_file.write_text(sample.prompt)
 print(f"Prompt: {prompt_file} ({len(tokenizer(sample.prompt)['input_ids'])} tokens), pass key {sample.answer} "
