@@ -1,6 +1,6 @@
 """What InfiniGen's dense-or-speculate rule decides for a model at given batch sizes and contexts, without running
-them: the bytes a step would save (speculator._attends_densely's count, for bfloat16 K/V rows and int8 partial keys,
-the defaults on CPU) against min_saving of the step's bytes.
+them: the bytes a step would save (speculator.layer_saving over its speculating layers, for bfloat16 K/V rows and int8
+partial keys, the defaults on CPU) against min_saving of the step's bytes (speculation_pays).
 
     python scripts/dev/decide.py [--model M] [--weights int4] --shapes 1x4096,4x4096,1x16384
 """
@@ -8,8 +8,7 @@ the defaults on CPU) against min_saving of the step's bytes.
 import argparse
 
 import infinigen_kv as ig
-from infinigen_kv.methods.infinigen import speculator
-from infinigen_kv.methods.infinigen.speculator import fetch_cap
+from infinigen_kv.methods.infinigen.speculator import layer_saving, speculation_pays
 
 
 def main():
@@ -26,14 +25,11 @@ def main():
     for shape in args.shapes.split(","):
         B, n = (int(v) for v in shape.split("x"))
         total = cache.weight_bytes + a.num_layers * B * a.num_kv_heads * n * row
-        saved = 0.0
-        for layer in range(1, a.num_layers):  # layer 0 attends whole
-            if a.local(layer) and c.local_layers == "dense":
-                continue
-            cap = fetch_cap(n, cache.budget_of(layer), c.max_num_kv, c.min_budget)
-            saved += (B * a.num_kv_heads * (n * row - n * partial_row - speculator.SCATTERED * cap * row)
-                      - cache.pq.weight_bytes(layer) - speculator.LAYER_COST)
-        decided = "speculates" if saved >= c.min_saving * total else "dense"
+        savings = [layer_saving(cache, layer, B * a.num_kv_heads, n, row, partial_row)
+                   for layer in range(a.num_layers) if not cache.selection.dense(cache, layer)]
+        saved = sum(x for x in savings if x is not None)
+        selects = any(x is not None for x in savings)
+        decided = "speculates" if selects and speculation_pays(saved, total, c.min_saving) else "dense"
         print(f"B{B} x {n}: saves {saved / 1e6:.1f} MB of {total / 1e6:.0f} MB ({saved / total:.3f}): {decided}")
 
 

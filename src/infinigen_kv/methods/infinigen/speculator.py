@@ -83,10 +83,22 @@ SCATTERED = 2.0  # a chosen row costs about two of a sequential pass's: a CPU re
 LAYER_COST = 1.5e6
 
 
+def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int) -> float | None:
+    """Bytes a decode step saves by speculating layer `layer_idx` over a past of n tokens in `rows` (sequence, KV head)
+    rows (`row` K/V bytes a token, `partial_row` partial-key bytes): all of its K/V rows, less the partial keys scored,
+    the chosen rows at SCATTERED each, its partial query's weights and LAYER_COST; None where its cap leaves none of
+    the past out."""
+    c = cache.config
+    cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
+    if cap >= n:
+        return None
+    return (rows * (n * row - n * partial_row - SCATTERED * cap * row) - cache.pq.weight_bytes(layer_idx)
+            - LAYER_COST)
+
+
 def speculation_pays(saved: float, total: float, share: float) -> bool:
-    """Whether a step should speculate: the bytes it saves (all K/V rows, less the partial keys scored, the chosen
-    rows at SCATTERED each, the partial queries' weights and LAYER_COST a speculating layer) are at least `share`
-    of the step's bytes (weights + all K/V): a margin for what the count leaves out. Below it the selection costs
+    """Whether a step should speculate: the bytes it saves (layer_saving's, summed) are at least `share` of the
+    step's bytes (weights + all K/V): a margin for what the count leaves out. Below it the selection costs
     what it saves: a short context on a model whose weights are most of the step, or a small model's many layers
     at a few thousand tokens."""
     return saved >= share * total
@@ -235,14 +247,13 @@ class Speculate:
                 continue
             if layer.slots is not None or not layer.transfer.host_compute:
                 return False
-            n = layer.partial.length
-            cap = fetch_cap(n, cache.budget_of(layer.layer_idx), c.max_num_kv, c.min_budget)
-            if cap < n:
+            partial_row = layer.partial.width * layer.partial.data.element_size()
+            saving = layer_saving(cache, layer.layer_idx, B, layer.partial.length, row, partial_row)
+            if saving is not None:
                 if not c.min_budget:  # no floor (a budget sweep): each budget as named wherever it leaves rows out
                     return False
                 selects = True
-                saved += B * (n * row - n * layer.partial.width * layer.partial.data.element_size()
-                              - SCATTERED * cap * row) - cache.pq.weight_bytes(layer.layer_idx) - LAYER_COST
+                saved += saving
         if not c.min_saving:  # the rule off: speculates wherever a layer's cap leaves rows out
             return not selects
         return not (selects and speculation_pays(saved, total, c.min_saving))
