@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model import backend as backends
+from ...model import int8_rows
 from ...model.ops import dense, held
 
 
@@ -95,13 +96,21 @@ class PartialQuery:
         return torch.addcmul(y[..., :p] * cos_p[:, layer], y[..., p:], ssin_p[:, layer])
 
     def weight_bytes(self, layer: int) -> int:
-        """Bytes of weight the CPU partial query of `layer` reads a decode step: the folded weights, the gathered q_proj
-        rows of its channels (gathered: int4 rows as the int8 rows the kernel reads), or the whole q_proj."""
+        """Bytes of weight the CPU partial query of `layer` reads a decode step: the folded weights, the q_proj rows of
+        its channels as gathered holds them (int4 rows as int8 rows; counted from the shapes: the copy is made on
+        the layer's first partial query, not here), or the whole q_proj."""
         if layer not in self._bytes:
-            w = (self.weight[layer] if self.weight is not None else self.gathered(layer) if self.rows is not None
-                 else self.arch.attns[layer].q_proj.weight)
-            self._bytes[layer] = w.numel() * w.element_size()
+            self._bytes[layer] = self._weight_bytes(layer)
         return self._bytes[layer]
+
+    def _weight_bytes(self, layer: int) -> int:
+        if self.weight is not None:
+            return self.weight[layer].numel() * self.weight[layer].element_size()
+        w = self.arch.attns[layer].q_proj.weight
+        if self.rows is None:
+            return w.numel() * w.element_size()
+        row = int8_rows.kv_width(self.arch.hidden_size) if w.dtype == torch.uint8 else w.shape[1] * w.element_size()
+        return len(self.q_rows(layer)) * row
 
     def q_rows(self, layer: int) -> torch.Tensor:
         """(H c,) the q_proj rows the partial query of `layer` needs: h d + S[g] for every query head h of group g."""
