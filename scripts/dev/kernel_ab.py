@@ -5,11 +5,14 @@ the same result.
 
     python scripts/dev/kernel_ab.py --rev HEAD~1 [--batch 4] [--prompt-len 4096] [--threads 1]
     python scripts/dev/kernel_ab.py --rev HEAD~1 --kernel attend [--batch 8] [--prompt-len 8192] [--threads 2]
+    python scripts/dev/kernel_ab.py --rev HEAD~1 --kernel linear [--weights int4] [--batch 1] [--threads 2]
 
 speculate (32 int8 partial channels): the cap binds (alpha 12, a quarter chosen: the default at 4k), few tokens
 within alpha (0.01: scores and passes only), every token within alpha and under the cap; microseconds per
 (sequence, KV head) row. attend: a step's 29 layers over chosen rows (1,024 of the past per (sequence, KV head),
-in position order, and the new token), each layer its own float32 pool (cold, as in a step); ms a step.
+in position order, and the new token), each layer its own float32 pool (cold, as in a step); ms a step. linear: a
+step's decode linears, bfloat16 at the default model's shapes or `--weights int4` rows at Qwen2.5-0.5B's (24 layers,
+896 wide, 4,864 intermediate; its LM head apart).
 """
 
 import argparse
@@ -21,19 +24,27 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from infinigen_kv.model import kernels
+from infinigen_kv.model import int4_rows, kernels
 from kernel_bench import alternated  # scripts/ is on the path when run as a script
 
-SRC = "src/infinigen_kv/model/kernels/cpu.cpp"
+KERNELS = "src/infinigen_kv/model/kernels"
+FILES = ("cpu.cpp", "prefill.cpp", "bf16_dots.h")
 
 
-def build(source: str):
-    """The kernels compiled from `source` (C++ text) with the library's flags, named by its hash."""
-    key = hashlib.sha1(source.encode()).hexdigest()[:10]
-    path = Path(tempfile.gettempdir()) / f"infinigen_ab_{key}.cpp"
-    path.write_text(source)
-    return load(name=f"infinigen_ab_{key}", sources=[str(path)], extra_cflags=kernels._FLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
+def build(files: dict[str, str]):
+    """The kernels compiled from `files` (name -> C++ text: the sources and their header) with the library's flags,
+    named by their hash."""
+    key = hashlib.sha1("".join(files[f] for f in sorted(files)).encode()).hexdigest()[:10]
+    folder = Path(tempfile.gettempdir()) / f"infinigen_ab_{key}"
+    folder.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return load(name=f"infinigen_ab_{key}", sources=[str(folder / f) for f in files if f.endswith(".cpp")],
+                extra_cflags=kernels._FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
 
 
 def main():
@@ -44,10 +55,11 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--kernel", choices=["speculate", "attend", "linear"], default="speculate")
+    ap.add_argument("--weights", choices=["bfloat16", "int4"], default="bfloat16", help="linear's weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    old = build(subprocess.run(["git", "show", f"{args.rev}:{SRC}"], capture_output=True, text=True, check=True).stdout)
-    new = build(Path(SRC).read_text())
+    old = build({f: show(args.rev, f"{KERNELS}/{f}") for f in FILES})
+    new = build({f: Path(KERNELS, f).read_text() for f in FILES})
     if args.kernel == "attend":
         return attend_ab(old, new, args)
     if args.kernel == "linear":
@@ -94,20 +106,28 @@ def attend_ab(old, new, args, layers: int = 29, m: int = 1024):
 
 
 def linear_ab(old, new, args):
-    """A step's decode linears as the own step calls them (30 x qkv, o, gate/up, down, and the LM head), bf16."""
-    D, FF = 576, 1536
+    """A step's decode linears as the own step calls them: bfloat16, the default model's 30 x (qkv, o, gate/up, down)
+    and its LM head; int4 rows, the 0.5B's 24 x (qkv, o, gate/up, down)."""
+    D, FF, layers, kv = (576, 1536, 30, 192) if args.weights == "bfloat16" else (896, 4864, 24, 128)
     g = torch.Generator().manual_seed(0)
-    shapes = [(D + 2 * 192, D), (D, D), (2 * FF, D), (D, FF)]
-    Ws = [torch.randn(o, i, generator=g).bfloat16() for _ in range(30) for o, i in shapes]
-    Ws.append(torch.randn(49152, D, generator=g).bfloat16())
+    shapes = [(D + 2 * kv, D), (D, D), (2 * FF, D), (D, FF)]
+    if args.weights == "int4":
+        Ws = [int4_rows.pack(torch.randn(o, i, generator=g) * 0.02) for _ in range(layers) for o, i in shapes]
+    else:
+        Ws = [torch.randn(o, i, generator=g).bfloat16() for _ in range(layers) for o, i in shapes]
+        Ws.append(torch.randn(49152, D, generator=g).bfloat16())
     xs = {D: torch.randn(args.batch, D, generator=g), FF: torch.randn(args.batch, FF, generator=g)}
 
     def step(kern):
-        return [kern.linear(xs[W.shape[1]], W, None) for W in Ws]
+        return [kern.linear(xs[D if W.shape[1] in (D, int4_rows.width(D)) else FF], W, None) for W in Ws]
 
     med = alternated([lambda: step(old), lambda: step(new)], args.rounds)
-    close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-3) for a, b in zip(step(old), step(new)))
-    report(f"linear, {args.batch} row(s)", args.rev, med, sum(W.numel() * 2 for W in Ws) / 1e6, f"close: {close}")
+    if args.weights == "int4":  # the same integer sums, the same float operations on them
+        check = f"same output: {all(torch.equal(a, b) for a, b in zip(step(old), step(new)))}"
+    else:
+        check = f"close: {all(torch.allclose(a, b, rtol=1e-4, atol=1e-3) for a, b in zip(step(old), step(new)))}"
+    report(f"linear ({args.weights}), {args.batch} row(s)", args.rev, med, sum(W.numel() * W.element_size() for W in Ws) / 1e6,
+           check)
 
 
 if __name__ == "__main__":

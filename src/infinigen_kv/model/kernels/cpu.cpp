@@ -955,6 +955,9 @@ inline void rows_dot(const W* __restrict w, const float* __restrict x, int64_t i
 // d sx sum(q xq) + m sx sum(xq). The 32 products u8 x s8 are summed exactly in int32: VNNI's dpbusd where the CPU
 // has it, else maddubs (pairs at most 2 x 15 x 127: no saturation) and madd, the same integers either way.
 constexpr int64_t Q4_GROUP = 32;
+#ifndef Q4_AHEAD
+#define Q4_AHEAD 1536
+#endif
 inline int64_t q4_width(int64_t in) { return in / 2 + 4 * (in / Q4_GROUP); }
 
 struct QuantizedX8 {
@@ -965,15 +968,38 @@ struct QuantizedX8 {
     for (int64_t r = 0; r < R; ++r)
       for (int64_t g = 0; g < ng; ++g) {
         const float* xg = x + r * in + g * Q4_GROUP;
-        float m = 0.f;
-        for (int64_t i = 0; i < Q4_GROUP; ++i) m = std::max(m, std::fabs(xg[i]));
-        const float sc = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
         int8_t* qg = q.data() + r * in + g * Q4_GROUP;
         int32_t total = 0;
+#ifdef IG_AVX2  // the scalar loop's arithmetic, 8 lanes at a time (cvtps rounds to nearest even, as nearbyint)
+        __m256 v[4], a = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (int k = 0; k < 4; ++k) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[k] = _mm256_loadu_ps(xg + 8 * k)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const float inv = m > 0.f ? 127.f / m : 0.f;
+        const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+        __m256i n[4], t = _mm256_setzero_si256();
+        for (int k = 0; k < 4; ++k) {
+          n[k] = _mm256_cvtps_epi32(_mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_mul_ps(v[k], vi))));
+          t = _mm256_add_epi32(t, n[k]);
+        }
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg),
+                            _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i ts = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        ts = _mm_add_epi32(ts, _mm_shuffle_epi32(ts, _MM_SHUFFLE(1, 0, 3, 2)));
+        total = _mm_cvtsi128_si32(_mm_add_epi32(ts, _mm_shuffle_epi32(ts, _MM_SHUFFLE(2, 3, 0, 1))));
+#else
+        float m = 0.f;
+        for (int64_t i = 0; i < Q4_GROUP; ++i) m = std::max(m, std::fabs(xg[i]));
+        const float inv = m > 0.f ? 127.f / m : 0.f;
         for (int64_t i = 0; i < Q4_GROUP; ++i) {
           qg[i] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(xg[i] * inv))));
           total += qg[i];
         }
+#endif
+        const float sc = m / 127.f;
         s[r * ng + g] = sc;
         sum[r * ng + g] = sc * float(total);
       }
@@ -1000,6 +1026,28 @@ inline __m256i q4_levels(const uint8_t* p) {
 }
 #endif
 
+#ifdef IG_VNNI512
+// Two groups' levels from their 32 bytes, as one vector laid out as their activations are: 128-bit lanes (q[0..15],
+// q[16..31]) of the first group, then of the second
+inline __m512i q4_levels2(const uint8_t* p) {
+  const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // a b a b
+  const __m512i s = _mm512_shuffle_i32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0));  // a a b b
+  return _mm512_and_si512(_mm512_mask_srli_epi16(s, 0xFF00FF00u, s, 4), _mm512_set1_epi8(0x0F));  // high nibbles in 1, 3
+}
+// [sum of group 0's lanes, ..., group 7's] (exact) from z[k]: lanes 0-7 group 2k's, lanes 8-15 group 2k + 1's
+inline __m256i group_sums8(const __m512i* z) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[0], z[1]), _mm512_unpackhi_epi64(z[0], z[1]));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[2], z[3]), _mm512_unpackhi_epi64(z[2], z[3]));
+  const __m512i u = _mm512_unpacklo_epi32(s01, s23), v = _mm512_unpackhi_epi32(s01, s23);
+  // per 128-bit lane: the sums of that lane's four dwords of z[0], z[2], z[1], z[3]
+  const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+  const __m512i first = _mm512_setr_epi32(0, 8, 2, 10, 1, 9, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);  // a group's first lane
+  const __m512i second = _mm512_setr_epi32(4, 12, 6, 14, 5, 13, 7, 15, 0, 0, 0, 0, 0, 0, 0, 0);  // and its second
+  return _mm512_castsi512_si256(
+      _mm512_add_epi32(_mm512_permutexvar_epi32(first, t), _mm512_permutexvar_epi32(second, t)));
+}
+#endif
+
 // y[b * ldy] = x[b] . w for RB rows of quantized activations (row b's values at xq + b in, its groups' scales and sums
 // at xs + b ng, xsum + b ng)
 template <int RB>
@@ -1010,19 +1058,36 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
   const int8_t* m = d + 2 * ng;
   float sum[RB] = {}, mins[RB] = {};
 #ifdef IG_AVX2
+  // the next row's scales and minimums, read from its first group on, while its levels stream in order behind them
+  for (int64_t i = 0; i < 4 * ng; i += 64) _mm_prefetch(reinterpret_cast<const char*>(d + q4_width(in) + i), _MM_HINT_T0);
   __m256 acc[RB], accm[RB];
   for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= ng; g += 8) {  // eight groups: their integer dot products reduced into one vector, scaled at once
+    _mm_prefetch(reinterpret_cast<const char*>(w + g * (Q4_GROUP / 2) + Q4_AHEAD), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + g * (Q4_GROUP / 2) + Q4_AHEAD + 64), _MM_HINT_T0);
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * g)));
     const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 2 * g)));
+#ifdef IG_VNNI512  // two groups a 512-bit product: half the instructions, the same integer sums
+    __m512i wv[4];
+    for (int k = 0; k < 4; ++k) wv[k] = q4_levels2(w + (g + 2 * k) * (Q4_GROUP / 2));
+#else
     __m256i wv[8];
     for (int k = 0; k < 8; ++k) wv[k] = q4_levels(w + (g + k) * (Q4_GROUP / 2));
+#endif
     for (int b = 0; b < RB; ++b) {
+#ifdef IG_VNNI512
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      __m512i p[4];
+      for (int k = 0; k < 4; ++k)
+        p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(xg + 2 * k * Q4_GROUP));
+      const __m256 dots = _mm256_cvtepi32_ps(group_sums8(p));  // the 8 groups' sums of q xq
+#else
       const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * in + g * Q4_GROUP);
       __m256i p[8];
       for (int k = 0; k < 8; ++k) p[k] = dot_u8s8(wv[k], _mm256_loadu_si256(xg + k));
       const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));  // the 8 groups' sums of q xq
+#endif
       acc[b] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b * ng + g)), acc[b]);
       accm[b] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + b * ng + g), accm[b]);
     }
