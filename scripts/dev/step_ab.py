@@ -3,6 +3,7 @@ Python and its kernels), each prefilled once, take turns at one decode step each
 (this 2-core machine's speed drifts by 1.5x between runs minutes apart: separate runs cannot show a few percent).
 
     python scripts/dev/step_ab.py --rev HEAD~1 [--batch 1] [--prompt-len 4096] [--steps 32] [--methods full,infinigen]
+                                  [--model PATH] [--weights int4]
 
 Prints each method's median step (ms) under the revision and the working tree, and their ratio. The step is the one
 `generate` runs (our own where it serves the model), at the defaults, on the default model (--model to change).
@@ -29,7 +30,7 @@ def child(args) -> None:
     from infinigen_kv.bench.speed import prompts
 
     torch.set_grad_enabled(False)
-    model, tok = ig.load_model(args.model)
+    model, tok = ig.load_model(args.model, weights=args.weights)
     B, n = args.batch, args.prompt_len
     ids, mask = prompts(tok, B, n)
     caches, pos = {}, {}
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--methods", default="full,infinigen")
+    ap.add_argument("--gap", type=float, default=0.002, help="seconds between steps (OpenMP threads spin after one)")
+    ap.add_argument("--weights", default=None, help="the held weights: bfloat16 (default), int8 or int4")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -84,6 +87,8 @@ def compare(args, trees: dict) -> None:
                "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--methods", args.methods]
         if args.model:
             cmd += ["--model", args.model]
+        if args.weights:
+            cmd += ["--weights", args.weights]
         env = dict(os.environ, PYTHONPATH=str(tree / "src"),  # each tree its own kernel build (torch rebuilds an
                    TORCH_EXTENSIONS_DIR=str(Path(tempfile.gettempdir()) / f"step-ab-ext-{name.replace(' ', '-')}"))
         # extension whose source path changed)
@@ -94,7 +99,7 @@ def compare(args, trees: dict) -> None:
     for _ in range(args.steps):
         for method in args.methods.split(","):
             for name, p in procs.items():
-                time.sleep(0.002)  # the other side's OpenMP threads stop spinning
+                time.sleep(args.gap)  # the other side's OpenMP threads stop spinning
                 p.stdin.write(method + "\n")
                 p.stdin.flush()
                 times[(name, method)].append(float(p.stdout.readline()))
