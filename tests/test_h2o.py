@@ -60,6 +60,30 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
         torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not __import__("infinigen_kv.model.backend", fromlist=["cpu"]).cpu().bf16_attention,
+                    reason="needs AVX-512 BF16")
+def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
+    """A chunk over a long past (LONG_PAST keys or more, causal) is scored by the CPU kernel in bfloat16 products, as
+    the layer's attention there: the float32 path's column sums within that rounding, per sequence and KV head."""
+    from types import SimpleNamespace
+
+    from infinigen_kv.methods import h2o
+
+    torch.manual_seed(3)
+    B, H, G, T, n, d = 2, 6, 2, 70, 1200, 64
+    q, k = torch.randn(B, H, T, d) * 2, torch.randn(B, G, n, d).bfloat16()
+    sums = []
+    for long_past in (h2o.LONG_PAST, n):  # the kernel, then (the past no longer long) the float32 path
+        monkeypatch.setattr(h2o, "LONG_PAST", long_past)
+        layer = h2o.H2OLayer.__new__(h2o.H2OLayer)
+        layer.window, layer.score = None, SimpleNamespace(data=torch.zeros(B, G, n + 5, 1))
+        assert (layer._kernel_sums(q, k, None, d**-0.5) is None) == (long_past == n)
+        layer.add_prefill_scores(q, k, None, d**-0.5)
+        sums.append(layer.score.data[..., 0])
+    torch.testing.assert_close(sums[0], sums[1], atol=2e-3 * sums[1].max().item(), rtol=1e-2)
+    assert sums[0][..., n:].abs().sum() == 0 and abs(sums[0].sum().item() - B * H * T) < 1e-2 * B * H * T
+
+
 def test_keeps_heavy_hitters_and_recent(tiny_models):
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(40,))

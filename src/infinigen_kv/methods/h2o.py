@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET
+from ..model import backend as backends
+from ..model.attention import LONG_PAST
 from .evicting import EvictingCache, EvictingLayer
 
 # Prefill queries scored at a time: a (B, G, r, 64, n) block of scores is still in cache when the softmax and
@@ -29,6 +31,9 @@ class H2OLayer(EvictingLayer):
         a sliding-window layer only those from its first query's window on)."""
         B, H, T, d = query.shape
         G, n = key.shape[1], key.shape[2]
+        if (sums := self._kernel_sums(query, key, attention_mask, scaling)) is not None:
+            self.score.data[:, :, :n, 0] += sums
+            return
         r = H // G
         q = (query.float() * scaling).reshape(B, G, r, T, d)
         kt = key.float().transpose(-1, -2)  # (B, G, d, n)
@@ -48,6 +53,20 @@ class H2OLayer(EvictingLayer):
                 p = torch.softmax(s, dim=-1)
             total[..., lo:end] += p.sum(dim=(2, 3))
         self.score.data[:, :, :n, 0] += total
+
+    def _kernel_sums(self, query, key, attention_mask, scaling):
+        """The column sums (B, G, n) by the CPU kernel (kernels/prefill.cpp: two passes of bfloat16 products, 2-3x
+        the float32 path at 8k-32k) where the layer's attention runs in those same products: a chunk over a past
+        of LONG_PAST keys or more, causal (no padding, no window). None elsewhere."""
+        T, d, n = query.shape[2], query.shape[3], key.shape[2]
+        if attention_mask is not None or self.window or query.is_cuda or n - T < LONG_PAST or d % 64:
+            return None
+        backend = backends.cpu()
+        if not backend.bf16_attention or query.dtype != torch.float32:
+            return None
+        ops = backend.ops
+        return torch.stack([ops.prefill_column_sums(query[b].transpose(0, 1), key[b].contiguous(), float(scaling))
+                            for b in range(query.shape[0])])
 
 
 class H2OCache(EvictingCache):

@@ -1726,6 +1726,7 @@ at::Tensor silu_mul(at::Tensor gu, int64_t lanes) {
 
 bool bf16_dots_native();  // prefill.cpp
 at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+at::Tensor prefill_column_sums(const at::Tensor& q, const at::Tensor& k, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row or int4-row weights, plus a residual",
@@ -1751,4 +1752,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.attr("BF16_ATTEND_ROWS") = py::none();
 #endif
   mod.def("prefill_attend", &prefill_attend, "a prompt chunk's causal attention over its past, bfloat16 products");
+  mod.def("prefill_column_sums", &prefill_column_sums,
+          "a prompt chunk's attention probabilities summed per key (H2O's scores), bfloat16 products");
 }

@@ -104,7 +104,8 @@ inline void values_tile(const uint32_t* p, int64_t ldp, const uint32_t* vp, int6
     for (int x = 0; x < 4; ++x) _mm512_storeu_ps(o + r * d + c0 + 16 * x, acc[r][x]);
 }
 
-// K (G, S, d) -> (G, Sp / 32, d / 2, 32) channel pairs of 32-key blocks; V -> (G, Sp / 2, d) key pairs; zeros past S
+// K (G, S, d) -> (G, Sp / 32, d / 2, 32) channel pairs of 32-key blocks; V -> (G, Sp / 2, d) key pairs (v may be
+// null); zeros past S
 template <typename T>
 void pack_kv(const T* k, const T* v, int64_t G, int64_t S, int64_t Sp, int64_t d, uint32_t* kp, uint32_t* vp) {
   const int64_t d2 = d / 2, nb = Sp / 32;
@@ -119,7 +120,7 @@ void pack_kv(const T* k, const T* v, int64_t G, int64_t S, int64_t Sp, int64_t d
         for (int64_t c = 0; c < d2; ++c)
           kb[c * 32 + jj] = j < S ? pair(bits_of(kr[2 * c]), bits_of(kr[2 * c + 1])) : 0u;
       }
-      for (int64_t jj = 0; jj < 32; jj += 2) {
+      for (int64_t jj = 0; v && jj < 32; jj += 2) {  // (no V: the keys alone, column_sums)
         const int64_t j = b * 32 + jj;
         const T* v0 = v + (g * S + std::min(j, S - 1)) * d;
         const T* v1 = v + (g * S + std::min(j + 1, S - 1)) * d;
@@ -128,6 +129,24 @@ void pack_kv(const T* k, const T* v, int64_t G, int64_t S, int64_t Sp, int64_t d
       }
     }
   });
+}
+
+// A tile's rows (queries of QT positions x r heads of KV head g) as bfloat16 pairs into qp (zeros past its M rows),
+// with each row's number of visible keys (causal) in lim
+inline int64_t tile_rows(const float* qd, int64_t qs0, int64_t qs1, int64_t g, int64_t r, int64_t d2, int64_t past,
+                         int64_t t0, int64_t t1, uint32_t* qp, int64_t* lim) {
+  const int64_t M = (t1 - t0) * r, Mr = (M + RM - 1) / RM * RM;
+  for (int64_t i = 0; i < Mr; ++i) {  // row i: position t0 + i / r, head g r + i % r
+    const bool real = i < M;
+    const float* qr = qd + (t0 + i / r) * qs0 + (g * r + i % r) * qs1;
+    for (int64_t c = 0; c < d2; ++c) qp[i * d2 + c] = real ? pair(bf16_bits(qr[2 * c]), bf16_bits(qr[2 * c + 1])) : 0u;
+    lim[i] = real ? past + t0 + i / r + 1 : 0;
+  }
+  return Mr;
+}
+
+inline __mmask16 first_n(int64_t j, int64_t n) {  // lanes j .. j + 15 below n
+  return j + 16 <= n ? __mmask16(0xffff) : j >= n ? __mmask16(0) : __mmask16((1u << (n - j)) - 1);
 }
 
 // One row's block of scores s[0, n32) (n valid, the rest masked) -> probabilities in bfloat16 into p (n32 / 2 pairs
@@ -175,16 +194,9 @@ at::Tensor attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     std::vector<int64_t> lim(Mp);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t g = w / tiles, t0 = (w % tiles) * QT, t1 = std::min(Tq, t0 + QT), M = (t1 - t0) * r;
-      const int64_t Mr = (M + RM - 1) / RM * RM;
-      for (int64_t i = 0; i < Mr; ++i) {  // row i: position t0 + i / r, head g r + i % r
-        const bool real = i < M;
-        const float* qr = qd + (t0 + i / r) * qs0 + (g * r + i % r) * qs1;
-        for (int64_t c = 0; c < d2; ++c)
-          qp[i * d2 + c] = real ? pair(bf16_bits(qr[2 * c]), bf16_bits(qr[2 * c + 1])) : 0u;
-        lim[i] = real ? past + t0 + i / r + 1 : 0;
-        m[i] = -std::numeric_limits<float>::infinity();
-        l[i] = 0.f;
-      }
+      const int64_t Mr = tile_rows(qd, qs0, qs1, g, r, d2, past, t0, t1, qp.data(), lim.data());
+      std::fill(m.begin(), m.begin() + Mr, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + Mr, 0.f);
       std::fill(o.begin(), o.begin() + Mr * d, 0.f);
       const int64_t kmax = past + t1;
       for (int64_t k0 = 0; k0 < kmax; k0 += KB) {
@@ -213,6 +225,85 @@ at::Tensor attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+// Column sums of a chunk's attention probabilities: out[g][j] = the sum over the chunk's queries t and the r query
+// heads of KV head g of softmax_j(q . k_j scale) (causal, as prefill_attend: t sees keys j <= S - Tq + t), in the
+// same bfloat16 products. Two passes per tile of queries: each row's max and sum of exponentials, then the scores
+// again, their probabilities added into the tile's own column sums; the tiles' sums added at the end.
+template <typename T>
+at::Tensor column_sums_impl(const at::Tensor& q, const at::Tensor& k, double scale_) {
+  const int64_t Tq = q.size(0), H = q.size(1), d = q.size(2), G = k.size(0), S = k.size(1), r = H / G;
+  const int64_t d2 = d / 2, Sp = (S + KB - 1) / KB * KB, past = S - Tq, tiles = (Tq + QT - 1) / QT;
+  const float scale = float(scale_), NEG = -std::numeric_limits<float>::infinity();
+  std::vector<uint32_t> kp(G * Sp * d2);
+  pack_kv<T>(k.data_ptr<T>(), nullptr, G, S, Sp, d, kp.data(), nullptr);
+  std::vector<float> part(G * tiles * Sp, 0.f);  // (G, tiles, Sp): each work item's column sums
+  const float* qd = q.data_ptr<float>();
+  at::parallel_for(0, G * tiles, 1, [&](int64_t w0, int64_t w1) {
+    const int64_t Mp = (QT * r + RM - 1) / RM * RM;
+    std::vector<uint32_t> qp(Mp * d2);
+    std::vector<float> s(Mp * KB), m(Mp), l(Mp), inv(Mp);
+    std::vector<int64_t> lim(Mp);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t g = w / tiles, t0 = (w % tiles) * QT, t1 = std::min(Tq, t0 + QT), M = (t1 - t0) * r;
+      const int64_t Mr = tile_rows(qd, q.stride(0), q.stride(1), g, r, d2, past, t0, t1, qp.data(), lim.data());
+      float* col = part.data() + w * Sp;
+      const int64_t kmax = past + t1;
+      std::fill(m.begin(), m.end(), NEG);
+      std::fill(l.begin(), l.end(), 0.f);
+      const __m512 vs = _mm512_set1_ps(scale);
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t k0 = 0; k0 < kmax; k0 += KB) {
+          const int64_t n32 = std::min(KB, (kmax - k0 + 31) / 32 * 32);
+          const uint32_t* kb = kp.data() + (g * Sp + k0) / 32 * d2 * 32;
+          for (int64_t i = 0; i < Mr; i += RM)
+            for (int64_t j = 0; j < n32; j += 32) scores_tile(&qp[i * d2], d2, kb + j * d2, &s[i * KB + j], KB);
+          if (pass == 0) {  // each row's running max and sum of exponentials
+            for (int64_t i = 0; i < M; ++i) {
+              const int64_t n = std::min(n32, lim[i] - k0);
+              if (n <= 0) continue;
+              const float* si = &s[i * KB];
+              __m512 vmax = _mm512_set1_ps(NEG);
+              for (int64_t j = 0; j < n; j += 16)
+                vmax = _mm512_mask_max_ps(vmax, first_n(j, n), vmax, _mm512_mul_ps(_mm512_loadu_ps(si + j), vs));
+              const float mn = std::max(m[i], _mm512_reduce_max_ps(vmax));
+              __m512 sum = _mm512_setzero_ps();
+              for (int64_t j = 0; j < n; j += 16) {
+                const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(si + j), vs, _mm512_set1_ps(mn)));
+                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(first_n(j, n), e));
+              }
+              l[i] = l[i] * (m[i] == NEG ? 0.f : std::exp(m[i] - mn)) + _mm512_reduce_add_ps(sum);
+              m[i] = mn;
+            }
+          } else {  // the rows' probabilities summed into the tile's column sums, 16 keys at a time
+            for (int64_t j = 0; j < n32; j += 16) {
+              __m512 acc = _mm512_loadu_ps(col + k0 + j);
+              for (int64_t i = 0; i < M; ++i) {
+                const __mmask16 valid = first_n(j, lim[i] - k0);
+                if (!valid) continue;
+                const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(&s[i * KB + j]), vs, _mm512_set1_ps(m[i])));
+                acc = _mm512_mask3_fmadd_ps(e, _mm512_set1_ps(inv[i]), acc, valid);
+              }
+              _mm512_storeu_ps(col + k0 + j, acc);
+            }
+          }
+        }
+        for (int64_t i = 0; i < M; ++i) inv[i] = 1.f / l[i];
+      }
+    }
+  });
+  auto out = at::zeros({G, S}, q.options().dtype(at::kFloat));
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, G * S, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / S, j = i % S;
+      float total = 0.f;
+      for (int64_t t = 0; t < tiles; ++t) total += part[(g * tiles + t) * Sp + j];
+      od[i] = total;
+    }
+  });
+  return out;
+}
+
 #endif
 
 }  // namespace
@@ -235,6 +326,22 @@ at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Te
   return attend_impl<float>(q, k, v, scale);
 #else
   TORCH_CHECK(false, "prefill_attend: built without AVX-512 BF16");
+  return q;
+#endif
+}
+
+// q (Tq, H, d) float32, k (G, S, d) float32 or bfloat16 contiguous -> (G, S) float32 column sums (column_sums_impl).
+at::Tensor prefill_column_sums(const at::Tensor& q, const at::Tensor& k, double scale) {
+#if PREFILL_NATIVE
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && k.is_contiguous(),
+              "prefill_column_sums: q (Tq, H, d) float32 rows, k (G, S, d) contiguous");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(2) % 64 == 0 && q.size(1) % k.size(0) == 0 && k.size(1) >= q.size(0),
+              "prefill_column_sums: shapes");
+  if (k.scalar_type() == at::kBFloat16) return column_sums_impl<at::BFloat16>(q, k, scale);
+  TORCH_CHECK(k.scalar_type() == at::kFloat, "prefill_column_sums: k float32 or bfloat16");
+  return column_sums_impl<float>(q, k, scale);
+#else
+  TORCH_CHECK(false, "prefill_column_sums: built without AVX-512 BF16");
   return q;
 #endif
 }
