@@ -174,7 +174,8 @@ def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_
     cache = ig.make_cache("infinigen", model, min_budget=16, min_saving=0.01)
     ig.generate(model, ids, cache=cache, max_new_tokens=8, stop_at_eos=False)
     assert cache.stats["fetched_fraction"] == 1.0  # the fixed cost of its layers: dense
-    monkeypatch.setattr(speculator, "LAYER_COST", 0.0)  # the share of the K/V bytes alone: no fixed cost, no
+    monkeypatch.setattr(speculator, "LAYER_COST", 0.0)  # the share of the K/V bytes alone: no fixed costs, no
+    monkeypatch.setattr(speculator, "ROW_COST", 0.0)
     monkeypatch.setattr(PartialQuery, "weight_bytes", lambda self, layer: 0)  # partial query's weights
     for name, opts, weights in (("small weights", {}, None), ("large weights", {}, 10**12),
                                 ("large weights, min_saving 0", {"min_saving": 0.0}, 10**12),

@@ -78,21 +78,24 @@ def saves_bytes(n: int, cap: int, row: int, partial_row: int) -> bool:
 
 
 SCATTERED = 2.0  # a chosen row costs about two of a sequential pass's: a CPU reads scattered rows at ~11 of 22 GB/s
-# What a speculating layer costs beyond the bytes it reads (its partial query's and kernel's calls, the Python around
-# them: ~50 us a layer on the 2-core EPYC), as the bytes read in that time (~30 GB/s)
-LAYER_COST = 1.5e6
+# What speculation costs beyond the partial keys' bytes, as the bytes read in that time (~30 GB/s), from decode steps
+# of the 0.5B at 4k on the 2-core EPYC (speculator.speculate's time, cProfile, B1 and B4): a layer's calls and the
+# Python around them, ~65 us; each (sequence, KV head) row's scoring and selection in the step (cold partial keys,
+# threads woken) beyond its bytes, ~10 us
+LAYER_COST = 2.0e6
+ROW_COST = 0.3e6
 
 
 def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int) -> float | None:
     """Bytes a decode step saves by speculating layer `layer_idx` over a past of n tokens in `rows` (sequence, KV head)
     rows (`row` K/V bytes a token, `partial_row` partial-key bytes): all of its K/V rows, less the partial keys scored,
-    the chosen rows at SCATTERED each, its partial query's weights and LAYER_COST; None where its cap leaves none of
-    the past out."""
+    the chosen rows at SCATTERED each, its partial query's weights, LAYER_COST and ROW_COST a row; None where its
+    cap leaves none of the past out."""
     c = cache.config
     cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
     if cap >= n:
         return None
-    return (rows * (n * row - n * partial_row - SCATTERED * cap * row) - cache.pq.weight_bytes(layer_idx)
+    return (rows * (n * row - n * partial_row - SCATTERED * cap * row - ROW_COST) - cache.pq.weight_bytes(layer_idx)
             - LAYER_COST)
 
 
