@@ -152,6 +152,22 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
     assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6 and len(calls) > 0
 
 
+def test_the_saving_counts_a_fixed_cost_a_layer_and_a_row(tiny_models, monkeypatch):
+    """layer_saving: the K/V bytes left unread, less the partial keys, the chosen rows twice, the partial query's
+    weights, LAYER_COST once and ROW_COST for each (sequence, KV head) row."""
+    import infinigen_kv as ig
+    from infinigen_kv.methods.infinigen import speculator
+
+    cache = ig.make_cache("infinigen", tiny_models["llama-gqa"], min_budget=0, budget=0.1)
+    n, row, prow, rows = 1000, 256, 32, 6
+    cap = speculator.fetch_cap(n, cache.budget_of(1), cache.config.max_num_kv, 0)
+    kv = rows * (n * row - n * prow - speculator.SCATTERED * cap * row) - cache.pq.weight_bytes(1)
+    got = speculator.layer_saving(cache, 1, rows, n, row, prow)
+    assert got == kv - speculator.LAYER_COST - rows * speculator.ROW_COST
+    monkeypatch.setattr(speculator, "ROW_COST", 0.0)
+    assert speculator.layer_saving(cache, 1, rows, n, row, prow) == kv - speculator.LAYER_COST
+
+
 def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_models, monkeypatch):
     """Where the bytes a step would save are under min_saving of its bytes (weights + K/V: a short context on a model
     whose weights are most of the step) it attends densely, the full cache's tokens; min_saving 0 speculates there,
