@@ -832,9 +832,15 @@ def step_serve(c: Check, n: int, clients: int, new_tokens: int) -> dict:
                         time.sleep(0.5)
                 row["start_s"] = round(time.perf_counter() - t0, 1)
                 model_id = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
-                results = [None] * clients
+                results, errors = [None] * clients, []
 
                 def client(i):
+                    try:
+                        results[i] = one_client(i)
+                    except Exception as e:  # kept for the row: a client that fails says why
+                        errors.append(f"client {i}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+                def one_client(i):
                     body = {"model": model_id, "prompt": prompts[i], "max_tokens": new_tokens, "temperature": 0,
                             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
                     start, first, tokens = time.perf_counter(), None, 0
@@ -848,7 +854,7 @@ def step_serve(c: Check, n: int, clients: int, new_tokens: int) -> dict:
                                 first = time.perf_counter() - start
                             if event.get("usage"):
                                 tokens = event["usage"]["completion_tokens"]
-                    results[i] = (first, tokens, time.perf_counter() - start)
+                    return first, tokens, time.perf_counter() - start
 
                 threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
                 t1 = time.perf_counter()
@@ -861,6 +867,8 @@ def step_serve(c: Check, n: int, clients: int, new_tokens: int) -> dict:
                 p50, p99 = quantiles([x[0] for x in done if x[0] is not None])
                 row.update(completed=len(done), wall_s=round(wall, 2),
                            tokens_per_s=round(sum(x[1] for x in done) / wall, 2), ttft_p50_s=p50, ttft_p99_s=p99)
+                if errors:
+                    row["client_errors"] = errors
                 ok &= len(done) == clients and all(x[1] == new_tokens for x in done)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -868,6 +876,8 @@ def step_serve(c: Check, n: int, clients: int, new_tokens: int) -> dict:
             finally:
                 if proc.poll() is None:
                     stop(proc)
+        if "error" in row or row.get("client_errors"):
+            row["log_tail"] = log_path.read_text(errors="replace").splitlines()[-6:]
         rows.append(row)
         log(f"  serve {row}")
     return {"ok": ok, "rows": rows}
