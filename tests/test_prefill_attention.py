@@ -67,3 +67,23 @@ def test_a_left_padded_batch_over_a_long_past_row_by_row(monkeypatch):
     got = attention._prefill_by_row(q, k, v, mask, d**-0.5, None)
     assert calls == [(G, S, d), (G, S - 30, d)]  # both rows: the second over its keys after the padding
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_bfloat16_rows_are_read_as_stored(monkeypatch):
+    """A chunk over a long past of bfloat16 K/V rows (the CPU default) reaches the kernel as those rows, no float32
+    copy of the whole past (a 32k prefill's peak memory), with the outputs of their float32 copies, bit for bit."""
+    torch.manual_seed(2)
+    B, G, r, d, past, T = 1, 2, 3, 64, 70, 16
+    S = past + T
+    q = torch.randn(B, G * r, T, d)
+    k, v = (torch.randn(B, G, S, d).bfloat16() for _ in range(2))
+    mask = (torch.arange(S)[None] <= torch.arange(T)[:, None] + past)[None, None]
+    monkeypatch.setattr(attention, "LONG_PAST", 32)
+    seen = []
+    real = K.prefill_attend
+    ops = type("Ops", (), {"prefill_attend": staticmethod(lambda *a: seen.append(a[1].dtype) or real(*a))})()
+    monkeypatch.setattr(attention.backends, "cpu", lambda: types.SimpleNamespace(bf16_attention=True, ops=ops))
+    got, _ = attention.attend(q, attention.KVView(k, v), mask, d**-0.5)
+    want, _ = attention.attend(q, attention.KVView(k.float(), v.float()), mask, d**-0.5)
+    assert seen == [torch.bfloat16, torch.float32]
+    assert torch.equal(got, want)

@@ -61,15 +61,18 @@ def _attention(query, view: KVView, attention_mask, scaling, window):
             mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]
             out = decode_attention(query.reshape(B, G, H // G, d), key, value, mask, _scale(scaling, d))
             return out.reshape(B, 1, H, d), None
-        key, value = _computed(query, key, value)
-        if view.scores is not None and T > 1:  # H2O scores the prefill
-            view.scores.add_prefill_scores(query, key, attention_mask, scaling)
+        if view.scores is not None and T > 1:  # H2O scores the prefill (bfloat16 rows read as they are)
+            view.scores.add_prefill_scores(query, key if key.dtype != torch.int8 else from_rows(key, query.dtype),
+                                           attention_mask, scaling)
         reach = T + (window or key.shape[2]) - 1
         if T > 1 and key.shape[2] > reach:  # a window layer's prompt chunk over a past: the keys in its reach, the
             key, value = key[:, :, -reach:], value[:, :, -reach:]  # same whatever the cache keeps (a tee's first)
             attention_mask = attention_mask[..., -reach:] if attention_mask is not None else None
+        # the stored rows as they are: a chunk over a long past is read by the CPU kernel without a float32 copy
+        # of the whole past (2 KB a token a layer on Gemma 3, 1 KB on the 0.5B: a 32k prefill's peak memory)
         if T > 1 and (out := _prefill_by_row(query, key, value, attention_mask, scaling, window)) is not None:
             return out, None
+        key, value = _computed(query, key, value)
         return sdpa(query, key, value, attention_mask, scaling), None
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     if view.chosen is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
@@ -180,10 +183,13 @@ def _prefill_by_row(query, key, value, attention_mask, scaling, window):
     for b, (s, k0) in enumerate(zip(pads, key_pads)):
         if s == T:  # all padding (a chunk before the row's first token)
             continue
-        row = [query[b : b + 1, :, s:].contiguous()] + [t[b : b + 1, :, k0:].contiguous() for t in (key, value)]
-        if k0 < past + s:  # the row's own past: its keys under the model's mask, as the row alone has them
-            long = _over_long_past(*row, scaling)
-            out[b, s:] = long if long is not None else sdpa(*row, m[b : b + 1, None, s:, k0:].contiguous(), scaling)[0]
+        row = [query[b : b + 1, :, s:].contiguous()] + [t[b : b + 1, :, k0:] for t in (key, value)]
+        if k0 < past + s and (long := _over_long_past(*row, scaling)) is not None:  # the row's own past: its keys
+            out[b, s:] = long  # under the model's mask, as the row alone has them (in bfloat16 products)
+            continue
+        row[1:] = [t.contiguous() for t in _computed(query, *row[1:])]
+        if k0 < past + s:
+            out[b, s:] = sdpa(*row, m[b : b + 1, None, s:, k0:].contiguous(), scaling)[0]
         elif window and T - s > window:
             out[b, s:] = _local_prefill(*row, window, scaling)[0]
         else:
@@ -192,13 +198,14 @@ def _prefill_by_row(query, key, value, attention_mask, scaling, window):
 
 
 def _over_long_past(query, key, value, scaling):
-    """One row's chunk query (1, H, T, d) over its keys (1, G, S, d), the last T its own (causal: the model's mask of a
+    """One row's chunk query (1, H, T, d) over its keys (1, G, S, d) (float32 or bfloat16 rows), the last T its own (causal: the model's mask of a
     left-padded row once its padding is cut), in the CPU kernel of bfloat16 products (kernels/prefill.cpp) where the
     past is long (LONG_PAST keys or more: there it is most of a prefill's arithmetic; 3.3-4.2x PyTorch's float32
     attention at 4k-32k, docs/BENCHMARKS.md). -> (T, H, d), or None: not on CPU, a short past, no kernel (no
     AVX-512 BF16), d no multiple of 64."""
     T, d = query.shape[2], query.shape[3]
-    if query.is_cuda or key.shape[2] - T < LONG_PAST or d % 64 or query.dtype != torch.float32:
+    if (query.is_cuda or key.shape[2] - T < LONG_PAST or d % 64 or query.dtype != torch.float32
+            or key.dtype not in (torch.float32, torch.bfloat16)):
         return None
     backend = backends.cpu()
     if not backend.bf16_attention:
