@@ -72,16 +72,42 @@ def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
     torch.manual_seed(3)
     B, H, G, T, n, d = 2, 6, 2, 70, 1200, 64
     q, k = torch.randn(B, H, T, d) * 2, torch.randn(B, G, n, d).bfloat16()
+    causal = (torch.arange(n)[None] <= torch.arange(T)[:, None] + n - T)[None, None].repeat(B, 1, 1, 1)
     sums = []
     for long_past in (h2o.LONG_PAST, n):  # the kernel, then (the past no longer long) the float32 path
         monkeypatch.setattr(h2o, "LONG_PAST", long_past)
         layer = h2o.H2OLayer.__new__(h2o.H2OLayer)
         layer.window, layer.score = None, SimpleNamespace(data=torch.zeros(B, G, n + 5, 1))
         assert (layer._kernel_sums(q, k, None, d**-0.5) is None) == (long_past == n)
-        layer.add_prefill_scores(q, k, None, d**-0.5)
+        layer.add_prefill_scores(q, k, causal, d**-0.5)  # the model's mask of a chunk over a past: causal
         sums.append(layer.score.data[..., 0])
     torch.testing.assert_close(sums[0], sums[1], atol=2e-3 * sums[1].max().item(), rtol=1e-2)
     assert sums[0][..., n:].abs().sum() == 0 and abs(sums[0].sum().item() - B * H * T) < 1e-2 * B * H * T
+    padded = causal.clone()
+    padded[1, ..., :5] = False  # a left-padded row: the float32 path, under the mask
+    assert layer._kernel_sums(q, k, padded, d**-0.5) is None
+
+
+def test_h2o_caches_in_one_tee_score_the_prefill_once(tiny_models, monkeypatch):
+    """H2O at several budgets sharing one prefill (bench accuracy's TeeCache): the column sums are computed once a
+    layer and chunk, and each cache holds the scores an H2O cache prefilled alone holds."""
+    from infinigen_kv.bench.tee import TeeCache
+    from infinigen_kv.methods import h2o
+
+    model = tiny_models["llama-gqa"]
+    ids = torch.randint(3, 256, (1, 40))
+    alone = ig.make_cache("h2o", model, budget=0.5, min_budget=0)
+    caches = [ig.make_cache("h2o", model, budget=b, min_budget=0) for b in (0.5, 0.25)]
+    with torch.inference_mode():
+        model(ids, past_key_values=alone)
+        calls = []
+        real = h2o.H2OLayer.prefill_column_sums
+        monkeypatch.setattr(h2o.H2OLayer, "prefill_column_sums", lambda *a: calls.append(1) or real(*a))
+        model(ids, past_key_values=TeeCache([ig.make_cache("full", model), *caches]))
+    assert len(calls) == len(model.layers)
+    for cache in caches:
+        for mine, ref in zip(cache.layers, alone.layers):
+            assert torch.equal(mine.score.valid(), ref.score.valid())
 
 
 def test_keeps_heavy_hitters_and_recent(tiny_models):

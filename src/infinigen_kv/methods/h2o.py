@@ -26,14 +26,22 @@ class H2OLayer(EvictingLayer):
 
     @torch.no_grad()
     def add_prefill_scores(self, query, key, attention_mask, scaling) -> None:
-        """Accumulated attention of every prefill query on every key: column sums, a chunk of queries at a
-        time, each over the keys it may see (causal: those up to its last query, half the work of all n; on
-        a sliding-window layer only those from its first query's window on)."""
+        """Accumulated attention of every prefill query (B, H, T, d) on every key (B, G, n, d)."""
+        self.add_column_sums(self.prefill_column_sums(query, key, attention_mask, scaling))
+
+    def add_column_sums(self, sums) -> None:
+        """sums (B, G, n): attention the first n keys received (a TeeCache computes them once for every H2O cache
+        in it: the same prompt, keys and mask at every budget)."""
+        self.score.data[:, :, : sums.shape[-1], 0] += sums
+
+    def prefill_column_sums(self, query, key, attention_mask, scaling) -> torch.Tensor:
+        """The attention each key received from the chunk's queries, summed over a group's heads (B, G, n): a
+        chunk of queries at a time, each over the keys it may see (causal: those up to its last query, half the
+        work of all n; on a sliding-window layer only those from its first query's window on)."""
         B, H, T, d = query.shape
         G, n = key.shape[1], key.shape[2]
         if (sums := self._kernel_sums(query, key, attention_mask, scaling)) is not None:
-            self.score.data[:, :, :n, 0] += sums
-            return
+            return sums
         r = H // G
         q = (query.float() * scaling).reshape(B, G, r, T, d)
         kt = key.float().transpose(-1, -2)  # (B, G, d, n)
@@ -52,14 +60,17 @@ class H2OLayer(EvictingLayer):
                 s[..., end - c :].masked_fill_(future[:c, :c], float("-inf"))
                 p = torch.softmax(s, dim=-1)
             total[..., lo:end] += p.sum(dim=(2, 3))
-        self.score.data[:, :, :n, 0] += total
+        return total
 
     def _kernel_sums(self, query, key, attention_mask, scaling):
         """The column sums (B, G, n) by the CPU kernel (kernels/prefill.cpp: two passes of bfloat16 products, 2-3x
         the float32 path at 8k-32k) where the layer's attention runs in those same products: a chunk over a past
-        of LONG_PAST keys or more, causal (no padding, no window). None elsewhere."""
+        of LONG_PAST keys or more, causal (no window, and the mask, the model's for a chunk over a past, has the
+        last query of every row see every key: nothing padded). None elsewhere."""
         T, d, n = query.shape[2], query.shape[3], key.shape[2]
-        if attention_mask is not None or self.window or query.is_cuda or n - T < LONG_PAST or d % 64:
+        if self.window or query.is_cuda or n - T < LONG_PAST or d % 64:
+            return None
+        if attention_mask is not None and not bool(attention_mask[:, :, -1, :n].all()):
             return None
         backend = backends.cpu()
         if not backend.bf16_attention or query.dtype != torch.float32:
