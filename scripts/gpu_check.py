@@ -838,7 +838,8 @@ def step_serve(c: Check, n: int, clients: int, new_tokens: int) -> dict:
                     try:
                         results[i] = one_client(i)
                     except Exception as e:  # kept for the row: a client that fails says why
-                        errors.append(f"client {i}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                        first = str(e).splitlines()[0][:200] if str(e) else ""
+                        errors.append(f"client {i}: {type(e).__name__}: {first}")
 
                 def one_client(i):
                     body = {"model": model_id, "prompt": prompts[i], "max_tokens": new_tokens, "temperature": 0,

@@ -44,7 +44,8 @@ def main() -> None:
         elif key == "general.file_type":
             writer.add_key_value(key, 1, GGUFValueType.UINT32)  # mostly float16
         elif key == "general.name":
-            writer.add_key_value(key, f"random weights, {args.layers} x {args.hidden} qwen2 shape", GGUFValueType.STRING)
+            name = f"random weights, {args.layers} x {args.hidden} qwen2 shape"
+            writer.add_key_value(key, name, GGUFValueType.STRING)
         elif field.types[0] == GGUFValueType.ARRAY:
             writer.add_array(key, field.contents())
         else:

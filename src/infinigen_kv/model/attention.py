@@ -199,10 +199,10 @@ def _prefill_by_row(query, key, value, attention_mask, scaling, window):
 
 def _over_long_past(query, key, value, scaling):
     """One row's chunk query (1, H, T, d) over its keys (1, G, S, d) (float32 or bfloat16 rows), the last T its own
-    (causal: the model's mask of a left-padded row once its padding is cut), in the CPU kernel of bfloat16 products (kernels/prefill.cpp) where the
-    past is long (LONG_PAST keys or more: there it is most of a prefill's arithmetic; 3.3-4.2x PyTorch's float32
-    attention at 4k-32k, docs/BENCHMARKS.md). -> (T, H, d), or None: not on CPU, a short past, no kernel (no
-    AVX-512 BF16), d no multiple of 64."""
+    (causal: the model's mask of a left-padded row once its padding is cut), in the CPU kernel of bfloat16 products
+    (kernels/prefill.cpp) where the past is long (LONG_PAST keys or more: there it is most of a prefill's arithmetic;
+    3.3-4.2x PyTorch's float32 attention at 4k-32k, docs/BENCHMARKS.md). -> (T, H, d), or None: not on CPU, a short
+    past, no kernel (no AVX-512 BF16), d no multiple of 64, int8 rows."""
     T, d = query.shape[2], query.shape[3]
     if (query.is_cuda or key.shape[2] - T < LONG_PAST or d % 64 or query.dtype != torch.float32
             or key.dtype not in (torch.float32, torch.bfloat16)):
