@@ -78,7 +78,8 @@ def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
         monkeypatch.setattr(h2o, "LONG_PAST", long_past)
         layer = h2o.H2OLayer.__new__(h2o.H2OLayer)
         layer.window, layer.score = None, SimpleNamespace(data=torch.zeros(B, G, n + 5, 1))
-        assert (layer._kernel_sums(q, k, None, d**-0.5) is None) == (long_past == n)
+        for mask in (None, causal):  # no mask, or the model's (causal) mask of a chunk over a past
+            assert (layer._kernel_sums(q, k, mask, d**-0.5) is None) == (long_past == n)
         layer.add_prefill_scores(q, k, causal, d**-0.5)  # the model's mask of a chunk over a past: causal
         sums.append(layer.score.data[..., 0])
     torch.testing.assert_close(sums[0], sums[1], atol=2e-3 * sums[1].max().item(), rtol=1e-2)
