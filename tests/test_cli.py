@@ -332,19 +332,20 @@ def test_prefix_cache_bytes_takes_zero_for_off():
 
 
 def test_calibration_knobs_reach_the_cache_options(tmp_path):
-    """--gqa-combine, --channel-rule, --skew and --calibration-text (the knobs of the defaults' tuning study) reach
-    InfiniGen's options; unset, the config's defaults; a missing text file is one line, exit 2."""
+    """--gqa-combine, --channel-rule, --skew, --calibration-text and --speculate-from (the knobs of the defaults'
+    tuning studies) reach InfiniGen's options; unset, the config's defaults; a missing text file is one line, exit
+    2."""
     from infinigen_kv.cli import _method_options, build_parser
 
     text = tmp_path / "cal.txt"
     text.write_text("some text")
     p = build_parser()
     got = _method_options(p.parse_args(["bench", "accuracy", "--gqa-combine", "mean", "--channel-rule", "q",
-                                        "--skew", "svd", "--calibration-text", str(text)]))
-    assert (got["gqa_combine"], got["channel_rule"], got["skew"], got["calibration_text"]) == ("mean", "q", "svd",
-                                                                                             str(text))
+                                        "--skew", "svd", "--calibration-text", str(text), "--speculate-from", "own"]))
+    assert (got["gqa_combine"], got["channel_rule"], got["skew"], got["calibration_text"],
+            got["speculate_from"]) == ("mean", "q", "svd", str(text), "own")
     unset = _method_options(p.parse_args(["generate", "--prompt", "x"]))
-    assert all(unset[k] is None for k in ("gqa_combine", "channel_rule", "skew", "calibration_text"))
+    assert all(unset[k] is None for k in ("gqa_combine", "channel_rule", "skew", "calibration_text", "speculate_from"))
     one_line_error(cli("generate", "--prompt", "x", "--calibration-text", str(tmp_path / "none.txt"), ok=False),
                    "--calibration-text")
 

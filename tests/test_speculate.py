@@ -288,3 +288,65 @@ def test_layer_budget_recall_shares_the_fetch_by_layer():
         every = step_logits(model, ig.make_cache("infinigen", model, budget=1.0, layer_budget="recall"), ids,
                             torch.ones_like(ids))
     torch.testing.assert_close(every, full)
+
+
+def test_speculate_from_own_scores_each_layer_at_its_own_input():
+    """speculate_from "own": each speculated layer's partial query is made from that layer's own attention input
+    (the paper's "previous": from the layer before's); at budget 1.0 both are exact."""
+    import infinigen_kv as ig
+    from test_exactness import step_logits
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 256, (2, 120), generator=torch.Generator().manual_seed(2))
+    for source, lag in (("previous", 1), ("own", 0)):
+        cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0, speculate_from=source)
+        inputs, scored = {}, []
+        before, partial = cache.before_attention, cache.partial_query
+
+        def spy_before(layer_idx, x, step):
+            if x.shape[1] == 1:
+                inputs[layer_idx] = x.clone()
+            return before(layer_idx, x, step)
+
+        def spy_partial(layer, x, *rest):
+            scored.append((layer, x.clone()))
+            return partial(layer, x, *rest)
+
+        cache.before_attention, cache.partial_query = spy_before, spy_partial
+        ig.generate(model, ids, cache=cache, max_new_tokens=2, stop_at_eos=False)
+        layers = sorted({layer for layer, _ in scored})
+        assert layers == list(range(1, len(cache.layers)))  # every layer but layer 0, every step
+        for layer, x in scored[-len(layers):]:  # the last step's: each from the input of layer - lag (layer 1: its own)
+            torch.testing.assert_close(x, inputs[max(layer - lag, 1)], rtol=0, atol=0)
+    with torch.inference_mode():
+        full = step_logits(model, ig.make_cache("full", model), ids, torch.ones_like(ids))
+        own = step_logits(model, ig.make_cache("infinigen", model, budget=1.0, speculate_from="own"), ids,
+                          torch.ones_like(ids))
+    torch.testing.assert_close(own, full)
+    with pytest.raises(ig.ConfigError, match="speculate_from must be one of previous, own"):
+        ig.InfiniGenConfig(speculate_from="next")
+
+
+def test_recall_diagnostic_per_head():
+    """The recall diagnostic per layer and query head: the attention mass on the fetched rows (its mean over heads
+    is the layer's figure) and the share of each head's true top-k fetched; None for a dense layer; a bigger
+    budget recalls more."""
+    import infinigen_kv as ig
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(3))
+    H = model.args.n_heads
+    means = []
+    for budget in (0.6, 0.1):
+        cache = ig.make_cache("infinigen", model, budget=budget, min_budget=0, alpha=50.0)
+        cache.track_recall = True
+        ig.generate(model, ids, cache=cache, max_new_tokens=4, stop_at_eos=False)
+        s = cache.stats
+        mass, topk = s["recall_per_head"], s["topk_recall_per_head"]
+        assert mass[0] is None and topk[0] is None  # layer 0 attends densely
+        for i in range(1, len(mass)):
+            assert len(mass[i]) == len(topk[i]) == H
+            assert abs(sum(mass[i]) / H - s["recall_per_layer"][i]) < 1e-5
+            assert all(0 <= v <= 1 for v in topk[i]) and all(0 < v <= 1 + 1e-5 for v in mass[i])
+        means.append([sum(t) / H for t in topk[1:]] + [sum(m) / H for m in mass[1:]])
+    assert all(a > b for a, b in zip(*means))

@@ -56,18 +56,20 @@ def test_static_steps_give_the_eager_tokens(tiny_models, kind, monkeypatch):
         assert a.host_reads == []
 
 
-@pytest.mark.parametrize("kind,fake_cuda", [("llama-gqa", False), ("qwen3", False), ("opt", False),
-                                            ("llama-gqa", True), ("qwen3", True)])
+@pytest.mark.parametrize("kind,fake_cuda,source", [("llama-gqa", False, "previous"), ("qwen3", False, "previous"),
+                                                   ("opt", False, "previous"), ("llama-gqa", True, "previous"),
+                                                   ("qwen3", True, "previous"), ("llama-gqa", True, "own")])
 @pytest.mark.parametrize("budget", [0.1, 1.0])
-def test_static_infinigen_steps_choose_as_the_eager_ones(tiny_models, kind, fake_cuda, budget, monkeypatch):
+def test_static_infinigen_steps_choose_as_the_eager_ones(tiny_models, kind, fake_cuda, source, budget, monkeypatch):
     """InfiniGen in static steps (a fixed number of slots over the pool's capacity, which of them real in a mask the
     speculation writes; the new rows stored at the device column), on the direct transfer and on the CUDA one
-    (gathered on its side stream into each layer's own working set): the eager steps' tokens and fetched shares,
-    the same ops every step, and on the CUDA path at most 12 ops a speculated layer over full's."""
+    (gathered on its side stream into each layer's own working set), speculating from the previous layer's input or
+    each layer's own: the eager steps' tokens and fetched shares, the same ops every step, and on the CUDA path at
+    most 12 ops a speculated layer over full's."""
     monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models[kind]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
-    opts = dict(budget=budget, min_budget=0)
+    opts = dict(budget=budget, min_budget=0, speculate_from=source)
     eager_cache = ig.make_cache("infinigen", model, **opts)
     if fake_cuda:
         on_fake_cuda(eager_cache)

@@ -18,7 +18,7 @@ from . import __version__
 from .argtypes import (_budget, _budget_list, _capacity, _choices, _device, _fraction, _int_list, _non_negative_int,
                        _number, _port, _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file)
 from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
-                     PARTIAL_DTYPES, InfiniGenConfig)
+                     PARTIAL_DTYPES, SPECULATE_FROM, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
 from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_busy, cmd_bench_speed,
                        cmd_calibrate, cmd_generate, cmd_serve)
@@ -109,6 +109,10 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     p.add_argument("--calibration", default=None, help="calibration file to use (default: per-model cache, calibrating on first use)")
     p.add_argument("--gqa-combine", choices=["max", "mean"], default=None,
                    help="InfiniGen: how the query heads of a KV group vote for tokens (default: %s)" % InfiniGenConfig.gqa_combine)
+    p.add_argument("--speculate-from", choices=list(SPECULATE_FROM), default=None,
+                   help="InfiniGen: speculate each layer's fetch at the previous layer's input (the paper: the fetch "
+                   "overlaps its compute on a GPU) or at its own (its exact query; on CPU nothing overlaps) "
+                   "(default: %s)" % InfiniGenConfig.speculate_from)
     p.add_argument("--channel-rule", choices=["q", "qk"], default=None,
                    help="InfiniGen calibration: rank partial channels by |q| (paper) or |q|*|k| (default: %s)"
                    % InfiniGenConfig.channel_rule)

@@ -25,6 +25,7 @@ def _method_options(args) -> dict:
             "min_saving": getattr(args, "min_saving", None), "calibration": args.calibration, "bits": args.quant_bits,
             "eviction": getattr(args, "eviction", None),
             "local_layers": args.local_layers, "layer_budget": args.layer_budget, "gqa_combine": args.gqa_combine,
+            "speculate_from": args.speculate_from,
             "channel_rule": args.channel_rule, "skew": args.skew, "calibration_text": args.calibration_text,
             "partial_dtype": getattr(args, "partial_dtype", None), "kv_dtype": getattr(args, "kv_dtype", None),
             "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}

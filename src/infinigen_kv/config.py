@@ -21,6 +21,7 @@ PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "float32", "model")
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the storage of K/V rows (kv_dtype; "auto": model/kv.kv_storage)
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
+SPECULATE_FROM = ("previous", "own")  # the choices of InfiniGenConfig.speculate_from
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,11 @@ class InfiniGenConfig:
     # gqa_combine: how the r query heads of a KV group vote for tokens: "max" (any head wants it) or
     # "mean" of their logits relative to each head's maximum.
     gqa_combine: str = "max"
+    # speculate_from: which input speculates a layer's fetch. "previous" (the paper): layer l+1's at layer l's
+    # attention input, so the fetch overlaps layer l's compute on a GPU; "own": each layer at its own input, just
+    # before it attends (its exact partial query, where "previous" approximates it; nothing overlaps: on CPU the
+    # rows are read in place and there is nothing to hide).
+    speculate_from: str = "previous"
     # calibration: path of a calibration file to use; None = the per-model cache (calibrating on first use).
     calibration: str | None = None
     # calibration_text: a text file to calibrate on; None = the built-in default text.
@@ -116,6 +122,8 @@ class InfiniGenConfig:
             raise ConfigError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
         if self.gqa_combine not in ("max", "mean"):
             raise ConfigError(f"gqa_combine must be 'max' or 'mean', got {self.gqa_combine!r}")
+        if self.speculate_from not in SPECULATE_FROM:
+            raise ConfigError(f"speculate_from must be one of {', '.join(SPECULATE_FROM)}, got {self.speculate_from!r}")
         if self.local_layers not in LOCAL_LAYERS:
             raise ConfigError(f"local_layers must be one of {', '.join(LOCAL_LAYERS)}, got {self.local_layers!r}")
         if self.layer_budget not in LAYER_BUDGETS:

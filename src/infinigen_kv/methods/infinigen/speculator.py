@@ -227,7 +227,10 @@ class Speculate:
             return
         if self._dense_step:
             return
-        targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
+        if cache.config.speculate_from == "own":  # each layer from its own input, just before it attends
+            targets = [layer_idx]
+        else:
+            targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
         for nxt in targets:
             fetch = self.speculate(cache, nxt, x, step, layer_idx)
             if fetch is not None:

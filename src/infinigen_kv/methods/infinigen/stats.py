@@ -44,6 +44,7 @@ class Counters:
         self.rows_moved = 0  # padded rows gathered (what the transfer actually moves)
         self.kv_bytes = 0  # KV bytes read by decode steps: partial keys + fetched rows + dense layers
         self.recall.zero_()
+        self.recall_heads = self.topk_heads = None  # (L, H) sums, made at the first recorded step
         self.recall_steps = [0] * L
 
     def count_fetch(self, target, fetch: Fetch) -> None:
@@ -116,10 +117,27 @@ class Counters:
         sel = view.mask.squeeze(2)[..., 1:] if view.mask is not None else 1.0  # (B, G, m) real slots
         if view.chosen is not None and view.chosen[1] is not None:
             sel = counted(view.chosen[1], view.rows.shape[-1]).to(p.dtype)
-        got = torch.gather(p, 3, view.rows.unsqueeze(2).expand(-1, -1, p.shape[2], -1))  # (B, G, r, m)
-        mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # + the new token, always attended
-        self.recall[layer.layer_idx] += mass.mean().to(self.recall.device)
-        self.recall_steps[layer.layer_idx] += 1
+        B, G, r, n1 = p.shape
+        m = view.rows.shape[-1]
+        sel = torch.as_tensor(sel, dtype=p.dtype, device=p.device).expand(B, G, m)
+        got = torch.gather(p, 3, view.rows.unsqueeze(2).expand(-1, -1, r, -1))  # (B, G, r, m)
+        mass = (got * sel.unsqueeze(2)).sum(-1) + p[..., -1]  # (B, G, r), + the new token, always attended
+        # against each head's true top-k, k = the row's real fetched rows: the share of those k that were fetched
+        chosen = torch.zeros(B, G, n1, dtype=torch.bool, device=p.device)
+        chosen.scatter_(2, view.rows, sel > 0)  # (B, G, n + 1): the past positions fetched
+        k = sel.sum(-1, keepdim=True).unsqueeze(2)  # (B, G, 1, 1)
+        top = p[..., :-1].topk(min(m, n1 - 1), dim=-1).indices  # (B, G, r, m), best first
+        hit = chosen.unsqueeze(2).expand(-1, -1, r, -1).gather(3, top)  # (B, G, r, m)
+        within = torch.arange(top.shape[-1], device=p.device) < k  # (B, G, 1, m)
+        topk = (hit & within).sum(-1) / k.squeeze(-1).clamp(min=1)  # (B, G, r)
+        i = layer.layer_idx
+        self.recall[i] += mass.mean().to(self.recall.device)
+        if self.recall_heads is None:  # (L, H): per query head, as the model numbers them (KV group-major)
+            self.recall_heads = torch.zeros(len(self.recall), G * r, dtype=torch.float64)
+            self.topk_heads = torch.zeros_like(self.recall_heads)
+        self.recall_heads[i] += mass.mean(0).flatten().double().cpu()
+        self.topk_heads[i] += topk.mean(0).flatten().double().cpu()
+        self.recall_steps[i] += 1
 
     # A CUDA graph replays a step's device work, not its Python: the host counts of the step it captured are taken
     # once (snapshot around its warm-up), and added after every replay (model/static.py).
@@ -189,6 +207,17 @@ class Counters:
             "decode_steps": max(self.steps) if self.steps else 0,
             "kv_bytes_per_step": self.kv_bytes // max(max(self.steps), 1),
             "pool_bytes": sum(l.nbytes for l in layers),
-            **({"recall_per_layer": [r / max(n, 1) for r, n in zip(self.recall.cpu().tolist(), self.recall_steps)]}
-               if track_recall else {}),
+            **(self.recall_report() if track_recall else {}),
         }
+
+    def recall_report(self) -> dict:
+        """The recall diagnostic over the recorded steps: per layer, the share of the true attention mass on the
+        fetched rows (recall_per_layer); per layer and query head, that share (recall_per_head) and the share of
+        the head's true top-k it fetched, k = its row's fetched count (topk_recall_per_head); None where a layer
+        recorded no step (a dense layer)."""
+        steps = self.recall_steps
+        per_layer = [r / max(n, 1) for r, n in zip(self.recall.cpu().tolist(), steps)]
+        heads = {"recall_per_head": self.recall_heads, "topk_recall_per_head": self.topk_heads}
+        return {"recall_per_layer": per_layer,
+                **{name: [None if t is None or not n else (t[i] / n).tolist() for i, n in enumerate(steps)]
+                   for name, t in heads.items()}}

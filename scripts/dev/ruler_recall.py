@@ -1,0 +1,76 @@
+"""Where does InfiniGen's selection lose a RULER sample? One prefill of the prompt, shared by the full cache and by
+InfiniGen at each budget and speculation input (`--from previous,own`); each decodes greedily with the recall
+diagnostic on. Prints each one's output and score, and per speculated layer: the share of the true attention mass
+on the fetched rows (mass), the share of each query head's true top-k it fetched (k = the rows it fetched; the mean
+over heads and the worst head), and the heads worst recalled over all layers.
+
+    python scripts/dev/ruler_recall.py --task niah_multivalue --length 16000 --seed 1 --budget 0.05,0.1 \\
+        --model MODEL --data DIR
+
+(docs/BENCHMARKS.md, "RULER at 16k tokens, the 0.5B").
+"""
+
+import argparse
+import dataclasses
+
+import infinigen_kv as ig
+from infinigen_kv.bench import accuracy, ruler
+from infinigen_kv.bench.tee import TeeCache
+from infinigen_kv.cli import _budget
+from infinigen_kv.methods.registry import make_cache
+from infinigen_kv.runtime.generation import generate, prefill
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="niah_multivalue", choices=ruler.TASKS)
+    p.add_argument("--length", type=int, default=16000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", default="0.05", help="budgets, comma-separated: fractions (0.05) or token counts (1024)")
+    p.add_argument("--from", dest="sources", default="previous,own", help="speculation inputs, comma-separated")
+    p.add_argument("--model", default=None)
+    p.add_argument("--data", default=None, help="text for the essay haystacks (a folder with pg19/ inside)")
+    p.add_argument("--worst", type=int, default=8, help="how many of the worst (layer, head) pairs to list")
+    args = p.parse_args()
+    budgets = [_budget(b) for b in args.budget.split(",")]
+    sources = args.sources.split(",")
+
+    try:
+        essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
+    except accuracy.DataError as e:
+        p.error(str(e))
+    model, tokenizer = ig.load_model(args.model)
+    prompt, answers, max_new, scorer = accuracy.make_prompt(tokenizer, args.task, args.length, args.seed, essay)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    full = make_cache("full", model)
+    spec = make_cache("infinigen", model, budget=budgets[0], min_budget=0)  # as the bench: each budget as named
+    logits = prefill(model, ids, None, TeeCache([full, spec]), max_new)
+    print(f"{args.task} at {ids.shape[1]} tokens, seed {args.seed}, answer {answers}")
+
+    def decode(cache):
+        r = generate(model, ids, cache=cache, max_new_tokens=max_new, prefilled=logits)
+        out = tokenizer.decode(r.tokens[0, : r.lengths[0]], skip_special_tokens=True)
+        return scorer(out), out
+
+    score, out = decode(full)
+    print(f"{'full':24s} score {score:.2f} {out[:70]!r}")
+    for budget in budgets:
+        for source in sources:
+            run = spec.fork(budget=budget)
+            run.config = dataclasses.replace(run.config, speculate_from=source)
+            run.track_recall = True
+            score, out = decode(run)
+            stats = run.stats
+            name = f"infinigen {budget:g} {source}"
+            print(f"{name:24s} score {score:.2f} {out[:70]!r}  fetched {stats['fetched_fraction']:.3f}")
+            mass, topk = stats["recall_per_layer"], stats["topk_recall_per_head"]
+            layers = [i for i, t in enumerate(topk) if t is not None]
+            print("  layer: mass  top-k mean / worst head")
+            print("  " + "  ".join(f"{i}:{mass[i]:.3f} {sum(topk[i]) / len(topk[i]):.2f}/{min(topk[i]):.2f}h"
+                                   f"{topk[i].index(min(topk[i]))}" for i in layers))
+            pairs = sorted((topk[i][h], i, h) for i in layers for h in range(len(topk[i])))[:args.worst]
+            print("  worst (layer, head) top-k recall: " + ", ".join(f"({i},{h}) {v:.2f}" for v, i, h in pairs))
+
+
+if __name__ == "__main__":
+    main()
