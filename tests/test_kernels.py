@@ -364,7 +364,8 @@ def test_held_weights_through_the_kernels_match_float32(lengths, weights, float3
 def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
     """The partial query through the kernel (only the q_proj rows of P and their RoPE partners; the folded
     weights without RoPE) equals the full query's skewed channels (int8 weights: within the activations' rounding;
-    bfloat16 rows where the CPU multiplies bfloat16: within x's bfloat16 rounding, a query that only ranks tokens)."""
+    bfloat16 rows where the CPU multiplies bfloat16: within x's bfloat16 rounding, a query that only ranks tokens),
+    and so does the partial query taken from the layer's own query (speculate_from "own": PartialQuery.of_query)."""
     model = tiny_model(kind, weights=None if weights == "float32" else weights)
     cache = ig.make_cache("infinigen", model)
     # tiny RoPE models calibrate unskewed ("auto"); a QK-norm needs whole heads: no row kernel
@@ -385,6 +386,10 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
             if weights == "bfloat16" and cache.pq.rows is not None and K.bf16_dots_native():
                 tol = 2e-2
             torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
+            own = cache.pq.of_query(cache.arch.query(layer, x, rope), cache.layers[layer].skew_p)
+            if weights == "bfloat16" and K.bf16_dots_native():  # the query's own linear rounds x to bfloat16 too
+                tol = 2e-2
+            torch.testing.assert_close(own, expect, rtol=tol, atol=tol)
 
 
 def test_partial_key_storage(tiny_models, monkeypatch):

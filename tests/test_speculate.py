@@ -290,34 +290,41 @@ def test_layer_budget_recall_shares_the_fetch_by_layer():
     torch.testing.assert_close(every, full)
 
 
-def test_speculate_from_own_scores_each_layer_at_its_own_input():
-    """speculate_from "own": each speculated layer's partial query is made from that layer's own attention input
-    (the paper's "previous": from the layer before's); at budget 1.0 both are exact."""
+def test_speculate_from_own_scores_each_layer_at_its_own_query():
+    """speculate_from "own": each speculated layer chooses its rows at its own decode query (its skewed partial
+    channels: no partial query projection), none at an earlier layer's input; "previous" (the paper's) chooses each
+    one a layer ahead. At budget 1.0 both are exact."""
     import infinigen_kv as ig
+    from infinigen_kv.methods.infinigen.partial import PartialQuery
     from test_exactness import step_logits
 
     model = tiny_model("llama-gqa")
     ids = torch.randint(3, 256, (2, 120), generator=torch.Generator().manual_seed(2))
-    for source, lag in (("previous", 1), ("own", 0)):
+    L = len(model.layers)
+    for source in ("previous", "own"):
         cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0, speculate_from=source)
-        inputs, scored = {}, []
-        before, partial = cache.before_attention, cache.partial_query
+        at_input, at_query, projected = [], [], []
+        before, after, partial = cache.before_attention, cache.after_query, cache.partial_query
 
-        def spy_before(layer_idx, x, step):
-            if x.shape[1] == 1:
-                inputs[layer_idx] = x.clone()
-            return before(layer_idx, x, step)
+        def spy_before(i, x, step):  # the layers chosen at layer i's input
+            started = before(i, x, step)
+            at_input.extend(n for n, _ in started)
+            return started
 
-        def spy_partial(layer, x, *rest):
-            scored.append((layer, x.clone()))
-            return partial(layer, x, *rest)
+        def spy_after(i, q, step):  # layer i chosen at its own query
+            fetch = after(i, q, step)
+            if fetch is not None:
+                at_query.append(i)
+            return fetch
 
-        cache.before_attention, cache.partial_query = spy_before, spy_partial
-        ig.generate(model, ids, cache=cache, max_new_tokens=2, stop_at_eos=False)
-        layers = sorted({layer for layer, _ in scored})
-        assert layers == list(range(1, len(cache.layers)))  # every layer but layer 0, every step
-        for layer, x in scored[-len(layers):]:  # the last step's: each from the input of layer - lag (layer 1: its own)
-            torch.testing.assert_close(x, inputs[max(layer - lag, 1)], rtol=0, atol=0)
+        cache.before_attention, cache.after_query = spy_before, spy_after
+        cache.partial_query = lambda layer, *a: (projected.append(layer), partial(layer, *a))[1]
+        ig.generate(model, ids, cache=cache, max_new_tokens=3, stop_at_eos=False)
+        steps = 2  # decode steps after the prefill's token
+        if source == "own":
+            assert at_input == [] and projected == [] and at_query == list(range(1, L)) * steps
+        else:
+            assert at_query == [] and sorted(at_input) == sorted(projected) == sorted(list(range(1, L)) * steps)
     with torch.inference_mode():
         full = step_logits(model, ig.make_cache("full", model), ids, torch.ones_like(ids))
         own = step_logits(model, ig.make_cache("infinigen", model, budget=1.0, speculate_from="own"), ids,

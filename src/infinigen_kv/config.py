@@ -61,9 +61,10 @@ class InfiniGenConfig:
     # "mean" of their logits relative to each head's maximum.
     gqa_combine: str = "max"
     # speculate_from: which input speculates a layer's fetch. "previous" (the paper): layer l+1's at layer l's
-    # attention input, so the fetch overlaps layer l's compute on a GPU; "own": each layer at its own input, just
-    # before it attends (its exact partial query, where "previous" approximates it; nothing overlaps: on CPU the
-    # rows are read in place and there is nothing to hide).
+    # attention input, so the fetch overlaps layer l's compute on a GPU; "own": each layer at its own query, just
+    # before it attends (its exact partial query, the query's skewed channels, where "previous" predicts it from
+    # layer l's input through layer l+1's q_proj rows; nothing overlaps: on CPU the rows are read in place and
+    # there is nothing to hide).
     speculate_from: str = "previous"
     # calibration: path of a calibration file to use; None = the per-model cache (calibrating on first use).
     calibration: str | None = None

@@ -40,6 +40,10 @@ class FetchAll:
     def max_fetch(cache, layer_idx: int, tokens: int) -> int:
         return tokens
 
+    def choose_at_query(self, cache, layer_idx: int, q: torch.Tensor, step) -> None:
+        """Every fetch is started one layer ahead (choose)."""
+        return None
+
     def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
         """At layer l's decode input: the whole past of layer l+1 (and of layer 0, at layer 0), as (layer, Fetch)."""
         targets = ([0] if layer_idx == 0 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])

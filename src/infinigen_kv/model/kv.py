@@ -72,6 +72,12 @@ class StepCache:
         hands each to that layer's view."""
         return []
 
+    def after_query(self, layer_idx: int, q: torch.Tensor, step):
+        """Called by layer l with its query q (B, H, T, d), RoPE applied, when no earlier layer started a fetch for
+        it: a method that chooses a layer's reads from its own query does it here and returns that fetch for the
+        layer's view; None otherwise."""
+        return None
+
     def reserve(self, tokens: int) -> None:
         """Size buffers for `tokens` tokens per sequence when they are made (none grows inside decode)."""
 

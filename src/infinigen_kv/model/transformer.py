@@ -8,6 +8,7 @@ layer l's speculation starts for layer l+1 comes back from the cache and is kept
       for each Block:  h = norm(x)
                        fetches += cache.before_attention(i, h, step)     (speculation of what i+1 reads)
                        q, k, v = rope(wqkv(h))                           (B, H | G, T, d)
+                       fetches[i] = fetches[i] or cache.after_query(i, q, step)   (or of what i reads, from q)
                        view = cache.layers[i].view(k, v, fetches[i])     (stores k, v; what attention reads)
                        x = x + wo(attend(q, view, step.mask(i)))
                        x = x + mlp(norm(x))
@@ -175,6 +176,8 @@ class Attention(nn.Module):
         prefill = T > 1
         q, k, v = self.qkv(h, step.rope(self.layer), prefill)
         mask = step.layer_mask(self.layer)
+        if cache is not None and fetch is None and not prefill:
+            fetch = cache.after_query(self.layer, q, step)
         if cache is None:
             out, _ = attend(q, KVView(k, v), mask, self.scaling, window=self.window)
         else:

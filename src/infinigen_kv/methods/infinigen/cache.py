@@ -10,8 +10,10 @@ One decode step, layer l (l >= 1), file by file:
      pool.py when it has a capacity) and returns the working set [new token, fetched rows] as a KVView
      (model/kv.py: the rows and their mask, or the chosen slots read in place);
   5. model/attention.py attends over that view, passed to it as an argument.
-Layer 0 has no previous layer and attends over all of its (device-resident) cache. The cache reports the
-logical length, so transformers builds masks and positions as usual.
+With speculate_from "own", step 2 happens at layer l+1's own query instead (`after_query`, from its attention
+block, before its view; the query's skewed channels are the partial query). Layer 0 has no previous layer and
+attends over all of its (device-resident) cache. The cache reports the logical length, so transformers builds masks
+and positions as usual.
 """
 
 from __future__ import annotations
@@ -191,6 +193,18 @@ class InfiniGenCache(Rebatch):
             self.prefetch(self.layers[nxt], fetch)  # started before the next one is scored
             started.append((nxt, fetch))
         return started
+
+    @torch.no_grad()
+    def after_query(self, layer_idx: int, q: torch.Tensor, step) -> Fetch | None:
+        """Called by layer l with its query q (B, H, T, d), RoPE applied: a decode step's selection that chooses a
+        layer's rows at its own query (speculate_from "own") does it here; the fetch starts, and is returned for
+        the layer's view (None where nothing was chosen here)."""
+        if q.shape[2] != 1:
+            return None
+        fetch = self.selection.choose_at_query(self, layer_idx, q, step)
+        if fetch is not None:
+            self.prefetch(self.layers[layer_idx], fetch)
+        return fetch
 
     def prefetch(self, target: PoolLayer, fetch: Fetch) -> None:
         """Count `fetch` (target's chosen slots) and start it; target's view is handed it."""

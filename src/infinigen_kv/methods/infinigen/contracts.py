@@ -23,6 +23,10 @@ class Selection(Protocol):
     def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
         """At layer l's decode input x (B, 1, D): the fetches it chooses for later layers, (layer, Fetch) each."""
 
+    def choose_at_query(self, cache, layer_idx: int, q: torch.Tensor, step) -> Fetch | None:
+        """At layer l's decode query q (B, H, 1, d), RoPE applied: its own fetch, where it chooses there (None:
+        chosen at an earlier layer's input, or not at all)."""
+
     def reset(self) -> None:
         """Forget what is kept across steps (after a batch change)."""
 

@@ -81,6 +81,14 @@ class PartialQuery:
         q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return _times(torch.matmul(q, skew_p.unsqueeze(0)), scale)  # (B, G, r, p)
 
+    @staticmethod
+    def of_query(q: torch.Tensor, skew_p: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """The skewed partial query of a layer's own query q (B, H, 1, d), RoPE (and OPT's pre-scaling) applied, times
+        `scale`: q A_P, (B, G, r, p) (skew_p (G, d, p); for raw channels A_P picks them). One small matmul."""
+        B, H, _, d = q.shape
+        G = skew_p.shape[0]
+        return _times(torch.matmul(q.reshape(B, G, H // G, d).to(skew_p.dtype), skew_p.unsqueeze(0)), scale)
+
     def _partial_query_rows(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, memo: dict,
                             kind, scale: float) -> torch.Tensor:
         """The CPU kernel's partial_query in PyTorch (a GPU; a CPU without the kernels), times `scale`: x (B, D) times

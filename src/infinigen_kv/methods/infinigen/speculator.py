@@ -227,14 +227,21 @@ class Speculate:
             return
         if self._dense_step:
             return
-        if cache.config.speculate_from == "own":  # each layer from its own input, just before it attends
-            targets = [layer_idx]
-        else:
-            targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
+        if cache.config.speculate_from == "own":  # each layer at its own query (choose_at_query)
+            return
+        targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
         for nxt in targets:
             fetch = self.speculate(cache, nxt, x, step, layer_idx)
             if fetch is not None:
                 yield nxt, fetch
+
+    def choose_at_query(self, cache, layer_idx: int, q: torch.Tensor, step) -> Fetch | None:
+        """speculate_from "own": layer l's fetch from its own decode query q (B, H, 1, d), RoPE applied: its skewed
+        partial channels are the partial query (no projection of their own), exact where "previous" predicts it
+        from layer l-1's input. Layer 0, and a step attending densely, choose nothing."""
+        if layer_idx == 0 or self._dense_step or cache.config.speculate_from != "own":
+            return None
+        return self.speculate(cache, layer_idx, None, step, layer_idx, query=q)
 
     @staticmethod
     def _attends_densely(cache) -> bool:
@@ -264,15 +271,17 @@ class Speculate:
             return not selects
         return not (selects and speculation_pays(saved, total, c.min_saving))
 
-    def speculate(self, cache, nxt: int, x: torch.Tensor, step, layer_idx: int) -> Fetch | None:
-        """Layer nxt's fetch from layer layer_idx's input x (B, 1, D) (step: the forward's transformer.Step): its partial query scored against its partial key cache, the tokens
-        within alpha of each head's best, at most its budget; None where the layer attends all of its past."""
+    def speculate(self, cache, nxt: int, x: torch.Tensor | None, step, layer_idx: int,
+                  query: torch.Tensor | None = None) -> Fetch | None:
+        """Layer nxt's fetch from layer layer_idx's input x (B, 1, D) (step: the forward's transformer.Step), or from
+        layer nxt's own query (B, H, 1, d) where given: its partial query scored against its partial key cache, the
+        tokens within alpha of each head's best, at most its budget; None where the layer attends all of its past."""
         target = cache.layers[nxt]
         if not target.is_initialized or target.dense:
             return None
         dev = target.device
         rope = step.rope(nxt)  # layer l+1's own (Gemma 3: per layer type)
-        if x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
+        if x is not None and x.device != dev:  # device_map: layer l's input, RoPE and mask go to layer l+1's device
             x = x.to(dev, non_blocking=True)
             rope = tuple(t.to(dev, non_blocking=True) for t in rope) if rope is not None else None
         static = step.column is not None  # a static step: every shape spans the pool's capacity
@@ -288,7 +297,11 @@ class Speculate:
             # (on CUDA a dense pool layer would be copied to the device synchronously: it fetches all it may)
             return None
         kern = target.backend.ops
-        q = cache.partial_query(nxt, x, rope, step.memo, 1.0 if kern is not None else cache.arch.score_scale)  # (B, G, r, p)
+        scale = 1.0 if kern is not None else cache.arch.score_scale
+        if query is not None:  # (B, G, r, p)
+            q = cache.pq.of_query(query, target.skew_p, scale)
+        else:
+            q = cache.partial_query(nxt, x, rope, step.memo, scale)
         B, G = q.shape[:2]
         evicted = target.slots is not None and target.slots.evicted
         keep, caps = self.step_keep(cache, nxt, step, layer_idx, n if static else target.seen, dev, B, G,
