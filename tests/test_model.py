@@ -71,7 +71,8 @@ def test_a_model_moved_to_bfloat16_computes_in_it():
 @torch.inference_mode()
 def test_held_weights_compute_their_rounded_values(weights, float32_products):
     """bfloat16 / int8-row weights: our model equals a float32 model of the rounded weights' values (prompt chunks
-    multiplied in float32)."""
+    multiplied in float32; int8 rows' decode steps within their int8 activations' rounding, 2^-8 of a group's
+    largest value)."""
     from infinigen_kv.model import ops
 
     hf = tiny_hf("llama-gqa")
@@ -82,7 +83,8 @@ def test_held_weights_compute_their_rounded_values(weights, float32_products):
             if p.dtype != torch.float32:
                 q.copy_(ops.dense(p, torch.float32))
     ids, mask = left_padded_batch(lengths=(20, 9))
-    torch.testing.assert_close(our_steps(held, ids, mask, 3), our_steps(exact, ids, mask, 3), **TOL)
+    tol = dict(atol=1e-2, rtol=1e-2) if weights == "int8" else TOL
+    torch.testing.assert_close(our_steps(held, ids, mask, 3), our_steps(exact, ids, mask, 3), **tol)
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])

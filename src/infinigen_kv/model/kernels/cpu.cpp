@@ -819,38 +819,99 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 // 10-20 GB/s on these shapes with cold weights; this loop runs near the machine's read bandwidth.
 
 // int8 weights: a weight row is a K/V row's q8_0 layout (kv_width(in) bytes: in values in groups of 32, then the
-// groups' float16 scales), read by integer products. The activations are made int16 once per call (QuantizedX):
-// each row's groups of 32 by their absmax / 32767, an error of at most 2^-16 of a group's largest value, far below
-// the weights' own rounding (2^-8 of theirs). A group's 32 products are summed exactly in int32 (madd_epi16; at
-// most 32 x 127 x 32767), converted to float once, times the weight's and the activation's scales; eight groups'
-// sums are reduced into one vector and scaled at once. Every row of a call the same way. Converting int8
-// weights to float32 instead costs two instructions per 8 weights, which bounded a one-row product at ~12 G
-// weights/s on the dev machine (bfloat16's at ~25).
-struct QuantizedX {
+// groups' float16 scales), read by integer products. The activations are made int8 once per call (QuantizedX8, as
+// llama.cpp's q8_0 x q8_0): each row's groups of 32 by their absmax / 127, with each group's integer sum. A group's
+// 32 products are summed exactly in int32, converted to float once, times the weight's and the activation's scales;
+// eight groups' sums are reduced into one vector and scaled at once. The integers are the same on every path:
+// VNNI-512 multiplies the weights + 128 (unsigned) by the activations with dpbusd, two groups an instruction, and takes
+// 128 x the activations' sum back out; AVX2 multiplies |w| by the activations signed as w (maddubs: a pair at most
+// 2 x 128 x 127, no saturation). Every row of a call the same way.
+struct QuantizedX8 {
   int64_t ng, pad;  // groups a row, values a row padded to whole groups (zeros)
-  std::vector<int16_t> q;  // (R, pad)
-  std::vector<float> s;  // (R, ng)
-  QuantizedX(const float* x, int64_t R, int64_t in) : ng(kv_groups(in)), pad(kv_groups(in) * KV_GROUP) {
-    q.assign(R * pad, 0);
-    s.assign(R * ng, 0.f);
+  std::vector<int8_t> q;  // (R, pad)
+  std::vector<float> s, sum;  // (R, ng): a group's scale, and its values' sum as quantized (scale x isum)
+  std::vector<int32_t> isum;  // (R, ng): the sum of a group's int8 values
+  QuantizedX8(const float* x, int64_t R, int64_t in)
+      : ng(kv_groups(in)), pad(kv_groups(in) * KV_GROUP), q(R * pad, 0), s(R * ng), sum(R * ng), isum(R * ng) {
     for (int64_t r = 0; r < R; ++r)
       for (int64_t g = 0; g < ng; ++g) {
         const float* xg = x + r * in + g * KV_GROUP;
         const int64_t len = std::min(KV_GROUP, in - g * KV_GROUP);
+        int8_t* qg = q.data() + r * pad + g * KV_GROUP;
+        int32_t total = 0;
         float m = 0.f;
-        for (int64_t i = 0; i < len; ++i) m = std::max(m, std::fabs(xg[i]));
-        const float sc = m / 32767.f, inv = m > 0.f ? 32767.f / m : 0.f;
+#ifdef IG_AVX2  // the scalar loop's arithmetic, 8 lanes at a time (cvtps rounds to nearest even, as nearbyint)
+        if (len == KV_GROUP) {
+          __m256 v[4], a = _mm256_setzero_ps();
+          const __m256 sign = _mm256_set1_ps(-0.f);
+          for (int k = 0; k < 4; ++k) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[k] = _mm256_loadu_ps(xg + 8 * k)));
+          __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+          h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+          m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+          const float inv = m > 0.f ? 127.f / m : 0.f;
+          const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+          __m256i n[4], t = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            n[k] = _mm256_cvtps_epi32(_mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_mul_ps(v[k], vi))));
+            t = _mm256_add_epi32(t, n[k]);
+          }
+          const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg),
+                              _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+          __m128i ts = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+          ts = _mm_add_epi32(ts, _mm_shuffle_epi32(ts, _MM_SHUFFLE(1, 0, 3, 2)));
+          total = _mm_cvtsi128_si32(_mm_add_epi32(ts, _mm_shuffle_epi32(ts, _MM_SHUFFLE(2, 3, 0, 1))));
+        } else
+#endif
+        {
+          for (int64_t i = 0; i < len; ++i) m = std::max(m, std::fabs(xg[i]));
+          const float inv = m > 0.f ? 127.f / m : 0.f;
+          for (int64_t i = 0; i < len; ++i) {
+            qg[i] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(xg[i] * inv))));
+            total += qg[i];
+          }
+        }
+        const float sc = m / 127.f;
         s[r * ng + g] = sc;
-        int16_t* qg = q.data() + r * pad + g * KV_GROUP;
-        for (int64_t i = 0; i < len; ++i) qg[i] = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(xg[i] * inv))));
+        isum[r * ng + g] = total;
+        sum[r * ng + g] = sc * float(total);
       }
   }
 };
 
-// y[b * ldy] = x[b] . w for RB rows of quantized activations (row b at xq + b pad, its scales at xs + b ng)
+#ifdef IG_AVX2
+// 8 int32 lanes of sums of u[i] s[i] (u unsigned bytes, s signed), each lane four neighbouring products
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#ifdef IG_VNNI512
+// [sum of group 0's lanes, ..., group 7's] (exact) from z[k]: lanes 0-7 group 2k's, lanes 8-15 group 2k + 1's
+inline __m256i group_sums8(const __m512i* z) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[0], z[1]), _mm512_unpackhi_epi64(z[0], z[1]));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[2], z[3]), _mm512_unpackhi_epi64(z[2], z[3]));
+  const __m512i u = _mm512_unpacklo_epi32(s01, s23), v = _mm512_unpackhi_epi32(s01, s23);
+  // per 128-bit lane: the sums of that lane's four dwords of z[0], z[2], z[1], z[3]
+  const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+  const __m512i first = _mm512_setr_epi32(0, 8, 2, 10, 1, 9, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);  // a group's first lane
+  const __m512i second = _mm512_setr_epi32(4, 12, 6, 14, 5, 13, 7, 15, 0, 0, 0, 0, 0, 0, 0, 0);  // and its second
+  return _mm512_castsi512_si256(
+      _mm512_add_epi32(_mm512_permutexvar_epi32(first, t), _mm512_permutexvar_epi32(second, t)));
+}
+#endif
+
+// y[b * ldy] = x[b] . w for RB rows of int8 activations (row b's values at xq + b pad, its groups' scales and integer
+// sums at xs + b ng, xi + b ng)
 template <int RB>
-inline void rows_dot_q8(const int8_t* __restrict w, const int16_t* __restrict xq, const float* __restrict xs,
-                        int64_t in, int64_t pad, float* y, int64_t ldy) {
+inline void rows_dot_q8(const int8_t* __restrict w, const int8_t* __restrict xq, const float* __restrict xs,
+                        const int32_t* __restrict xi, int64_t in, int64_t pad, float* y, int64_t ldy) {
   const int64_t ng = kv_groups(in);
   float sum[RB] = {};
 #ifdef IG_AVX2
@@ -860,46 +921,48 @@ inline void rows_dot_q8(const int8_t* __restrict w, const int16_t* __restrict xq
   for (; (g + 8) * KV_GROUP <= in; g += 8) {  // eight whole groups: their dot products as one vector, scaled at once
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + in + 2 * g)));
     const int8_t* wg = w + g * KV_GROUP;
-    auto w16 = [&](int j) {  // the j-th 16 weights of the 8 groups as int16
-      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * j)));
-    };
-    alignas(32) int16_t wide[8 * KV_GROUP];  // several rows: the weights widened once, read from L1 by each row
-    if constexpr (RB > 1)
-      for (int j = 0; j < 16; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(wide) + j, w16(j));
+#ifdef IG_VNNI512  // two groups a product: the weights + 128 as unsigned bytes (w xor 0x80)
+    __m512i wv[4];
+    for (int k = 0; k < 4; ++k)
+      wv[k] = _mm512_xor_si512(_mm512_loadu_si512(wg + 2 * k * KV_GROUP), _mm512_set1_epi8(char(0x80)));
+#else  // a group a product: |w|, and the activations signed as w (sign_epi8)
+    __m256i wv[8];
+    for (int k = 0; k < 8; ++k) wv[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + k * KV_GROUP));
+    __m256i wa[8];
+    for (int k = 0; k < 8; ++k) wa[k] = _mm256_abs_epi8(wv[k]);
+#endif
     for (int b = 0; b < RB; ++b) {
-      const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * pad + g * KV_GROUP);
+      const int8_t* xg = xq + b * pad + g * KV_GROUP;
+#ifdef IG_VNNI512
+      __m512i p[4];
+      for (int k = 0; k < 4; ++k)
+        p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(xg + 2 * k * KV_GROUP));
+      const __m256i bias = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + b * ng + g)), 7);
+      const __m256i isums = _mm256_sub_epi32(group_sums8(p), bias);  // the 8 groups' sums of w xq
+#else
       __m256i p[8];
-      for (int k = 0; k < 8; ++k) {
-        __m256i w0, w1;
-        if constexpr (RB > 1) {
-          w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wide) + 2 * k);
-          w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wide) + 2 * k + 1);
-        } else {
-          w0 = w16(2 * k);
-          w1 = w16(2 * k + 1);
-        }
-        p[k] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xg + 2 * k)),
-                                _mm256_madd_epi16(w1, _mm256_loadu_si256(xg + 2 * k + 1)));
-      }
-      const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));  // the 8 groups' integer dot products
-      acc[b][0] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_loadu_ps(xs + b * ng + g)), acc[b][0]);
+      for (int k = 0; k < 8; ++k)
+        p[k] = dot_u8s8(wa[k], _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + k * KV_GROUP)),
+                                                wv[k]));
+      const __m256i isums = hsum8_epi32(p);  // the 8 groups' sums of w xq
+#endif
+      acc[b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isums), _mm256_mul_ps(ws, _mm256_loadu_ps(xs + b * ng + g)),
+                                  acc[b][0]);
     }
   }
   for (; g < ng; ++g) {
     const int8_t* wg = w + g * KV_GROUP;
-    alignas(16) int8_t tail[KV_GROUP];
+    alignas(32) int8_t tail[KV_GROUP];
     if ((g + 1) * KV_GROUP > in) {  // a last, shorter group: its values, zeros after (the row's scales follow)
       std::memset(tail, 0, KV_GROUP);
       std::memcpy(tail, wg, in - g * KV_GROUP);
       wg = tail;
     }
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16)));
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg)), wa = _mm256_abs_epi8(wv);
     const float ws = half_at(w + in + 2 * g);
     for (int b = 0; b < RB; ++b) {
-      const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * pad + g * KV_GROUP);
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xg)),
-                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(xg + 1)));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * pad + g * KV_GROUP));
+      const __m256i p = dot_u8s8(wa, _mm256_sign_epi8(xv, wv));
       acc[b][g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ws * xs[b * ng + g]), acc[b][g & 1]);
     }
   }
@@ -960,64 +1023,7 @@ constexpr int64_t Q4_GROUP = 32;
 #endif
 inline int64_t q4_width(int64_t in) { return in / 2 + 4 * (in / Q4_GROUP); }
 
-struct QuantizedX8 {
-  int64_t ng;
-  std::vector<int8_t> q;  // (R, in)
-  std::vector<float> s, sum;  // (R, ng): a group's scale, and its values' sum as quantized
-  QuantizedX8(const float* x, int64_t R, int64_t in) : ng(in / Q4_GROUP), q(R * in), s(R * ng), sum(R * ng) {
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t g = 0; g < ng; ++g) {
-        const float* xg = x + r * in + g * Q4_GROUP;
-        int8_t* qg = q.data() + r * in + g * Q4_GROUP;
-        int32_t total = 0;
-#ifdef IG_AVX2  // the scalar loop's arithmetic, 8 lanes at a time (cvtps rounds to nearest even, as nearbyint)
-        __m256 v[4], a = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.f);
-        for (int k = 0; k < 4; ++k) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[k] = _mm256_loadu_ps(xg + 8 * k)));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-        const float inv = m > 0.f ? 127.f / m : 0.f;
-        const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-        __m256i n[4], t = _mm256_setzero_si256();
-        for (int k = 0; k < 4; ++k) {
-          n[k] = _mm256_cvtps_epi32(_mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_mul_ps(v[k], vi))));
-          t = _mm256_add_epi32(t, n[k]);
-        }
-        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg),
-                            _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i ts = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-        ts = _mm_add_epi32(ts, _mm_shuffle_epi32(ts, _MM_SHUFFLE(1, 0, 3, 2)));
-        total = _mm_cvtsi128_si32(_mm_add_epi32(ts, _mm_shuffle_epi32(ts, _MM_SHUFFLE(2, 3, 0, 1))));
-#else
-        float m = 0.f;
-        for (int64_t i = 0; i < Q4_GROUP; ++i) m = std::max(m, std::fabs(xg[i]));
-        const float inv = m > 0.f ? 127.f / m : 0.f;
-        for (int64_t i = 0; i < Q4_GROUP; ++i) {
-          qg[i] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(xg[i] * inv))));
-          total += qg[i];
-        }
-#endif
-        const float sc = m / 127.f;
-        s[r * ng + g] = sc;
-        sum[r * ng + g] = sc * float(total);
-      }
-  }
-};
-
 #ifdef IG_AVX2
-// 8 int32 lanes of sums of u[i] s[i] (u unsigned bytes, s signed), each lane four neighbouring products
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
 // a group's 32 levels from its 16 bytes, in order: q[0..15] (low nibbles), q[16..31] (high nibbles)
 inline __m256i q4_levels(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -1033,18 +1039,6 @@ inline __m512i q4_levels2(const uint8_t* p) {
   const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // a b a b
   const __m512i s = _mm512_shuffle_i32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0));  // a a b b
   return _mm512_and_si512(_mm512_mask_srli_epi16(s, 0xFF00FF00u, s, 4), _mm512_set1_epi8(0x0F));  // high nibbles in 1, 3
-}
-// [sum of group 0's lanes, ..., group 7's] (exact) from z[k]: lanes 0-7 group 2k's, lanes 8-15 group 2k + 1's
-inline __m256i group_sums8(const __m512i* z) {
-  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[0], z[1]), _mm512_unpackhi_epi64(z[0], z[1]));
-  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[2], z[3]), _mm512_unpackhi_epi64(z[2], z[3]));
-  const __m512i u = _mm512_unpacklo_epi32(s01, s23), v = _mm512_unpackhi_epi32(s01, s23);
-  // per 128-bit lane: the sums of that lane's four dwords of z[0], z[2], z[1], z[3]
-  const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
-  const __m512i first = _mm512_setr_epi32(0, 8, 2, 10, 1, 9, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);  // a group's first lane
-  const __m512i second = _mm512_setr_epi32(4, 12, 6, 14, 5, 13, 7, 15, 0, 0, 0, 0, 0, 0, 0, 0);  // and its second
-  return _mm512_castsi512_si256(
-      _mm512_add_epi32(_mm512_permutexvar_epi32(first, t), _mm512_permutexvar_epi32(second, t)));
 }
 #endif
 
@@ -1125,10 +1119,8 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
                  float* y, bool bf16 = false) {
   constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>;
   const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : in;  // a weight row's elements
-  std::optional<QuantizedX> qx;
-  std::optional<QuantizedX8> qx8;
-  if constexpr (I8) qx.emplace(x, R, in);
-  if constexpr (I4) qx8.emplace(x, R, in);
+  std::optional<QuantizedX8> qx8;  // int8 and int4 weights: the activations in int8
+  if constexpr (I8 || I4) qx8.emplace(x, R, in);
   std::vector<uint16_t> xb;  // bf16: bfloat16 weights times x rounded to bfloat16, in bfloat16 products
 #ifdef IG_BF16_DOTS
   if constexpr (std::is_same_v<W, uint16_t>)
@@ -1142,9 +1134,10 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
   auto rows = [&](auto rb, const W* w, int64_t b, float* yo) {
     constexpr int RB = decltype(rb)::value;
     if constexpr (I8)
-      rows_dot_q8<RB>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, in, qx->pad, yo, out);
+      rows_dot_q8<RB>(w, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
+                      qx8->pad, yo, out);
     else if constexpr (I4)
-      rows_dot_q4<RB>(w, qx8->q.data() + b * in, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng, in, yo,
+      rows_dot_q4<RB>(w, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng, in, yo,
                       out);
 #ifdef IG_BF16_DOTS
     else if (std::is_same_v<W, uint16_t> && !xb.empty())
@@ -1183,7 +1176,7 @@ void partial_query_impl(const float* x, const W* wp, const float* bias, const in
                         int64_t r, int64_t d, int64_t D, bool gathered, float* out) {
   const int64_t H = G * r, half = d / 2;
   constexpr bool I8 = std::is_same_v<W, int8_t>;
-  std::optional<QuantizedX> qx;
+  std::optional<QuantizedX8> qx;
   if constexpr (I8) qx.emplace(x, B, D);
   std::vector<uint16_t> xb;  // bfloat16 weights: x rounded to bfloat16, bfloat16 products (a query that only ranks)
 #ifdef IG_BF16_DOTS
@@ -1201,9 +1194,11 @@ void partial_query_impl(const float* x, const W* wp, const float* bias, const in
       int64_t b = 0;
       if constexpr (I8) {
         for (; b + 4 <= B; b += 4)
-          rows_dot_q8<4>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, D, qx->pad, yo + b * H * d, H * d);
+          rows_dot_q8<4>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, qx->isum.data() + b * qx->ng, D,
+                         qx->pad, yo + b * H * d, H * d);
         for (; b < B; ++b)
-          rows_dot_q8<1>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, D, qx->pad, yo + b * H * d, H * d);
+          rows_dot_q8<1>(w, qx->q.data() + b * qx->pad, qx->s.data() + b * qx->ng, qx->isum.data() + b * qx->ng, D,
+                         qx->pad, yo + b * H * d, H * d);
       } else if (!xb.empty()) {
 #ifdef IG_BF16_DOTS
         const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
