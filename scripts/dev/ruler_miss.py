@@ -26,6 +26,18 @@ def decode(model, tokenizer, ids, cache, logits, max_new, scorer, dense=()):
     return scorer(out), out
 
 
+def ruler_prompt(p: argparse.ArgumentParser, args) -> tuple:
+    """The model of args.model and the prompt of args.task / length / seed: (model, tokenizer, ids (1, n), answers,
+    max_new, scorer); a missing haystack text is the parser's error."""
+    try:
+        essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
+    except accuracy.DataError as e:
+        p.error(str(e))
+    model, tokenizer = ig.load_model(args.model)
+    prompt, answers, max_new, scorer = accuracy.make_prompt(tokenizer, args.task, args.length, args.seed, essay)
+    return model, tokenizer, tokenizer(prompt, return_tensors="pt")["input_ids"], answers, max_new, scorer
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", default="niah_single_2", choices=ruler.TASKS)
@@ -36,13 +48,7 @@ def main() -> None:
     p.add_argument("--data", default=None, help="text for the essay haystacks (a folder with pg19/ inside)")
     args = p.parse_args()
 
-    try:
-        essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
-    except accuracy.DataError as e:
-        p.error(str(e))
-    model, tokenizer = ig.load_model(args.model)
-    prompt, answers, max_new, scorer = accuracy.make_prompt(tokenizer, args.task, args.length, args.seed, essay)
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    model, tokenizer, ids, answers, max_new, scorer = ruler_prompt(p, args)
     full, spec = make_cache("full", model), make_cache("infinigen", model, budget=args.budget, min_budget=0)  # as the bench
     logits = prefill(model, ids, None, TeeCache([full, spec]), max_new)
 

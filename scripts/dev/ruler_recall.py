@@ -13,12 +13,12 @@ over heads and the worst head), and the heads worst recalled over all layers.
 import argparse
 import dataclasses
 
-import infinigen_kv as ig
-from infinigen_kv.bench import accuracy, ruler
+from infinigen_kv.bench import ruler
 from infinigen_kv.bench.tee import TeeCache
 from infinigen_kv.cli import _budget
 from infinigen_kv.methods.registry import make_cache
 from infinigen_kv.runtime.generation import generate, prefill
+from ruler_miss import ruler_prompt  # scripts/dev/ is on the path when run as a script
 
 
 def main() -> None:
@@ -35,13 +35,7 @@ def main() -> None:
     budgets = [_budget(b) for b in args.budget.split(",")]
     sources = args.sources.split(",")
 
-    try:
-        essay = accuracy.load_essay(args.data) if args.task in ruler.NEEDS_ESSAY else None
-    except accuracy.DataError as e:
-        p.error(str(e))
-    model, tokenizer = ig.load_model(args.model)
-    prompt, answers, max_new, scorer = accuracy.make_prompt(tokenizer, args.task, args.length, args.seed, essay)
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    model, tokenizer, ids, answers, max_new, scorer = ruler_prompt(p, args)
     full = make_cache("full", model)
     spec = make_cache("infinigen", model, budget=budgets[0], min_budget=0)  # as the bench: each budget as named
     logits = prefill(model, ids, None, TeeCache([full, spec]), max_new)
