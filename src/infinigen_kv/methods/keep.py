@@ -23,7 +23,7 @@ def valid_keys(mask, length: int, device=None) -> torch.Tensor | None:
 def keep_source(arch, step, layer: int):
     """The mask a decode step reads its keep from: the calling layer's own (None: nothing is masked), which is
     also the next layer's where every layer has the same window; where local and global layers differ, the mask
-    the model was called with (the window is applied per layer). step: the forward's transformer.Step."""
+    the model was called with (the window is applied per layer). step: the forward's step.Step."""
     attention_mask = step.layer_mask(layer)
     if attention_mask is None or not arch.mixed:
         return attention_mask

@@ -1,6 +1,6 @@
 """Per-architecture facts the caches and speculation read of a model: head layout, RoPE or not, query scaling,
 windows, and each layer's attention module (its q and k projections, `query`, `key`). Built once from our model
-(transformer.Transformer) and read, never written: what one step computes is a transformer.Step, passed down.
+(transformer.Transformer) and read, never written: what one step computes is a step.Step, passed down.
 """
 
 from __future__ import annotations

@@ -66,15 +66,15 @@ class StepCache:
         return self.layers[layer_idx].update(key_states, value_states)
 
     def before_attention(self, layer_idx: int, x: torch.Tensor, step) -> list:
-        """Called by layer l with its attention input x (B, T, D) and the forward's transformer.Step (positions,
+        """Called by layer l with its attention input x (B, T, D) and the forward's step.Step (positions,
         each layer's RoPE and mask, a static step's column, the step's memo): a method that chooses what a step
         reads does it here, and returns what it started for later layers, (layer, fetch) each; the layer loop
         hands each to that layer's view."""
         return []
 
     def after_query(self, layer_idx: int, q: torch.Tensor, step):
-        """Called by layer l with its query q (B, H, T, d), RoPE applied, when no earlier layer started a fetch for
-        it: a method that chooses a layer's reads from its own query does it here and returns that fetch for the
+        """Called by layer l of a decode step with its query q (B, H, 1, d), RoPE applied, when no earlier layer
+        started a fetch for it: a method that chooses a layer's reads from its own query does it here and returns that fetch for the
         layer's view; None otherwise."""
         return None
 

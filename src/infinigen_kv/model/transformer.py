@@ -1,7 +1,8 @@
 """Our model classes: one decoder for every supported architecture (hparams.ModelArgs says which facts apply), in
 the style of gpt-fast's model.py. One forward serves a prompt chunk and a decode step: what a step shares (positions,
-each window's mask, each RoPE, a static step's column) is built once into a `Step` and passed to every layer; what
-layer l's speculation starts for layer l+1 comes back from the cache and is kept in the layer loop's `fetches`.
+each window's mask, each RoPE, a static step's column) is built once into a `Step` (step.py) and passed to every
+layer; what layer l's speculation starts for layer l+1 comes back from the cache and is kept in the layer loop's
+`fetches`.
 
     Transformer.forward(ids (B, T), positions (B, T), mask (B, S) | None, cache) -> logits (B, T', V)
       x = embed(ids)                                         (B, T, D)
@@ -19,7 +20,7 @@ Weights are held as the engine reads them (ops.py): float32, bfloat16 or int8 ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,38 +32,11 @@ from .attention import attend_layer, attend
 from .hparams import ModelArgs
 from .rope import apply_rope, inv_freq
 from .kv import KVView
+from .step import Step, window_mask
 
 # weights held apart from the compute dtype (CPU)
 HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 EMBED_HELD = {"int4": "int8"}  # the embedding and LM head at more bits than the layers (llama.cpp's Q4_K_M: Q6_K)
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one forward computes once for all layers (built by `Transformer.step_inputs`, passed down)."""
-
-    positions: torch.Tensor  # (B, T) int64
-    mask: torch.Tensor | None  # (B, S) the padded past and this chunk as the caller gave it (None: nothing padded)
-    masks: dict  # window (None: global) -> its layers' mask (B, 1, T, S) bool, or None (nothing masked but causality)
-    ropes: dict  # RoPE key -> (cos, sin) (B, T, d) in the compute dtype; empty without RoPE
-    rope_types: tuple  # each layer's RoPE key
-    windows: tuple  # each layer's window
-    column: torch.Tensor | None = None  # a static step's device column (1,) (model/static.py)
-    memo: dict = field(default_factory=dict)  # what a cache derives once for all layers of this step
-
-    def rope(self, layer: int):
-        return self.ropes.get(self.rope_types[layer])
-
-    def to(self, device) -> "Step":
-        """The same step on another device (layers placed across GPUs); the memo is shared."""
-        def moved(t):
-            return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
-        return Step(moved(self.positions), moved(self.mask), {w: moved(m) for w, m in self.masks.items()},
-                    {k: tuple(moved(t) for t in r) for k, r in self.ropes.items()}, self.rope_types, self.windows,
-                    moved(self.column), self.memo)
-
-    def layer_mask(self, layer: int):
-        return self.masks[self.windows[layer]]
 
 
 @dataclass
@@ -307,7 +281,7 @@ class Transformer(nn.Module):
         if column is not None:  # a static step: mask (B, capacity) marks the valid columns (no windows)
             masks = {None: mask[:, None, None, :].bool()}
         else:
-            masks = {w: _mask(mask, B, T, past, w, positions.device) for w in dict.fromkeys(a.windows)}
+            masks = {w: window_mask(mask, B, T, past, w, positions.device) for w in dict.fromkeys(a.windows)}
         return Step(positions, mask, masks, ropes, a.rope_types, a.windows, column)
 
     # --- the forward --------------------------------------------------------------------------------------------
@@ -382,28 +356,6 @@ class Transformer(nn.Module):
 
 def _freq_name(key) -> str:
     return f"inv_freq_{key or 'global'}"
-
-
-def _mask(mask: torch.Tensor | None, B: int, T: int, past: int, window: int | None, device) -> torch.Tensor | None:
-    """A layer kind's attention mask (B, 1, T, S) bool over S = past + T keys (True: attend): causal, inside the
-    window, not padded; None where causality alone says it (no padding, nothing past the window; a prompt without
-    a past then attends causally)."""
-    S = past + T
-    pad = None if mask is None else mask[:, None, None, :S].bool()
-    if T == 1:  # a decode query sees every past key but those padded and those out of its window
-        if window is None or S <= window:
-            return pad
-        inside = (torch.arange(S, device=device) > S - 1 - window).view(1, 1, 1, S)
-        return inside.expand(B, 1, 1, S) if pad is None else pad & inside
-    if pad is None and past == 0 and (window is None or T <= window):
-        return None
-    # query t (position past + t) sees key j <= past + t, and j > past + t - window: one (T, S) bool made in place
-    # (comparisons of index grids would make two more: ~45 MB a layer kind for a 512-token chunk over 30k keys)
-    m = torch.ones(T, S, dtype=torch.bool, device=device).tril_(past)
-    if window is not None:
-        m.triu_(past - window + 1)
-    m = m.view(1, 1, T, S).expand(B, 1, T, S)
-    return m if pad is None else m & pad
 
 
 def compute_dtype(model) -> torch.dtype:

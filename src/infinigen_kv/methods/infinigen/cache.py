@@ -196,11 +196,9 @@ class InfiniGenCache(Rebatch):
 
     @torch.no_grad()
     def after_query(self, layer_idx: int, q: torch.Tensor, step) -> Fetch | None:
-        """Called by layer l with its query q (B, H, T, d), RoPE applied: a decode step's selection that chooses a
-        layer's rows at its own query (speculate_from "own") does it here; the fetch starts, and is returned for
-        the layer's view (None where nothing was chosen here)."""
-        if q.shape[2] != 1:
-            return None
+        """Called by layer l with its decode query q (B, H, 1, d), RoPE applied: a selection that chooses a layer's
+        rows at its own query (speculate_from "own") does it here; the fetch starts, and is returned for the layer's
+        view (None where nothing was chosen here)."""
         fetch = self.selection.choose_at_query(self, layer_idx, q, step)
         if fetch is not None:
             self.prefetch(self.layers[layer_idx], fetch)

@@ -59,7 +59,7 @@ class PartialQuery:
                  scale: float = 1.0) -> torch.Tensor:
         """Skewed partial query of `layer` from x (B, 1, D), times `scale` (the scores' scale, folded in where the
         path allows: no op of its own): (B, G, r, p); skew_p (G, d, p): the layer's A_P; memo: the step's
-        (transformer.Step.memo), where what every layer of a step shares is made once."""
+        (step.Step.memo), where what every layer of a step shares is made once."""
         a = self.arch
         B = x.shape[0]
         kern = backends.for_device(x.device).ops if x.dtype == torch.float32 else None

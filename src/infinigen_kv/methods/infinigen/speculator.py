@@ -273,7 +273,7 @@ class Speculate:
 
     def speculate(self, cache, nxt: int, x: torch.Tensor | None, step, layer_idx: int,
                   query: torch.Tensor | None = None) -> Fetch | None:
-        """Layer nxt's fetch from layer layer_idx's input x (B, 1, D) (step: the forward's transformer.Step), or from
+        """Layer nxt's fetch from layer layer_idx's input x (B, 1, D) (step: the forward's step.Step), or from
         layer nxt's own query (B, H, 1, d) where given: its partial query scored against its partial key cache, the
         tokens within alpha of each head's best, at most its budget; None where the layer attends all of its past."""
         target = cache.layers[nxt]
