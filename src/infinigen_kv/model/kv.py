@@ -74,8 +74,8 @@ class StepCache:
 
     def after_query(self, layer_idx: int, q: torch.Tensor, step):
         """Called by layer l of a decode step with its query q (B, H, 1, d), RoPE applied, when no earlier layer
-        started a fetch for it: a method that chooses a layer's reads from its own query does it here and returns that fetch for the
-        layer's view; None otherwise."""
+        started a fetch for it: a method that chooses a layer's reads from its own query does it here and returns
+        that fetch for the layer's view; None otherwise."""
         return None
 
     def reserve(self, tokens: int) -> None:
