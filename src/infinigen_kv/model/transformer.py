@@ -177,7 +177,9 @@ class MLP(nn.Module):
         elif self.act == "silu":
             backend = backends.cpu() if a.is_cpu and a.dtype == torch.float32 else None  # (silu_mul's lanes)
             if not prefill and backend is not None and backend.silu_lanes is not None:
-                a = backend.ops.silu_mul(a.view(-1, a.shape[-1]), backend.silu_lanes).view(*a.shape[:-1], -1)
+                # (contiguous: a GEMM of a few rows may hand back its output transposed)
+                gu = a.reshape(-1, a.shape[-1]).contiguous()
+                a = backend.ops.silu_mul(gu, backend.silu_lanes).view(*a.shape[:-1], -1)
             else:
                 a = F.silu(a[..., : self.hidden].contiguous()) * a[..., self.hidden :]
         else:
