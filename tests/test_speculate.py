@@ -141,24 +141,25 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
     dense = ig.make_cache("infinigen", model)  # the default floor (1024) covers this 72-token past
     calls = []
     speculate = dense.selection.speculate
-    dense.selection.speculate = lambda *a: calls.append(a[1]) or speculate(*a)
+    dense.selection.speculate = lambda *a, **k: calls.append(a[1]) or speculate(*a, **k)
     got = ig.generate(model, ids, cache=dense, max_new_tokens=12, stop_at_eos=False)
     assert torch.equal(got.tokens, ref.tokens) and dense.stats["fetched_fraction"] == 1.0
     assert calls == []  # a step whose past is under every layer's cap is known dense at layer 0: no layer speculates
     spec = ig.make_cache("infinigen", model, min_budget=16, min_saving=0.0)  # a floor under the past: it selects
     speculate = spec.selection.speculate
-    spec.selection.speculate = lambda *a: calls.append(a[1]) or speculate(*a)
+    spec.selection.speculate = lambda *a, **k: calls.append(a[1]) or speculate(*a, **k)
     ig.generate(model, ids, cache=spec, max_new_tokens=12, stop_at_eos=False)
     assert 16 / 72 <= spec.stats["fetched_fraction"] < 0.6 and len(calls) > 0
 
 
 def test_the_saving_counts_a_fixed_cost_a_layer_and_a_row(tiny_models, monkeypatch):
     """layer_saving: the K/V bytes left unread, less the partial keys, the chosen rows twice, the partial query's
-    weights, LAYER_COST once and ROW_COST for each (sequence, KV head) row."""
+    weights (none when speculating at the layer's own query), LAYER_COST once and ROW_COST for each (sequence, KV
+    head) row."""
     import infinigen_kv as ig
     from infinigen_kv.methods.infinigen import speculator
 
-    cache = ig.make_cache("infinigen", tiny_models["llama-gqa"], min_budget=0, budget=0.1)
+    cache = ig.make_cache("infinigen", tiny_models["llama-gqa"], min_budget=0, budget=0.1, speculate_from="previous")
     n, row, prow, rows = 1000, 256, 32, 6
     cap = speculator.fetch_cap(n, cache.budget_of(1), cache.config.max_num_kv, 0)
     kv = rows * (n * row - n * prow - speculator.SCATTERED * cap * row) - cache.pq.weight_bytes(1)
@@ -166,6 +167,8 @@ def test_the_saving_counts_a_fixed_cost_a_layer_and_a_row(tiny_models, monkeypat
     assert got == kv - speculator.LAYER_COST - rows * speculator.ROW_COST
     monkeypatch.setattr(speculator, "ROW_COST", 0.0)
     assert speculator.layer_saving(cache, 1, rows, n, row, prow) == kv - speculator.LAYER_COST
+    own = ig.make_cache("infinigen", tiny_models["llama-gqa"], min_budget=0, budget=0.1, speculate_from="own")
+    assert speculator.layer_saving(own, 1, rows, n, row, prow) == kv + cache.pq.weight_bytes(1) - speculator.LAYER_COST
 
 
 def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_models, monkeypatch):
@@ -330,8 +333,22 @@ def test_speculate_from_own_scores_each_layer_at_its_own_query():
         own = step_logits(model, ig.make_cache("infinigen", model, budget=1.0, speculate_from="own"), ids,
                           torch.ones_like(ids))
     torch.testing.assert_close(own, full)
-    with pytest.raises(ig.ConfigError, match="speculate_from must be one of previous, own"):
+    with pytest.raises(ig.ConfigError, match="speculate_from must be one of auto, previous, own"):
         ig.InfiniGenConfig(speculate_from="next")
+
+
+def test_speculate_from_auto_is_own_on_cpu_and_previous_on_a_gpu():
+    """The default, "auto": a layer's own query on CPU (no fetch to overlap there), the previous layer's input on a
+    GPU (the fetch overlaps that layer's compute); an explicit choice is kept on either."""
+    import infinigen_kv as ig
+    from infinigen_kv.config import speculation_source
+
+    assert ig.InfiniGenConfig().speculate_from == "auto"
+    assert (speculation_source("auto", "cpu"), speculation_source("auto", "cuda")) == ("own", "previous")
+    assert (speculation_source("previous", "cpu"), speculation_source("own", "cuda")) == ("previous", "own")
+    model = tiny_model("llama-gqa")
+    assert ig.make_cache("infinigen", model).speculate_from == "own"
+    assert ig.make_cache("infinigen", model, speculate_from="previous").speculate_from == "previous"
 
 
 def test_recall_diagnostic_per_head():

@@ -111,8 +111,8 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                    help="InfiniGen: how the query heads of a KV group vote for tokens (default: %s)" % InfiniGenConfig.gqa_combine)
     p.add_argument("--speculate-from", choices=list(SPECULATE_FROM), default=None,
                    help="InfiniGen: speculate each layer's fetch at the previous layer's input (the paper: the fetch "
-                   "overlaps its compute on a GPU) or at its own (its exact query; on CPU nothing overlaps) "
-                   "(default: %s)" % InfiniGenConfig.speculate_from)
+                   "overlaps its compute on a GPU), at its own (its exact query; on CPU nothing overlaps), or auto: "
+                   "own on CPU, previous on a GPU (default: %s)" % InfiniGenConfig.speculate_from)
     p.add_argument("--channel-rule", choices=["q", "qk"], default=None,
                    help="InfiniGen calibration: rank partial channels by |q| (paper) or |q|*|k| (default: %s)"
                    % InfiniGenConfig.channel_rule)

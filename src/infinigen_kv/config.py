@@ -21,7 +21,7 @@ PARTIAL_DTYPES = ("auto", "int8", "bfloat16", "float32", "model")
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the storage of K/V rows (kv_dtype; "auto": model/kv.kv_storage)
 LOCAL_LAYERS = ("dense", "speculate")  # the choices of InfiniGenConfig.local_layers
 LAYER_BUDGETS = ("uniform", "recall")  # the choices of InfiniGenConfig.layer_budget
-SPECULATE_FROM = ("previous", "own")  # the choices of InfiniGenConfig.speculate_from
+SPECULATE_FROM = ("auto", "previous", "own")  # the choices of InfiniGenConfig.speculate_from
 
 
 class ConfigError(ValueError):
@@ -64,8 +64,8 @@ class InfiniGenConfig:
     # attention input, so the fetch overlaps layer l's compute on a GPU; "own": each layer at its own query, just
     # before it attends (its exact partial query, the query's skewed channels, where "previous" predicts it from
     # layer l's input through layer l+1's q_proj rows; nothing overlaps: on CPU the rows are read in place and
-    # there is nothing to hide).
-    speculate_from: str = "previous"
+    # there is nothing to hide); "auto": "own" on CPU, "previous" on a GPU (`speculation_source`).
+    speculate_from: str = "auto"
     # calibration: path of a calibration file to use; None = the per-model cache (calibrating on first use).
     calibration: str | None = None
     # calibration_text: a text file to calibrate on; None = the built-in default text.
@@ -142,6 +142,16 @@ class InfiniGenConfig:
             raise ConfigError(f"partial_dtype must be one of {', '.join(PARTIAL_DTYPES)}, got {self.partial_dtype!r}")
         if self.channel_rule not in ("q", "qk"):
             raise ConfigError(f"channel_rule must be 'q' or 'qk', got {self.channel_rule!r}")
+
+
+def speculation_source(choice: str, device_type: str) -> str:
+    """The input a cache speculates its layers' fetches from, for speculate_from `choice` on a device of
+    `device_type`: "auto" is the layer's "own" query on CPU, where the rows are read in place and no fetch has a
+    compute to hide behind (and its exact partial query chooses better: docs/BENCHMARKS.md, "RULER at 16k tokens,
+    the 0.5B"), and the "previous" layer's input on a GPU, where the fetch overlaps that layer's compute."""
+    if choice != "auto":
+        return choice
+    return "own" if device_type == "cpu" else "previous"
 
 
 def check_budget(value) -> None:

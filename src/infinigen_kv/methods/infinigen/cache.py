@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ...config import InfiniGenConfig
+from ...config import InfiniGenConfig, speculation_source
 from ...model.arch import get_arch
 from ...model.transformer import compute_dtype
 from ..base import Rebatch
@@ -97,6 +97,7 @@ class InfiniGenCache(Rebatch):
         self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
         device, dtype = next(model.parameters()).device, compute_dtype(model)
         self._compute = (dtype, device)  # the first layer's: the partial key cache's storage follows (prefix_facts)
+        self.speculate_from = speculation_source(self.config.speculate_from, device.type)  # "previous" or "own"
         self.pq = PartialQuery(self.arch, calibration, dtype) if calibration is not None else None
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
         self.limited = self.selection.calibrated and (self.config.capacity is not None

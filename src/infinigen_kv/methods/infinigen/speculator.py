@@ -89,14 +89,14 @@ ROW_COST = 0.3e6
 def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int) -> float | None:
     """Bytes a decode step saves by speculating layer `layer_idx` over a past of n tokens in `rows` (sequence, KV head)
     rows (`row` K/V bytes a token, `partial_row` partial-key bytes): all of its K/V rows, less the partial keys scored,
-    the chosen rows at SCATTERED each, its partial query's weights, LAYER_COST and ROW_COST a row; None where its
-    cap leaves none of the past out."""
+    the chosen rows at SCATTERED each, its partial query's weights (speculating from the previous layer's input: at
+    its own query there are none), LAYER_COST and ROW_COST a row; None where its cap leaves none of the past out."""
     c = cache.config
     cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
     if cap >= n:
         return None
-    return (rows * (n * row - n * partial_row - SCATTERED * cap * row - ROW_COST) - cache.pq.weight_bytes(layer_idx)
-            - LAYER_COST)
+    projected = cache.pq.weight_bytes(layer_idx) if cache.speculate_from == "previous" else 0
+    return rows * (n * row - n * partial_row - SCATTERED * cap * row - ROW_COST) - projected - LAYER_COST
 
 
 def speculation_pays(saved: float, total: float, share: float) -> bool:
@@ -227,7 +227,7 @@ class Speculate:
             return
         if self._dense_step:
             return
-        if cache.config.speculate_from == "own":  # each layer at its own query (choose_at_query)
+        if cache.speculate_from == "own":  # each layer at its own query (choose_at_query)
             return
         targets = ([1] if layer_idx == 1 else []) + ([layer_idx + 1] if layer_idx + 1 < len(cache.layers) else [])
         for nxt in targets:
@@ -239,7 +239,7 @@ class Speculate:
         """speculate_from "own": layer l's fetch from its own decode query q (B, H, 1, d), RoPE applied: its skewed
         partial channels are the partial query (no projection of their own), exact where "previous" predicts it
         from layer l-1's input. Layer 0, and a step attending densely, choose nothing."""
-        if layer_idx == 0 or self._dense_step or cache.config.speculate_from != "own":
+        if layer_idx == 0 or self._dense_step or cache.speculate_from != "own":
             return None
         return self.speculate(cache, layer_idx, None, step, layer_idx, query=q)
 
