@@ -47,6 +47,21 @@ def test_the_silu_kernel_gives_pytorchs_bits(monkeypatch):
     assert torch.equal(tokens, ref[0]) and torch.equal(lps, ref[1])
 
 
+def test_the_silu_kernel_takes_a_transposed_gate_up():
+    """A GEMM of a few rows may return its output with transposed strides: the decode MLP hands silu_mul a
+    contiguous copy (the kernel refuses any other) and gets the same values."""
+    model = tiny_model("llama-gqa")
+    mlp = model.layers[0].mlp
+    h = torch.randn(2, 1, model.args.dim, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = mlp.forward(h, False, None)
+        w1 = mlp.w1.forward
+        mlp.w1.forward = lambda *a: w1(*a).transpose(0, 2).contiguous().transpose(0, 2)  # strides (1, 2F, 2)
+        assert not mlp.w1.forward(h, False).is_contiguous()
+        got = mlp.forward(h, False, None)
+    assert torch.equal(got, ref)
+
+
 def test_q_k_v_and_gate_up_are_one_weight_each():
     """Merged at load (weights.STACKED): one matrix a layer for q, k, v (with Qwen2's biases) and one for gate, up;
     q_proj and k_proj are views of its rows."""
