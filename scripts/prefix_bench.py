@@ -182,7 +182,7 @@ def questions(args, method: str) -> list[dict]:
                              "cached_tokens": cached, "answer": answer})
                 print(json.dumps({"scenario": "questions", "method": method, "reuse": reuse,
                                   "peak_rss": rss(proc.pid, "VmHWM"), **rows[-1]}), flush=True)
-            runs[reuse] = {"rows": rows, "peak_rss": rss(proc.pid, "VmHWM")}
+            runs[reuse] = {"rows": rows, "peak_rss": rss(proc.pid, "VmHWM"), "prefix_bytes": stored_bytes(url)}
         finally:
             stop(proc)
     out = []
@@ -190,7 +190,7 @@ def questions(args, method: str) -> list[dict]:
         rows = run["rows"]
         later = [r["ttft_s"] for r in rows[1:]]
         row = {"scenario": "questions", "method": method, "reuse": reuse, "peak_rss": run["peak_rss"],
-               "first_ttft_s": rows[0]["ttft_s"], "later_ttft_s": later,
+               "prefix_bytes": run["prefix_bytes"], "first_ttft_s": rows[0]["ttft_s"], "later_ttft_s": later,
                "later_over_first_max": round(max(later) / rows[0]["ttft_s"], 4) if later else None,
                "identical_answers": ([a["answer"] == b["answer"] for a, b in zip(rows, runs[False]["rows"])]
                                      if reuse else None),
@@ -198,6 +198,13 @@ def questions(args, method: str) -> list[dict]:
         print(json.dumps({k: v for k, v in row.items() if k != "questions"}), flush=True)
         out.append(row)
     return out
+
+
+def stored_bytes(url: str) -> int:
+    """The bytes the server's prefix store holds in memory now (/metrics)."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    return int(sum(float(l.split()[-1]) for l in text.splitlines()
+                   if l.startswith("infinigen_prefix_cache_memory_bytes")))
 
 
 def memory(args, method: str) -> dict:

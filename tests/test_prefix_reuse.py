@@ -117,6 +117,38 @@ def test_gemma_windowed_layers_restore_what_a_blockwise_prefill_leaves(block):
         assert same(decode(model, got), decode(model, ref)), (method, block)
 
 
+@pytest.mark.parametrize("method", ["full", "infinigen"])
+def test_window_rows_are_kept_only_near_a_prompts_ends(method, tmp_path, monkeypatch):
+    """Gemma's window layers' rows are stored only for the blocks a prefix ending in a prompt's first or last
+    WINDOW_ENDS tokens reads: such a prefix restores exactly (from memory and from disk); one ending between finds
+    no window rows there and restores the longest that has them (computing the rest), with the same answer."""
+    import infinigen_kv.runtime.prefix as prefix_mod
+
+    monkeypatch.setattr(prefix_mod, "WINDOW_ENDS", 32)
+    model, block = tiny_model("gemma3"), 8  # window 16
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(3, 256, (150,), generator=g).tolist()
+    near = a[:140] + torch.randint(3, 256, (9,), generator=g).tolist()  # shares 17 blocks, within a's last 32 tokens
+    middle = a[:70] + torch.randint(3, 256, (30,), generator=g).tolist()  # shares 8 blocks: the first 4 restored
+    cache = make(model, method)
+    store = store_for(model, method, block)
+    run(model, method, a, store)
+    ends = set().union(*(cache.window_blocks(m, block) for m in [1, 2, 3, 4, 15, 16, 17, 18]))
+    keys = store.keys(a)
+    stored = {i for i, k in enumerate(keys) if k + prefix_mod.WINDOW in store.memory}
+    assert stored == ends and len(ends) < len(keys) * 2 // 3
+    assert all({n.split(".")[0] for n in store.memory.get(k)} == {"2"} for k in keys)  # layer 2 of 4 is global
+    for ids, cached in [(near, 136), (middle, 32)]:
+        ref = run(model, method, ids, store_for(model, method, block))
+        got = run(model, method, ids, store)
+        assert got.cached == cached
+        assert torch.equal(got.logits, ref.logits) and same(decode(model, got), decode(model, ref))
+    run(model, method, a, store_for(model, method, block, disk_dir=tmp_path))
+    fresh = store_for(model, method, block, disk_dir=tmp_path)  # a new process: window rows from disk too
+    got = run(model, method, near, fresh)
+    assert got.cached == 136 and fresh.stats.disk_hits == 17 + len(cache.window_blocks(17, block))
+
+
 def test_reuse_in_a_running_batch_matches_the_row_alone():
     model = tiny_model("llama-gqa")
     a, b = prompts(2)

@@ -259,16 +259,25 @@ class Rebatch(StepCache):
         return {"kv_dtype": str(storage).replace("torch.", "")}
 
     @torch.inference_mode()
-    def prefix_block(self, start: int, end: int) -> dict:
+    def prefix_block(self, start: int, end: int, windowed: bool = False) -> dict:
         """Sequence 0's rows of positions [start, end) (a batch of one, prefilled in blocks up to `end`) as a
-        payload of the store: "layer.buffer" -> (G, n, width) views of the buffers (the store copies them)."""
+        payload of the store: "layer.buffer" -> (G, n, width) views of the buffers (the store copies them). Those
+        of the layers without a window, or with `windowed` those of the window layers: the store keeps them apart,
+        as a restore reads a window layer's rows only in a prefix's last blocks (`window_blocks`)."""
         self.settle()
-        return {f"{i}.{j}": t for i, layer in enumerate(self.layers) for j, t in enumerate(layer.capture(start, end))}
+        return {f"{i}.{j}": t for i, layer in enumerate(self.layers) if (layer.window is not None) == windowed
+                for j, t in enumerate(layer.capture(start, end))}
+
+    def window_blocks(self, blocks: int, block: int) -> range:
+        """The blocks of a stored prefix of `blocks` blocks of `block` tokens whose window layers' rows a restore
+        reads (window_state: the last W - 1 to 2W positions); empty where no layer has a window."""
+        starts = [window_state(layer.window, block, blocks)[0] for layer in self.layers if layer.window is not None]
+        return range(min(starts) // block, blocks) if starts and blocks > 0 else range(0)
 
     @torch.inference_mode()
     def restore_prefix(self, model, payloads: list[dict], block: int) -> int:
-        """Fill this fresh cache (a batch of one) with the stored blocks `payloads` (block 0 first): the state a
-        prefill of those tokens in chunks of `block` leaves. Returns the tokens restored. ValueError, before any
+        """Fill this fresh cache (a batch of one) with the stored blocks `payloads` (block 0 first; the window
+        layers' rows in those `window_blocks` names): the state a prefill of those tokens in chunks of `block` leaves. Returns the tokens restored. ValueError, before any
         row is written, when a payload does not fit the cache's buffers (a store of another layout)."""
         arch, dtype = get_arch(model), compute_dtype(model)
         tokens, plan = len(payloads) * block, []

@@ -17,10 +17,13 @@ shares its batch (tests/test_batching.py).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..model import static
 from ..model.kv import StepCache
+from .prefix import WINDOW
 from .sampling import Sampler, SamplingParams, token_logprobs
 
 
@@ -47,10 +50,12 @@ class Prefill:
         self.prompt_logprobs = ([], [], []) if logprobs is not None else None  # tokens 1..n-1: chosen, top, ids
         if isinstance(cache, StepCache):  # buffers sized once, not grown chunk by chunk: the prompt, or `reserve` tokens
             cache.reserve(max(len(ids), reserve))  # in all (its decode steps too: joining a batch then moves nothing)
-        self.prefix, self.keys = prefix, []
+        self.prefix, self.keys, self.ends = prefix, [], set()
         if prefix is not None:
             self.chunk, self.keys = prefix.block, prefix.keys(ids)
-            _, payloads = prefix.lookup(ids, 0 if logprobs is not None else len(ids) - 1, self.keys)
+            windowed = partial(cache.window_blocks, block=prefix.block)
+            self.ends = prefix.window_ends(len(ids), windowed)  # blocks whose window layers' rows are offered too
+            _, payloads = prefix.lookup(ids, 0 if logprobs is not None else len(ids) - 1, self.keys, windowed)
             if payloads:
                 try:
                     self.done = self.cached = cache.restore_prefix(model, payloads, prefix.block)
@@ -84,6 +89,8 @@ class Prefill:
         if self.prefix is not None and end % self.chunk == 0:  # a whole block: offered to the store
             b = end // self.chunk - 1
             self.prefix.put(self.keys[b], lambda: self.cache.prefix_block(b * self.chunk, end))
+            if b in self.ends:
+                self.prefix.put(self.keys[b] + WINDOW, lambda: self.cache.prefix_block(b * self.chunk, end, True))
         if end == self.length:
             self.logits = out.logits[:, -1]
         return end == self.length

@@ -11,6 +11,13 @@ prompt and offers each block it computes. Exactness rests on one rule: every pro
 exactly `block` tokens from position 0, so a block's K/V are the same bits whether the prompt around it was
 restored or computed (a chunk boundary elsewhere changes the last bits of the following rows).
 
+A model with sliding-window layers (Gemma 3's local ones) restores their rows only for a prefix's last blocks, the
+window's span before the point it continues from: a block's window-layer rows are an entry of their own (its key +
+`WINDOW`), offered only for the blocks that a prefix ending within the first or the last `WINDOW_ENDS` tokens of a
+prompt needs (a system prompt; the same document with another question, a chat's next turn). A lookup finds the
+longest stored prefix whose window rows are stored too. The window rows of a long document's middle, most of its
+bytes on Gemma 3, are never kept.
+
 The store has two tiers, each with a byte limit (prefix_tiers.py): memory (least recently used blocks out first)
 and, optionally, disk (one safetensors file per block, shared by processes; a bad entry is a miss, never an error).
 """
@@ -32,6 +39,8 @@ from .prefix_tiers import FORMAT, DiskTier, MemoryTier, Payload, Stats, own
 log = logging.getLogger("infinigen_kv.prefix")
 
 DEFAULT_BLOCK = 256  # tokens a block (and a prefill chunk: the arithmetic of a reused prefix stays the same)
+WINDOW = "w"  # a block's window layers' rows: the entry of its key + this
+WINDOW_ENDS = 2048  # tokens: window rows are offered for prefixes ending this close to a prompt's start or end
 
 
 def namespace(**facts) -> str:
@@ -119,31 +128,60 @@ class PrefixStore:
     def keys(self, tokens) -> list[str]:
         return chain(self.ns, tokens, self.block)
 
-    def lookup(self, tokens, max_tokens: int | None = None, keys: list[str] | None = None
+    def lookup(self, tokens, max_tokens: int | None = None, keys: list[str] | None = None, windowed=None
                ) -> tuple[list[str], list[Payload]]:
         """The longest run of stored blocks at the start of `tokens` (at most max_tokens of them: a prefill must
         keep at least one token of its own to compute logits from): their keys and payloads, disk hits promoted
         to memory. Counts hit and miss tokens. The payloads are the store's own tensors: read them, never write.
-        keys: self.keys(tokens), when the caller has them."""
+        keys: self.keys(tokens), when the caller has them. windowed(m): the blocks whose window rows a prefix of m
+        blocks needs (the cache's `window_blocks`): the run ends where they are stored, and those blocks' payloads
+        hold both entries' tensors."""
         keys = self.keys(tokens) if keys is None else keys
         if max_tokens is not None:
             keys = keys[: max(0, max_tokens) // self.block]
         found: list[Payload] = []
         with self._lock:
             for key in keys:
-                payload = self.memory.get(key)
-                if payload is not None:
-                    self.stats.memory_hits += 1
-                elif self.disk is not None and (payload := self.disk.get(key)) is not None:
-                    self.stats.disk_hits += 1
-                    self.stats.memory_evictions += self.memory.put(key, payload)
-                else:
+                payload = self._get(key)
+                if payload is None:
                     break
                 found.append(payload)
+            if windowed is not None:
+                found = self._with_windows(keys, found, windowed)
             hit = len(found) * self.block
             self.stats.hit_tokens += hit
             self.stats.miss_tokens += len(torch.as_tensor(tokens).view(-1)) - hit
         return keys[: len(found)], found
+
+    def _get(self, key: str) -> Payload | None:
+        """An entry from memory, or from disk (then kept in memory too); None where neither has it."""
+        payload = self.memory.get(key)
+        if payload is not None:
+            self.stats.memory_hits += 1
+        elif self.disk is not None and (payload := self.disk.get(key)) is not None:
+            self.stats.disk_hits += 1
+            self.stats.memory_evictions += self.memory.put(key, payload)
+        return payload
+
+    def _with_windows(self, keys: list[str], found: list[Payload], windowed) -> list[Payload]:
+        """The longest start of `found` whose window entries (windowed(m) of them) are stored, with them merged in."""
+        for m in range(len(found), 0, -1):
+            need = windowed(m)
+            if not all(keys[b] + WINDOW in self.memory or (self.disk is not None and self.disk.path(
+                    keys[b] + WINDOW).exists()) for b in need):
+                continue
+            rows = {b: self._get(keys[b] + WINDOW) for b in need}
+            if all(p is not None for p in rows.values()):  # (a damaged file on disk: a shorter prefix)
+                return [{**p, **rows[b]} if b in rows else p for b, p in enumerate(found[:m])]
+        return []
+
+    def window_ends(self, tokens: int, windowed) -> set[int]:
+        """The blocks of a prompt of `tokens` tokens whose window rows are offered: those a prefix of it ending
+        within its first or last WINDOW_ENDS tokens needs (windowed(m): as `lookup` takes it)."""
+        n = tokens // self.block
+        ends = set(range(1, min(n, WINDOW_ENDS // self.block) + 1))
+        ends |= set(range(max(1, -(-(tokens - WINDOW_ENDS) // self.block)), n + 1))
+        return set().union(*(windowed(m) for m in ends))
 
     def offer(self, tokens, make_block) -> int:
         """Stores the whole blocks of `tokens` not stored yet; make_block(i) gives block i's payload (called only
