@@ -4,8 +4,13 @@ as a real step reads it (from DRAM, not a cache): each kind's time a step and it
 
     python scripts/dev/step_linears.py int8 8      # format, steps
 """
-import statistics, sys, time
+
+import statistics
+import sys
+import time
+
 import torch
+
 from infinigen_kv.model import ops
 
 torch.manual_seed(0)
