@@ -2,7 +2,7 @@
 (speculation with its partial query and kernel, update, attention) summed over the layers of a step. The step
 generate runs (model.decode).
 
-    python scripts/dev/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--cprofile 25]
+    python scripts/dev/profile_decode.py [--batch 4] [--prompt-len 4096] [--steps 8] [--weights int4] [--cprofile 25]
 
 --cprofile N: then the same steps again under cProfile, each method's N functions of most own time (the Python
 around the kernels; cProfile slows each call, so its times rank, they do not measure a step).
@@ -46,12 +46,13 @@ def timed(owner, name, label):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--weights", default=None, help="bfloat16 (the CPU default), int8 or int4")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="then N functions of most own time")
     args = ap.parse_args()
-    model, tok = ig.load_model(args.model)
+    model, tok = ig.load_model(args.model, weights=args.weights)
     B, n = args.batch, args.prompt_len
     ids, mask = prompts(tok, B, n)
     caches = {method: ig.make_cache(method, model) for method in ("full", "infinigen")}

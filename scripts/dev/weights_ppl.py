@@ -1,5 +1,7 @@
 """Prefill-mode perplexity of a model with its weights held each way (`--weights`): one forward a window of WikiText-2,
-every position scored, the same windows for each.
+every position scored, the same windows for each. `--second-half` scores only each window's second half, as llama.cpp's
+`llama-perplexity -c WINDOW --chunks WINDOWS` does (its chunks are these windows when given the text written by
+`--write-text`), so the two tools' figures compare.
 
     python scripts/dev/weights_ppl.py --data WIKITEXT_TEST_TXT [--model M] [--weights bfloat16,int8,int4] [--windows 4]
 """
@@ -14,9 +16,9 @@ import torch.nn.functional as F
 from infinigen_kv.model.load import load_model
 
 
-def window_perplexity(model, ids: torch.Tensor, window: int, windows: int) -> tuple[float, float]:
-    """(perplexity, seconds in the forwards) of `windows` windows of `window` tokens of ids, one forward each, every
-    position scored."""
+def window_perplexity(model, ids: torch.Tensor, window: int, windows: int, first: int = 0) -> tuple[float, float]:
+    """(perplexity, seconds in the forwards) of `windows` windows of `window` tokens of ids, one forward each, the
+    predictions from position `first` on scored."""
     nll, n, seconds = 0.0, 0, 0.0
     with torch.inference_mode():
         for i in range(windows):
@@ -24,8 +26,8 @@ def window_perplexity(model, ids: torch.Tensor, window: int, windows: int) -> tu
             start = time.perf_counter()
             logits = model(x, use_cache=False).logits[0]
             seconds += time.perf_counter() - start
-            nll += F.cross_entropy(logits[:-1].float(), x[0, 1:], reduction="sum").item()
-            n += x.shape[1] - 1
+            nll += F.cross_entropy(logits[first:-1].float(), x[0, first + 1 :], reduction="sum").item()
+            n += x.shape[1] - 1 - first
     return math.exp(nll / n), seconds
 
 
@@ -36,11 +38,16 @@ def main() -> None:
     ap.add_argument("--weights", default="bfloat16,int8,int4")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--second-half", action="store_true", help="score each window's second half (llama-perplexity's)")
+    ap.add_argument("--write-text", default=None, help="write the text scored to this file (for llama-perplexity -f)")
     args = ap.parse_args()
     text = open(args.data, encoding="utf-8").read()[: 200 * args.window * args.windows]
+    if args.write_text:
+        open(args.write_text, "w", encoding="utf-8").write(text)
+    first = args.window // 2 if args.second_half else 0
     for weights in args.weights.split(","):
         model, tok = load_model(args.model, weights=weights)
-        ppl, _ = window_perplexity(model, torch.tensor(tok(text)["input_ids"]), args.window, args.windows)
+        ppl, _ = window_perplexity(model, torch.tensor(tok(text)["input_ids"]), args.window, args.windows, first)
         print(f"{weights}: perplexity {ppl:.4f}", flush=True)
 
 

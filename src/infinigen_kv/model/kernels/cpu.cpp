@@ -893,6 +893,13 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 
 #ifdef IG_VNNI512
+// Lane spreads of eight groups' scales (a __m256 of them, cast to __m512) for the k-th 512-bit product of two groups
+// (lanes 0-7 group 2k's sums, 8-15 group 2k + 1's): 8 lanes of group 2k's scale, then 8 of group 2k + 1's. A row's
+// products scaled lane by lane this way are summed across lanes once a row, not every eight groups.
+inline __m512 pair_scales(__m512 sc, int k) {
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * k)), sc);
+}
 // [sum of group 0's lanes, ..., group 7's] (exact) from z[k]: lanes 0-7 group 2k's, lanes 8-15 group 2k + 1's
 inline __m256i group_sums8(const __m512i* z) {
   const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi64(z[0], z[1]), _mm512_unpackhi_epi64(z[0], z[1]));
@@ -1062,8 +1069,12 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
   for (int64_t i = 0; i < 4 * ng; i += 64) _mm_prefetch(reinterpret_cast<const char*>(d + q4_width(in) + i), _MM_HINT_T0);
   __m256 acc[RB], accm[RB];
   for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
+#ifdef IG_VNNI512
+  __m512 acc16[RB];  // lane by lane: pair_scales
+  for (int b = 0; b < RB; ++b) acc16[b] = _mm512_setzero_ps();
+#endif
   int64_t g = 0;
-  for (; g + 8 <= ng; g += 8) {  // eight groups: their integer dot products reduced into one vector, scaled at once
+  for (; g + 8 <= ng; g += 8) {  // eight groups: their integer dot products scaled by their groups' scales
     _mm_prefetch(reinterpret_cast<const char*>(w + g * (Q4_GROUP / 2) + Q4_AHEAD), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + g * (Q4_GROUP / 2) + Q4_AHEAD + 64), _MM_HINT_T0);
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * g)));
@@ -1078,17 +1089,18 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
     for (int b = 0; b < RB; ++b) {
 #ifdef IG_VNNI512
       const int8_t* xg = xq + b * in + g * Q4_GROUP;
-      __m512i p[4];
-      for (int k = 0; k < 4; ++k)
-        p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(xg + 2 * k * Q4_GROUP));
-      const __m256 dots = _mm256_cvtepi32_ps(group_sums8(p));  // the 8 groups' sums of q xq
+      const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(dv, _mm256_loadu_ps(xs + b * ng + g)));
+      for (int k = 0; k < 4; ++k) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(xg + 2 * k * Q4_GROUP));
+        acc16[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_scales(sc, k), acc16[b]);
+      }
 #else
       const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * in + g * Q4_GROUP);
       __m256i p[8];
       for (int k = 0; k < 8; ++k) p[k] = dot_u8s8(wv[k], _mm256_loadu_si256(xg + k));
       const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));  // the 8 groups' sums of q xq
-#endif
       acc[b] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b * ng + g)), acc[b]);
+#endif
       accm[b] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + b * ng + g), accm[b]);
     }
   }
@@ -1101,6 +1113,10 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
       mins[b] += mg * xsum[b * ng + g];
     }
   }
+#ifdef IG_VNNI512
+  for (int b = 0; b < RB; ++b) acc[b] = _mm256_add_ps(acc[b], _mm512_castps512_ps256(acc16[b]));
+  for (int b = 0; b < RB; ++b) acc[b] = _mm256_add_ps(acc[b], _mm512_extractf32x8_ps(acc16[b], 1));
+#endif
   for (int b = 0; b < RB; ++b) sum[b] = hsum(acc[b]) + hsum(accm[b]) + mins[b];
 #else
   for (int64_t g = 0; g < ng; ++g) {
