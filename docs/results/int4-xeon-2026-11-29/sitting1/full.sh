@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One sitting on the 0.5B's Q4_K_M GGUF: our int4 rows (full, infinigen; options_ab, alternated in one process) at
+# B1 x 4k, B4 x 4k, B1 x 16k against llama.cpp on the same GGUF (its best flash-attention setting per cell).
+cd /work/main
+O=/work/runs/int4-q4k/${1:-full}; mkdir -p $O
+M=$(bash /work/shared/models/qwen2.5-coder-0.5b.sh)
+B=~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
+PY=.venv/bin/python
+I4=full:weights=int4,infinigen:weights=int4
+stamp() { echo "$1 $(date -u +%H:%M:%S)" >> $O/times.txt; }
+date -u > $O/start.txt; lscpu | grep -E "Model name" >> $O/start.txt
+grep -o -w -E "avx512_bf16|avx512_vnni|amx_bf16|avx2" /proc/cpuinfo | sort -u | tr '\n' ' ' >> $O/start.txt
+git log --oneline | head -1 >> $O/start.txt
+stamp int4-b1x4k
+$PY scripts/dev/options_ab.py --model $M --configs $I4 --batch 1 --prompt-len 4096 --steps 32 > $O/options_ab_int4_b1_4k.txt 2>&1
+stamp int4-b4x4k
+$PY scripts/dev/options_ab.py --model $M --configs $I4 --batch 4 --prompt-len 4096 --steps 24 > $O/options_ab_int4_b4_4k.txt 2>&1
+stamp int4-b1x16k
+$PY scripts/dev/options_ab.py --model $M --configs $I4 --batch 1 --prompt-len 16384 --steps 24 > $O/options_ab_int4_b1_16k.txt 2>&1
+stamp llama-q4-b1
+$B/llama-bench -m $M -p 0 -n 32 -d 4096,16384 -fa 0,1 -t 2 -r 1 > $O/llama-bench-q4km-b1.txt 2>&1
+for fa in off on; do
+  stamp llama-q4-b4x4k-fa-$fa
+  $B/llama-batched-bench -m $M -c 16640 -b 2048 -ub 512 -npp 4096 -ntg 32 -npl 4 -pps -t 2 -fa $fa > $O/llama-b4x4k-pps-q4km-fa-$fa.txt 2>&1
+done
+stamp int4-b1x4k-again
+$PY scripts/dev/options_ab.py --model $M --configs $I4 --batch 1 --prompt-len 4096 --steps 32 > $O/options_ab_int4_b1_4k_again.txt 2>&1
+stamp end
+date -u > $O/end.txt
