@@ -18,9 +18,7 @@ L, H, F, V = 28, 1536, 8960, 151936
 shapes = {"qkv": (H + 512, H), "o": (H, H), "gate_up": (2 * F, H), "down": (H, F)}
 fmt = sys.argv[1] if len(sys.argv) > 1 else "int8"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 8
-layers = []
-for l in range(L):
-    layers.append({k: ops.held((torch.randn(*s) * 0.02), fmt) for k, s in shapes.items()})
+layers = [{k: ops.held(torch.randn(*s) * 0.02, fmt) for k, s in shapes.items()} for _ in range(L)]
 head = ops.held(torch.randn(V, H) * 0.02, fmt)
 nbytes = {k: layers[0][k].numel() * layers[0][k].element_size() * L for k in shapes}
 nbytes["head"] = head.numel() * head.element_size()

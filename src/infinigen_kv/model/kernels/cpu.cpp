@@ -1114,8 +1114,9 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
     }
   }
 #ifdef IG_VNNI512
-  for (int b = 0; b < RB; ++b) acc[b] = _mm256_add_ps(acc[b], _mm512_castps512_ps256(acc16[b]));
-  for (int b = 0; b < RB; ++b) acc[b] = _mm256_add_ps(acc[b], _mm512_extractf32x8_ps(acc16[b], 1));
+  for (int b = 0; b < RB; ++b)
+    acc[b] = _mm256_add_ps(acc[b],
+                           _mm256_add_ps(_mm512_castps512_ps256(acc16[b]), _mm512_extractf32x8_ps(acc16[b], 1)));
 #endif
   for (int b = 0; b < RB; ++b) sum[b] = hsum(acc[b]) + hsum(accm[b]) + mins[b];
 #else
