@@ -1,6 +1,7 @@
 """bfloat16 dot products in the decode kernels (kernels/bf16_dots.h, where the CPU has AVX-512 BF16).
 
-A decode query over K.BF16_ATTEND_ROWS (64) or more bfloat16 rows: float64 attention of the same bfloat16 values, the
+A decode query over K.BF16_ATTEND_ROWS (64) or more bfloat16 rows, where the machine takes bfloat16 pairs for its
+heads a KV head (set here for every head count; kernels.attend_pairs_upto): float64 attention of the same values, the
 query rounded to bfloat16, within the rounding of the bfloat16 probabilities; over the whole past and over chosen rows,
 every head grouping and tail. A decode step's rows times a bfloat16 weight (linear with bf16=True): float64 products
 of x rounded to bfloat16, every row the same bits alone or in a batch."""
@@ -15,6 +16,15 @@ pytestmark = pytest.mark.skipif(K is None or not K.bf16_dots_native(),
                                 reason="no CPU kernels with AVX-512 BF16 here (float32 products serve)")
 
 
+@pytest.fixture
+def pairs():
+    """attend in bfloat16 pairs for any query heads a KV head, for the test."""
+    before = K.attend_pairs_upto()
+    K.set_attend_pairs_upto(64)
+    yield
+    K.set_attend_pairs_upto(before)
+
+
 def reference(q, k, v, rows, scale):
     """q (r, d) rounded to bfloat16 over the rows `rows` of k, v (cap, d), in float64."""
     q = q.bfloat16().double()
@@ -25,7 +35,7 @@ def reference(q, k, v, rows, scale):
 @pytest.mark.parametrize("r", [1, 2, 3, 5, 7])  # the value products take heads in fours: every remainder
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n", [64, 1500, 3001])  # blocks of 64 cut at 16, an odd tail
-def test_whole_past(n, d, r):
+def test_whole_past(n, d, r, pairs):
     torch.manual_seed(n + d + r)
     B, G, cap = 1, 2, n + 40
     q = torch.randn(B, G, r, d)
@@ -38,7 +48,7 @@ def test_whole_past(n, d, r):
                                    atol=1e-2, rtol=1e-2)
 
 
-def test_chosen_rows_and_the_new_token():
+def test_chosen_rows_and_the_new_token(pairs):
     torch.manual_seed(0)
     B, G, r, d, cap, m = 2, 2, 7, 64, 5000, 1300
     q = torch.randn(B, G, r, d)
@@ -57,7 +67,7 @@ def test_chosen_rows_and_the_new_token():
             torch.testing.assert_close(out[b, g].double(), want, atol=tol, rtol=tol)
 
 
-def test_a_row_is_computed_alike_alone_or_beside_a_longer_one():
+def test_a_row_is_computed_alike_alone_or_beside_a_longer_one(pairs):
     """Whether a row runs in bfloat16 products follows its own length, not its batch-mates'."""
     torch.manual_seed(1)
     G, r, d, cap = 1, 3, 64, 3000

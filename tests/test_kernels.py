@@ -24,12 +24,14 @@ def reference_attention(q, Kp, Vp, rows, scale):
     return torch.softmax(q @ k.T * scale, -1) @ v
 
 
-def bf16_products(Kp, rows) -> bool:
-    """Whether attend multiplies these rows in bfloat16 products (kernels/bf16_dots.h: bfloat16 rows of a multiple of
-    64 channels, BF16_ATTEND_ROWS of them or more, on a CPU with AVX-512 BF16): the query and the probabilities then
-    round to bfloat16, a relative error of ~1e-3 (tests/test_decode_attention_bf16.py holds them to it)."""
+def bf16_products(Kp, rows, heads) -> bool:
+    """Whether attend multiplies these rows in bfloat16 pairs (kernels/bf16_dots.h: bfloat16 rows of a multiple of 64
+    channels, BF16_ATTEND_ROWS of them or more, `heads` query heads a KV head up to the machine's attend_pairs_upto):
+    the query and the probabilities then round to bfloat16, a relative error of ~1e-3
+    (tests/test_decode_attention_bf16.py holds them to it). Otherwise float32 products (test_attend_bf16_rows.py)."""
     most = K.BF16_ATTEND_ROWS
-    return most is not None and Kp.dtype == torch.bfloat16 and Kp.shape[-1] % 64 == 0 and rows.numel() >= most
+    return (most is not None and Kp.dtype == torch.bfloat16 and Kp.shape[-1] % 64 == 0 and rows.numel() >= most
+            and heads <= K.attend_pairs_upto())
 
 
 def stored(x: torch.Tensor, dtype) -> torch.Tensor:
@@ -51,13 +53,13 @@ def test_attend_selected_rows(dtype, d):
     for b in range(B):
         for g in range(G):
             rows = torch.cat([new[b, g : g + 1], idx[b, g, : count[b, g]]])
-            tol = 1e-2 if bf16_products(Kp, rows) else 1e-5
+            tol = 1e-2 if bf16_products(Kp, rows, r) else 1e-5
             torch.testing.assert_close(out[b, g], reference_attention(q[b, g], Kp[b, g], Vp[b, g], rows, 0.125),
                                        rtol=tol, atol=tol)
     # the new token as one slot for all rows, all m slots real
     out = K.attend(q, Kp, Vp, idx, None, None, n, None, 0, 0.125, torch.float32)
     rows = torch.cat([torch.tensor([n]), idx[1, 2]])
-    tol = 1e-2 if bf16_products(Kp, rows) else 1e-5
+    tol = 1e-2 if bf16_products(Kp, rows, r) else 1e-5
     torch.testing.assert_close(out[1, 2], reference_attention(q[1, 2], Kp[1, 2], Vp[1, 2], rows, 0.125),
                                rtol=tol, atol=tol)
 

@@ -28,7 +28,7 @@ from infinigen_kv.model import int4_rows, int8_rows, kernels
 from kernel_bench import alternated  # scripts/ is on the path when run as a script
 
 KERNELS = "src/infinigen_kv/model/kernels"
-FILES = ("cpu.cpp", "prefill.cpp", "bf16_dots.h")
+FILES = ("cpu.cpp", "prefill.cpp", "attend512.h", "bf16_dots.h")
 
 
 def build(files: dict[str, str]):
@@ -44,7 +44,9 @@ def build(files: dict[str, str]):
 
 
 def show(rev: str, path: str) -> str:
-    return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    """The file at `rev` ("" where it did not exist yet)."""
+    out = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else ""
 
 
 def main():

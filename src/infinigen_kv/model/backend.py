@@ -30,8 +30,8 @@ class Backend:
     bf16_products: bool = False  # products with weights held in bfloat16 (or int8 rows, a prompt's) run in bfloat16:
     # a prompt chunk's and a decode step's linears (the CPU multiplies it natively: AVX-512 BF16 or AMX;
     # INFINIGEN_BF16_PRODUCTS=0 keeps float32)
-    bf16_attention: bool = False  # the kernels attend in bfloat16 products (built with AVX-512 BF16): a prompt
-    # chunk over a long past (ops.prefill_attend), a decode query over 64 or more bfloat16 rows (kernels/bf16_dots.h)
+    bf16_attention: bool = False  # the kernels attend a prompt chunk over a long past in bfloat16 products
+    # (ops.prefill_attend, built with AVX-512 BF16); a decode query's products follow kernels.attend_pairs_upto
 
     @property
     def kernels(self) -> bool:

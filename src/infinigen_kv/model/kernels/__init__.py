@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "prefill.cpp")]
-_HEADERS = [Path(__file__).with_name("bf16_dots.h")]  # included by cpu.cpp: part of the build's key
+_HEADERS = [Path(__file__).with_name(h) for h in ("attend512.h", "bf16_dots.h")]  # cpu.cpp includes them: in the key
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp"]
 _module = None
@@ -53,7 +53,63 @@ def cpu():
     if not _tried:
         _tried = True
         _module = _build()
+        if _module is not None:
+            _module.set_attend_pairs_upto(attend_pairs_upto(_module))
     return _module
+
+
+def attend_pairs_upto(module) -> int:
+    """Up to how many query heads a KV head attend multiplies long bfloat16 K/V rows in bfloat16 pairs (vdpbf16ps,
+    bf16_dots.h) rather than in float32 products of the rows widened once for all those heads (attend512.h): 0 where
+    the CPU has no AVX-512 BF16. INFINIGEN_ATTEND_PAIRS_UPTO sets it; otherwise it is measured once per machine and
+    build (the two alternated on a decode-shaped call at 1, 2, 4 and 8 heads; pairs where >= 5% faster) and kept beside
+    the build, so that a machine's choice, and its bits, stay the same."""
+    given = os.environ.get("INFINIGEN_ATTEND_PAIRS_UPTO")
+    if given is not None:
+        return int(given) if module.bf16_dots_native() else 0
+    if not module.bf16_dots_native():
+        return 0
+    path = _build_root() / f"infinigen_cpu_{_cpu_key()}" / "attend_pairs_upto"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        pass
+    upto = _measure_attend_pairs(module)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{upto}\n")
+    except OSError:
+        pass
+    return upto
+
+
+def _measure_attend_pairs(module) -> int:
+    """The most heads (of 1, 2, 4, 8) at which pairs beat widened rows by >= 5%, testing from 1 up (their edge falls
+    with the heads); over 4 x 2 rows of 8,192 tokens of 64 channels, median of 11 alternations each. ~0.2 s."""
+    import time
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    K, V = (torch.randn(4, 2, 8192, 64, generator=g).bfloat16() for _ in range(2))
+    upto = 0
+    try:
+        for r in (1, 2, 4, 8):
+            q = torch.randn(4, 2, r, 64, generator=g)
+            times = {0: [], r: []}
+            for _ in range(12):
+                for setting in times:
+                    module.set_attend_pairs_upto(setting)
+                    t = time.perf_counter()
+                    module.attend(q, K, V, None, None, None, -1, None, 8192, 0.125, torch.float32)
+                    times[setting].append(time.perf_counter() - t)
+            widened, pairs = (sorted(times[k][1:])[5] for k in (0, r))  # (the first of each: a warm-up)
+            if pairs >= 0.95 * widened:
+                break
+            upto = r
+    finally:
+        module.set_attend_pairs_upto(0)
+    return upto
 
 
 def silu_lanes() -> int:

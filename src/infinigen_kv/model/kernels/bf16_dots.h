@@ -6,11 +6,11 @@
 // input rows) is rounded to bfloat16 for the products, as PyTorch's and llama.cpp's half-precision paths round it;
 // sums and the softmax stay float32.
 //
-// Attention: over a long past it is arithmetic as much as reading: the r query heads of a KV head each score and weigh
-// every row (r = 7 on Qwen2.5: 7 x 128 multiply-adds a row of 64 channels). Here a row's scores are 16 tokens of one
-// head at a time (their sums reduced together, no horizontal sum a token) and the values two tokens at a time (the
-// pair interleaved once for up to 4 heads). Used for rows of LONG_ROWS tokens or more (the whole past or the chosen
-// rows); shorter ones keep float32 products.
+// Attention: the r query heads of a KV head each score and weigh every row (r = 7 on Qwen2.5: 7 x 128 multiply-adds a
+// row of 64 channels). Here a row's scores are 16 tokens of one head at a time (their sums reduced together, no
+// horizontal sum a token) and the values two tokens at a time (the pair interleaved once for up to 4 heads). Used for
+// rows of LONG_ROWS tokens or more where the machine's measured choice is bfloat16 products (attend_products): where
+// vdpbf16ps is slow (one a two cycles on the Xeons measured) attend512.h's float32 products of widened rows serve.
 //
 // Linears: from two rows on, float32 FMAs of widened weights are the decode step's bound (the 0.5B at B4: ~58 GFLOP/s,
 // under half the weight stream's rate); in bfloat16 products the step reads its weights at the bandwidth.
@@ -24,26 +24,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attend512.h"
+
 namespace bf16dots {
 
 constexpr int64_t LONG_ROWS = 64;  // a row's tokens from which its decode attention runs in bfloat16 products
 
 inline __m512bh bh(__m512i x) { return (__m512bh)x; }
-
-// [sum of a[0]'s lanes, ..., sum of a[15]'s lanes]
-inline __m512 hsum16(const __m512* a) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i + 1]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of a[4i .. 4i + 3]
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 2; ++i)  // lanes 0, 1 of u[2i] and u[2i + 1] summed with lanes 2, 3
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 // x[0, n) float32 (n a multiple of 16) -> bfloat16 bits (round to nearest even)
 inline void round_rows(const float* x, int64_t n, uint16_t* out) {
@@ -51,20 +38,22 @@ inline void round_rows(const float* x, int64_t n, uint16_t* out) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
 }
 
-// s[h ld + j] = scale q_h . K[blk[j]] for 16 tokens j and every head h of qb (r, D) bfloat16; K rows of stride rw
+// s[h ld + j] = scale q_h . K[blk[j]] for 16 tokens j and every head h of qb (r, D) bfloat16; K rows of stride rw;
+// ka, va, bytes: as attend512::scores16's
 template <int D>
 inline void scores16(const uint16_t* qb, int64_t r, const uint16_t* K, int64_t rw, const int64_t* blk, float scale,
-                     float* s, int64_t ld) {
+                     float* s, int64_t ld, const char* ka, const char* va, int64_t bytes) {
   for (int64_t h = 0; h < r; ++h) {
     __m512i qv[D / 32];
     for (int c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(qb + h * D + 32 * c);
+    attend512::prefetch_share(ka, va, bytes, h, r);
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
       const uint16_t* k = K + blk[j] * rw;
       acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), bh(qv[0]), bh(_mm512_loadu_si512(k)));
       for (int c = 1; c < D / 32; ++c) acc[j] = _mm512_dpbf16_ps(acc[j], bh(qv[c]), bh(_mm512_loadu_si512(k + 32 * c)));
     }
-    _mm512_storeu_ps(s + h * ld, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(s + h * ld, _mm512_mul_ps(attend512::hsum16(acc), _mm512_set1_ps(scale)));
   }
 }
 

@@ -9,14 +9,16 @@
 //
 // Shapes: B sequences, G KV heads, r query heads per KV head, p partial channels, d head size,
 // cap rows allocated per (sequence, head) in the pool, n valid rows.
-// Storage may be float32, bfloat16, float16 or int8 rows (q8_0 groups); arithmetic is float32, but for bfloat16
-// products of bfloat16 rows and weights where the CPU has AVX-512 BF16 (bf16_dots.h).
+// Storage may be float32, bfloat16, float16 or int8 rows (q8_0 groups); arithmetic is float32 (attention over
+// bfloat16 rows: AVX-512 float32 products of the widened rows, attend512.h), but for bfloat16 products of a decode
+// step's rows and bfloat16 weights where the CPU has AVX-512 BF16 (bf16_dots.h).
 
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // (not torch/extension.h: its C++ frontend headers cost ~10 s of every build)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +33,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#include "attend512.h"
 #include "bf16_dots.h"
 
 namespace {
@@ -604,7 +607,7 @@ inline int64_t even_chunk(int64_t ntok, int64_t most) {
 template <typename T, typename O, int D>
 void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int64_t m, const int64_t* count,
                  const int64_t* new_rows, int64_t new_row, const bool* keep, int64_t keep_heads, int64_t n,
-                 int64_t B, int64_t G, int64_t r, int64_t d, int64_t cap, float scale, O* out) {
+                 int64_t B, int64_t G, int64_t r, int64_t d, int64_t cap, float scale, bool pairs, O* out) {
   // Rows of (b, g): the new token's row first (when new_row >= 0 or new_rows), then idx[:count] (or 0..n-1).
   // int8 rows (I8): d values and their groups' float16 scales (rw = kv_width(d) elements a row): each group of 8
   // loaded values is multiplied by its scale, k's before the dot product, v's folded into the weight.
@@ -633,9 +636,12 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<int64_t> blk(BLOCK);
     std::vector<char> mask(BLOCK);
     std::vector<float> ks(BLOCK * ng, 1.f), vs(BLOCK * ng, 1.f);  // int8 rows' group scales, token by token
+#ifdef IG_ATTEND512
+    constexpr bool WIDE = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;  // attend512.h's rows
+    std::vector<float> qp(WIDE ? r * D : 0), kf(WIDE ? 16 * D : 0);  // the query in widen's order; 16 rows widened
+#endif
 #ifdef IG_BF16_DOTS
-    constexpr bool BF16_ROWS = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;
-    std::vector<uint16_t> qb(BF16_ROWS ? r * D : 0), pb(BF16_ROWS ? r * (BLOCK + 16) : 0);
+    std::vector<uint16_t> qb(WIDE && pairs ? r * D : 0), pb(WIDE && pairs ? r * (BLOCK + 16) : 0);
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / splits, sp = item % splits;
@@ -655,8 +661,14 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       std::fill(L, L + r, 0.f);
       std::fill(A, A + r * d, 0.f);
 #ifdef IG_BF16_DOTS
-      const bool dots = BF16_ROWS && ntok >= bf16dots::LONG_ROWS;  // the row's own length: batch-invariant
+      const bool dots = WIDE && pairs && ntok >= bf16dots::LONG_ROWS;  // the row's own length: batch-invariant
       if (dots) bf16dots::round_rows(qr, r * d, qb.data());
+#else
+      constexpr bool dots = false;
+#endif
+#ifdef IG_ATTEND512
+      if constexpr (WIDE)
+        if (!dots) attend512::deinterleave(qr, r * D, qp.data());
 #endif
       auto position = [&](int64_t t) {  // the pool row of the item's t-th token
         if (has_new && t == 0) return new_rows ? new_rows[row] : new_row;
@@ -687,11 +699,26 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
             kv_scales(Vr + blk[j] * rw, d, vs.data() + j * ng);
           }
         int64_t j0 = 0;
+#ifdef IG_ATTEND512
+        if constexpr (WIDE)
+          for (; j0 + 16 <= nb; j0 += 16) {
+            // the whole past: the 16 rows after the next 16 asked for while these are scored (chosen rows: their
+            // blocks are asked for a block ahead)
+            const int64_t ahead = blk[j0 + 15] + 17;
+            const bool pre = !idx && ahead + 16 <= n;
+            const auto* ka = pre ? reinterpret_cast<const char*>(Kr + ahead * rw) : nullptr;
+            const auto* va = pre ? reinterpret_cast<const char*>(Vr + ahead * rw) : nullptr;
+            const auto* Kb = reinterpret_cast<const uint16_t*>(Kr);
 #ifdef IG_BF16_DOTS
-        if constexpr (BF16_ROWS)
-          for (; dots && j0 + 16 <= nb; j0 += 16)
-            bf16dots::scores16<D>(qb.data(), r, reinterpret_cast<const uint16_t*>(Kr), rw, blk.data() + j0, scale,
-                                  s.data() + j0, BLOCK);
+            if (dots) {
+              bf16dots::scores16<D>(qb.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, ka, va,
+                                    16 * rw * 2);
+              continue;
+            }
+#endif
+            attend512::scores16<D>(qp.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, kf.data(), ka,
+                                   va, 16 * rw * 2);
+          }
 #endif
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // 8 tokens at a time per head: no per-token horizontal sum
@@ -730,17 +757,25 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
         }
         for (int64_t h = 0; h < r; ++h) {
           float* sh = s.data() + h * BLOCK;
+#ifdef IG_ATTEND512
+          const float mnew = attend512::max_of(sh, nb, M[h]);
+#else
           const float mnew = std::max(M[h], max_of(sh, nb));
+#endif
           if (mnew == NEG_INF) {  // nothing attendable yet
             for (int64_t j = 0; j < nb; ++j) sh[j] = 0.f;
             continue;
           }
           const float corr = exp_neg(M[h] - mnew);
+#ifdef IG_ATTEND512
+          const float l = attend512::exp_sum(sh, nb, mnew);
+#else
           float l = 0.f;
           for (int64_t j = 0; j < nb; ++j) {
             sh[j] = exp_neg(sh[j] - mnew);
             l += sh[j];
           }
+#endif
           L[h] = L[h] * corr + l;
           M[h] = mnew;
           if (corr != 1.f) {
@@ -749,12 +784,18 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
           }
         }
 #ifdef IG_BF16_DOTS
-        if constexpr (BF16_ROWS)
+        if constexpr (WIDE)
           if (dots) {
             bf16dots::values<D>(s.data(), BLOCK, r, nb, reinterpret_cast<const uint16_t*>(Vr), rw, blk.data(), A,
                                 pb.data());
             continue;
           }
+#endif
+#ifdef IG_ATTEND512
+        if constexpr (WIDE) {
+          attend512::values<D>(s.data(), BLOCK, r, nb, reinterpret_cast<const uint16_t*>(Vr), rw, blk.data(), A);
+          continue;
+        }
 #endif
 #ifdef IG_AVX2
         if constexpr (SIMD_ROWS<T, D>) {  // per head, up to 64 output channels held in registers over the block
@@ -1338,6 +1379,18 @@ std::tuple<at::Tensor, at::Tensor, int64_t> speculate(at::Tensor q, at::Tensor k
   return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
 }
 
+// Whether attend multiplies long bfloat16 rows in bfloat16 pairs (bf16_dots.h) rather than float32 products of the
+// widened rows (attend512.h): the faster on the machine, measured once and set at load (kernels/__init__.py).
+// The choice follows r, the query heads a KV head (the widened rows serve all r): pairs up to pairs_upto heads.
+std::atomic<int64_t> pairs_upto{0};
+
+void set_attend_pairs_upto(int64_t heads) {
+#ifndef IG_BF16_DOTS
+  TORCH_CHECK(heads == 0, "this build has no bfloat16 products (AVX-512 BF16)");
+#endif
+  pairs_upto = heads;
+}
+
 // q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, kv_width(d)) int8 rows; idx (B, G, m)
 // slots or None (slots 0..n-1, masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot
 // first: new_rows (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
@@ -1387,7 +1440,8 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
       dispatch_size(d, [&](auto size) {
       attend_impl<T, O, decltype(size)::value>(q.data_ptr<float>(), reinterpret_cast<const T*>(K.data_ptr()),
                         reinterpret_cast<const T*>(V.data_ptr()), idx_p, m, count_p, new_p, new_row, keep_p,
-                        keep_heads, n, B, G, r, d, cap, float(scale), reinterpret_cast<O*>(out.data_ptr()));
+                        keep_heads, n, B, G, r, d, cap, float(scale), r <= pairs_upto.load(),
+                        reinterpret_cast<O*>(out.data_ptr()));
       });
     });
   });
@@ -1763,9 +1817,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
+  mod.def("set_attend_pairs_upto", &set_attend_pairs_upto,
+          "attend multiplies long bfloat16 rows in bfloat16 pairs for up to this many query heads a KV head (else float32)");
+  mod.def("attend_pairs_upto", [] { return pairs_upto.load(); }, "the query heads a KV head up to which pairs serve");
   mod.def("bf16_dots_native", &bf16_dots_native, "whether this build multiplies bfloat16 pairs (AVX-512 BF16)");
 #ifdef IG_BF16_DOTS
-  mod.attr("BF16_ATTEND_ROWS") = bf16dots::LONG_ROWS;  // attend's rows from which bfloat16 rows take its products
+  mod.attr("BF16_ATTEND_ROWS") = bf16dots::LONG_ROWS;  // rows from which bfloat16 pairs serve (attend_products)
 #else
   mod.attr("BF16_ATTEND_ROWS") = py::none();
 #endif
