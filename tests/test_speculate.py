@@ -155,10 +155,11 @@ def test_a_cap_that_saves_no_bytes_attends_densely(tiny_models):
 def test_the_saving_counts_a_fixed_cost_a_layer_and_a_row(tiny_models, monkeypatch):
     """layer_saving: the K/V bytes left unread, less the partial keys, the chosen rows twice, the partial query's
     weights (none when speculating at the layer's own query), LAYER_COST once and ROW_COST for each (sequence, KV
-    head) row."""
+    head) row; and the query heads' arithmetic (head_cost each) over the rows left out, less the partial scores'."""
     import infinigen_kv as ig
     from infinigen_kv.methods.infinigen import speculator
 
+    monkeypatch.setattr(speculator, "head_cost", lambda cache: 0.0)  # the bytes alone first
     cache = ig.make_cache("infinigen", tiny_models["llama-gqa"], min_budget=0, budget=0.1, speculate_from="previous")
     n, row, prow, rows = 1000, 256, 32, 6
     cap = speculator.fetch_cap(n, cache.budget_of(1), cache.config.max_num_kv, 0)
@@ -169,6 +170,30 @@ def test_the_saving_counts_a_fixed_cost_a_layer_and_a_row(tiny_models, monkeypat
     assert speculator.layer_saving(cache, 1, rows, n, row, prow) == kv - speculator.LAYER_COST
     own = ig.make_cache("infinigen", tiny_models["llama-gqa"], min_budget=0, budget=0.1, speculate_from="own")
     assert speculator.layer_saving(own, 1, rows, n, row, prow) == kv + cache.pq.weight_bytes(1) - speculator.LAYER_COST
+    monkeypatch.setattr(speculator, "head_cost", lambda cache: 50.0)
+    r, ratio = cache.arch.group, cache.config.partial_ratio
+    arithmetic = rows * r * 50.0 * (n * (1 - ratio / 2) - cap)
+    assert speculator.layer_saving(cache, 1, rows, n, row, prow) == pytest.approx(kv - speculator.LAYER_COST
+                                                                                    + arithmetic)
+
+
+def test_the_head_cost_is_measured_once_and_kept(monkeypatch):
+    """kernels.attend_head_ns: measured once per machine, build and thread count, then read back (the rule it feeds
+    decides the same from run to run); head_cost scales it to the head size."""
+    from types import SimpleNamespace
+
+    from infinigen_kv.model import kernels
+    from infinigen_kv.methods.infinigen import speculator
+
+    if kernels.cpu() is None:
+        pytest.skip("no CPU kernels here")
+    first = kernels.attend_head_ns()
+    assert first is not None and 0 < first < 1e3
+    monkeypatch.setattr(kernels, "_head_ns", {})
+    monkeypatch.setattr(kernels, "_measure_head_ns", lambda module: pytest.fail("measured again"))
+    assert kernels.attend_head_ns() == pytest.approx(first, abs=1e-4)
+    cache = SimpleNamespace(arch=SimpleNamespace(head_dim=128))
+    assert speculator.head_cost(cache) == pytest.approx(first * speculator.BYTES_PER_NS * 2, abs=1e-2)
 
 
 def test_a_step_whose_saving_is_a_small_share_of_its_bytes_attends_densely(tiny_models, monkeypatch):

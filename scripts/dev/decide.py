@@ -1,6 +1,7 @@
 """What InfiniGen's dense-or-speculate rule decides for a model at given batch sizes and contexts, without running
 them: the bytes a step would save (speculator.layer_saving over its speculating layers, for bfloat16 K/V rows and int8
-partial keys, the defaults on CPU) against min_saving of the step's bytes (speculation_pays).
+partial keys, the defaults on CPU, with this machine's measured attention arithmetic) against min_saving of the
+step's bytes and arithmetic (speculation_pays).
 
     python scripts/dev/decide.py [--model M] [--weights int4] --shapes 1x4096,4x4096,1x16384
 """
@@ -8,7 +9,7 @@ partial keys, the defaults on CPU) against min_saving of the step's bytes (specu
 import argparse
 
 import infinigen_kv as ig
-from infinigen_kv.methods.infinigen.speculator import layer_saving, speculation_pays
+from infinigen_kv.methods.infinigen.speculator import head_cost, layer_saving, speculation_pays
 
 
 def main():
@@ -24,7 +25,7 @@ def main():
     partial_row = int(a.head_dim * c.partial_ratio) + 4  # its int8 partial key and scale
     for shape in args.shapes.split(","):
         B, n = (int(v) for v in shape.split("x"))
-        total = cache.weight_bytes + a.num_layers * B * a.num_kv_heads * n * row
+        total = cache.weight_bytes + a.num_layers * B * a.num_kv_heads * n * (row + a.group * head_cost(cache))
         savings = [layer_saving(cache, layer, B * a.num_kv_heads, n, row, partial_row)
                    for layer in range(a.num_layers) if not cache.selection.dense(cache, layer)]
         saved = sum(x for x in savings if x is not None)

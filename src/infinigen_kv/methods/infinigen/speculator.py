@@ -84,19 +84,34 @@ SCATTERED = 2.0  # a chosen row costs about two of a sequential pass's: a CPU re
 # threads woken) beyond its bytes, ~10 us
 LAYER_COST = 2.0e6
 ROW_COST = 0.3e6
+BYTES_PER_NS = 30.0  # the rate at which the costs above are counted as bytes
+
+
+def head_cost(cache) -> float:
+    """A (past token, query head)'s attention arithmetic as the bytes read in its time: the kernels' measured wall time
+    at 64 channels (kernels.attend_head_ns, once per machine) x the head size / 64 at BYTES_PER_NS; 0 without the
+    kernels. Each query head scores and weighs every row it attends (7 a KV head on Qwen2.5), so a row read costs its
+    bytes and r x this: on a 2-core Xeon dense attention at 4 x 4k takes ~2x its bytes' time."""
+    from ...model import kernels
+
+    ns = kernels.attend_head_ns() if kernels.enabled() else None
+    return 0.0 if ns is None else ns * BYTES_PER_NS * cache.arch.head_dim / 64
 
 
 def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int) -> float | None:
     """Bytes a decode step saves by speculating layer `layer_idx` over a past of n tokens in `rows` (sequence, KV head)
     rows (`row` K/V bytes a token, `partial_row` partial-key bytes): all of its K/V rows, less the partial keys scored,
     the chosen rows at SCATTERED each, its partial query's weights (speculating from the previous layer's input: at
-    its own query there are none), LAYER_COST and ROW_COST a row; None where its cap leaves none of the past out."""
+    its own query there are none), LAYER_COST and ROW_COST a row; and the r query heads' arithmetic (head_cost each)
+    over the rows left out, less the partial scores' (partial_ratio / 2 of a row's: p of the 2d channels a head
+    multiplies); None where its cap leaves none of the past out."""
     c = cache.config
     cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
     if cap >= n:
         return None
     projected = cache.pq.weight_bytes(layer_idx) if cache.speculate_from == "previous" else 0
-    return rows * (n * row - n * partial_row - SCATTERED * cap * row - ROW_COST) - projected - LAYER_COST
+    arithmetic = cache.arch.group * head_cost(cache) * (n * (1 - c.partial_ratio / 2) - cap)
+    return rows * (n * row - n * partial_row - SCATTERED * cap * row - ROW_COST + arithmetic) - projected - LAYER_COST
 
 
 def speculation_pays(saved: float, total: float, share: float) -> bool:
@@ -250,12 +265,13 @@ class Speculate:
         speculation would save is under `min_saving` of the step's bytes (`speculation_pays`)."""
         c = cache.config
         saved, total, selects = 0.0, float(cache.weight_bytes), False
+        arithmetic = cache.arch.group * head_cost(cache)  # a dense row's query heads, as bytes
         for layer in cache.layers:
             if not layer.is_initialized:
                 continue
             B, n = layer.k.batch * layer.k.heads, layer.k.length  # rows of a (sequence, KV head) each
             row = (layer.k.width + layer.v.width) * layer.k.data.element_size()
-            total += B * n * row
+            total += B * n * (row + arithmetic)
             if layer.dense:
                 continue
             if layer.slots is not None or not layer.transfer.host_compute:

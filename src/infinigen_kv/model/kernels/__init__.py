@@ -83,6 +83,52 @@ def attend_pairs_upto(module) -> int:
     return upto
 
 
+def attend_head_ns() -> float | None:
+    """Wall nanoseconds a decode step's dense attention spends per (past token, query head) at 64 channels over
+    bfloat16 rows, from the caches (its arithmetic, with this machine's products and torch's threads); None without the
+    kernels. Measured once per machine, build and thread count (4 x 2 rows of 4,096 tokens, 8 query heads a KV head,
+    median of 9) and kept beside the build, so that what it decides (InfiniGen's dense-or-speculate rule) stays the
+    same from run to run."""
+    module = cpu()
+    if module is None:
+        return None
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads not in _head_ns:
+        path = _build_root() / f"infinigen_cpu_{_cpu_key()}" / f"attend_head_ns_t{threads}"
+        try:
+            _head_ns[threads] = float(path.read_text())
+        except (OSError, ValueError):
+            _head_ns[threads] = _measure_head_ns(module)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"{_head_ns[threads]:.4f}\n")
+            except OSError:
+                pass
+    return _head_ns[threads]
+
+
+_head_ns: dict = {}
+
+
+def _measure_head_ns(module) -> float:
+    import time
+
+    import torch
+
+    B, G, r, n = 4, 2, 8, 4096
+    g = torch.Generator().manual_seed(0)
+    K, V = (torch.randn(B, G, n, 64, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(B, G, r, 64, generator=g)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        module.attend(q, K, V, None, None, None, -1, None, n, 0.125, torch.float32)
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[4] * 1e9 / (B * G * r * n)
+
+
 def _measure_attend_pairs(module) -> int:
     """The most heads (of 1, 2, 4, 8) at which pairs beat widened rows by >= 5%, testing from 1 up (their edge falls
     with the heads); over 4 x 2 rows of 8,192 tokens of 64 channels, median of 11 alternations each. ~0.2 s."""
