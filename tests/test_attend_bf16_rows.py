@@ -1,7 +1,10 @@
-"""A decode query's attention over bfloat16 K/V rows in float32 products (cpu.cpp's attend; kernels/attend512.h where
-the CPU has AVX-512; set here for every head count where the machine would take bfloat16 pairs for a few): the query as
-it is times the stored values, against float64 attention of the same values, over the whole past and over chosen rows,
-every head grouping (heads in fours, one or two heads without the widened scratch), block tail and head size."""
+"""A decode query's attention over bfloat16 K/V rows (cpu.cpp's attend), in either of its products, each set here for
+every head count: float32 products of the rows widened once for the query heads of a KV head (kernels/attend512.h
+where the CPU has AVX-512; the query as it is) within 1e-5 of float64 attention of the same values; bfloat16 pairs
+(kernels/bf16_dots.h, where the CPU has AVX-512 BF16) for K.BF16_ATTEND_ROWS (64) or more rows, the query rounded to
+bfloat16, within the rounding of the bfloat16 probabilities (shorter rows: float32 products). Over the whole past and
+over chosen rows, every head grouping (heads in fours; one or two heads without the widened scratch), block tail and
+head size."""
 
 import pytest
 import torch
@@ -12,24 +15,30 @@ K = kernels.cpu()
 pytestmark = pytest.mark.skipif(K is None, reason="no CPU kernels here")
 
 
-@pytest.fixture(autouse=True)
-def widened():
+@pytest.fixture(params=["float32", "bfloat16"])
+def products(request):
+    """attend's products for any query heads a KV head, for the test: the name."""
+    if request.param == "bfloat16" and not K.bf16_dots_native():
+        pytest.skip("no AVX-512 BF16 here")
     before = K.attend_pairs_upto()
-    K.set_attend_pairs_upto(0)
-    yield
+    K.set_attend_pairs_upto(64 if request.param == "bfloat16" else 0)
+    yield request.param
     K.set_attend_pairs_upto(before)
 
 
-def reference(q, k, v, rows, scale):
-    """q (r, d) over the rows `rows` of k, v (cap, d), in float64."""
-    k, v = k[rows].double(), v[rows].double()
-    return torch.softmax(q.double() @ k.T * scale, -1) @ v
+def check(out, q, k, v, rows, scale, products):
+    """out (r, d) against float64 attention of q (r, d) over the rows `rows` of k, v (cap, d)."""
+    pairs = products == "bfloat16" and rows.numel() >= K.BF16_ATTEND_ROWS
+    q = (q.bfloat16() if pairs else q).double()
+    want = torch.softmax(q @ k[rows].double().T * scale, -1) @ v[rows].double()
+    tol = 1e-2 if pairs else 1e-5
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("r", [1, 2, 3, 5, 7])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n", [40, 1500, 3001])  # one short block, blocks of 64 cut at 16, an odd tail
-def test_whole_past(n, d, r):
+def test_whole_past(n, d, r, products):
     torch.manual_seed(n + d + r)
     B, G, cap = 1, 2, n + 40
     q = torch.randn(B, G, r, d)
@@ -37,29 +46,26 @@ def test_whole_past(n, d, r):
     keep = torch.rand(B, 1, n) > 0.1
     out = K.attend(q, Kp, Vp, None, None, None, -1, keep, n, d**-0.5, torch.float32)
     for g in range(G):
-        rows = keep[0, 0].nonzero()[:, 0]
-        torch.testing.assert_close(out[0, g].double(), reference(q[0, g], Kp[0, g], Vp[0, g], rows, d**-0.5),
-                                   atol=1e-5, rtol=1e-5)
+        check(out[0, g], q[0, g], Kp[0, g], Vp[0, g], keep[0, 0].nonzero()[:, 0], d**-0.5, products)
 
 
-def test_chosen_rows_and_the_new_token():
+def test_chosen_rows_and_the_new_token(products):
     torch.manual_seed(0)
     B, G, r, d, cap, m = 2, 2, 7, 64, 5000, 1300
     q = torch.randn(B, G, r, d)
     Kp, Vp = (torch.randn(B, G, cap, d).bfloat16() for _ in range(2))
     idx = torch.randint(0, 4000, (B, G, m))
-    count = torch.tensor([[m, 1200], [63, 20]])
+    count = torch.tensor([[m, 1200], [63, 20]])  # the last two rows short (with the new token 64: pairs; 21 not)
     new = torch.randint(4000, cap, (B, G))
     out = K.attend(q, Kp, Vp, idx, count, new, -1, None, 0, 0.125, torch.float32)
     for b in range(B):
         for g in range(G):
             rows = torch.cat([new[b, g : g + 1], idx[b, g, : count[b, g]]])
-            torch.testing.assert_close(out[b, g].double(), reference(q[b, g], Kp[b, g], Vp[b, g], rows, 0.125),
-                                       atol=1e-5, rtol=1e-5)
+            check(out[b, g], q[b, g], Kp[b, g], Vp[b, g], rows, 0.125, products)
 
 
-def test_a_row_is_computed_alike_alone_or_beside_a_longer_one():
-    """A row's result follows its own tokens (their chunks across threads), not its batch-mates'."""
+def test_a_row_is_computed_alike_alone_or_beside_a_longer_one(products):
+    """A row's result follows its own tokens (its products, its chunks across threads), not its batch-mates'."""
     torch.manual_seed(1)
     G, r, d, cap = 1, 3, 64, 3000
     q = torch.randn(2, G, r, d)

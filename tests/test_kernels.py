@@ -28,7 +28,7 @@ def bf16_products(Kp, rows, heads) -> bool:
     """Whether attend multiplies these rows in bfloat16 pairs (kernels/bf16_dots.h: bfloat16 rows of a multiple of 64
     channels, BF16_ATTEND_ROWS of them or more, `heads` query heads a KV head up to the machine's attend_pairs_upto):
     the query and the probabilities then round to bfloat16, a relative error of ~1e-3
-    (tests/test_decode_attention_bf16.py holds them to it). Otherwise float32 products (test_attend_bf16_rows.py)."""
+    (tests/test_attend_bf16_rows.py holds them to it, and the float32 products to 1e-5)."""
     most = K.BF16_ATTEND_ROWS
     return (most is not None and Kp.dtype == torch.bfloat16 and Kp.shape[-1] % 64 == 0 and rows.numel() >= most
             and heads <= K.attend_pairs_upto())

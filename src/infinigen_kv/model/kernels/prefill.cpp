@@ -25,6 +25,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "attend512.h"
 #define PREFILL_NATIVE 1
 #else
 #define PREFILL_NATIVE 0
@@ -47,22 +49,7 @@ inline uint32_t bits_of(float x) { return bf16_bits(x); }
 inline uint32_t bits_of(at::BFloat16 x) { return x.x; }
 inline uint32_t pair(uint32_t lo, uint32_t hi) { return lo | (hi << 16); }
 
-// exp(x) of 16 lanes for x <= 0: 2^(x log2 e) as an integer power and a degree-5 polynomial on [-0.5, 0.5]
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180375e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_max_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)),
-                               _mm512_setzero_si512());
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
-}
+using attend512::exp16;  // 16 lanes of exp(x), x <= 0
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
