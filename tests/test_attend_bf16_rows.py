@@ -75,3 +75,20 @@ def test_a_row_is_computed_alike_alone_or_beside_a_longer_one(products):
     both = K.attend(q, Kp, Vp, idx, count, None, -1, None, 0, 0.125, torch.float32)
     alone = K.attend(q[1:], Kp[1:], Vp[1:], idx[1:], count[1:], None, -1, None, 0, 0.125, torch.float32)
     assert torch.equal(both[1], alone[0])
+
+
+def test_the_products_are_chosen_once_per_machine_or_by_the_environment(monkeypatch):
+    """kernels.attend_pairs_upto: INFINIGEN_ATTEND_PAIRS_UPTO where a whole number (a bad value: a warning, then the
+    machine's choice), else the choice measured once and read back; 0 where the CPU has no bfloat16 pairs."""
+    if not K.bf16_dots_native():
+        assert kernels.attend_pairs_upto(K) == 0
+        return
+    monkeypatch.setenv("INFINIGEN_ATTEND_PAIRS_UPTO", "5")
+    assert kernels.attend_pairs_upto(K) == 5
+    monkeypatch.delenv("INFINIGEN_ATTEND_PAIRS_UPTO")
+    kept = kernels.attend_pairs_upto(K)  # measured at the first load, kept beside the build
+    monkeypatch.setattr(kernels, "_measure_attend_pairs", lambda module: pytest.fail("measured again"))
+    assert kernels.attend_pairs_upto(K) == kept
+    monkeypatch.setenv("INFINIGEN_ATTEND_PAIRS_UPTO", "many")
+    with pytest.warns(UserWarning, match="whole number of query heads, not 'many'"):
+        assert kernels.attend_pairs_upto(K) == kept

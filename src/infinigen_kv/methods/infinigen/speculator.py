@@ -98,19 +98,21 @@ def head_cost(cache) -> float:
     return 0.0 if ns is None else ns * BYTES_PER_NS * cache.arch.head_dim / 64
 
 
-def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int) -> float | None:
+def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int,
+                 head: float | None = None) -> float | None:
     """Bytes a decode step saves by speculating layer `layer_idx` over a past of n tokens in `rows` (sequence, KV head)
     rows (`row` K/V bytes a token, `partial_row` partial-key bytes): all of its K/V rows, less the partial keys scored,
     the chosen rows at SCATTERED each, its partial query's weights (speculating from the previous layer's input: at
     its own query there are none), LAYER_COST and ROW_COST a row; and the r query heads' arithmetic (head_cost each)
     over the rows left out, less the partial scores' (partial_ratio / 2 of a row's: p of the 2d channels a head
-    multiplies); None where its cap leaves none of the past out."""
+    multiplies; head: head_cost(cache), where the caller has it); None where its cap leaves none of the past out."""
     c = cache.config
     cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
     if cap >= n:
         return None
     projected = cache.pq.weight_bytes(layer_idx) if cache.speculate_from == "previous" else 0
-    arithmetic = cache.arch.group * head_cost(cache) * (n * (1 - c.partial_ratio / 2) - cap)
+    head = head_cost(cache) if head is None else head
+    arithmetic = cache.arch.group * head * (n * (1 - c.partial_ratio / 2) - cap)
     return rows * (n * row - n * partial_row - SCATTERED * cap * row - ROW_COST + arithmetic) - projected - LAYER_COST
 
 
@@ -265,7 +267,8 @@ class Speculate:
         speculation would save is under `min_saving` of the step's bytes (`speculation_pays`)."""
         c = cache.config
         saved, total, selects = 0.0, float(cache.weight_bytes), False
-        arithmetic = cache.arch.group * head_cost(cache)  # a dense row's query heads, as bytes
+        head = head_cost(cache)  # once a step
+        arithmetic = cache.arch.group * head  # a dense row's query heads, as bytes
         for layer in cache.layers:
             if not layer.is_initialized:
                 continue
@@ -277,7 +280,7 @@ class Speculate:
             if layer.slots is not None or not layer.transfer.host_compute:
                 return False
             partial_row = layer.partial.width * layer.partial.data.element_size()
-            saving = layer_saving(cache, layer.layer_idx, B, layer.partial.length, row, partial_row)
+            saving = layer_saving(cache, layer.layer_idx, B, layer.partial.length, row, partial_row, head)
             if saving is not None:
                 if not c.min_budget:  # no floor (a budget sweep): each budget as named wherever it leaves rows out
                     return False

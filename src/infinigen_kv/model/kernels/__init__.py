@@ -64,11 +64,14 @@ def attend_pairs_upto(module) -> int:
     the CPU has no AVX-512 BF16. INFINIGEN_ATTEND_PAIRS_UPTO sets it; otherwise it is measured once per machine and
     build (the two alternated on a decode-shaped call at 1, 2, 4 and 8 heads; pairs where >= 5% faster) and kept beside
     the build, so that a machine's choice, and its bits, stay the same."""
-    given = os.environ.get("INFINIGEN_ATTEND_PAIRS_UPTO")
-    if given is not None:
-        return int(given) if module.bf16_dots_native() else 0
     if not module.bf16_dots_native():
         return 0
+    given = os.environ.get("INFINIGEN_ATTEND_PAIRS_UPTO")
+    if given is not None:
+        if given.strip().lstrip("-").isdigit():
+            return int(given)
+        warnings.warn(f"infinigen: INFINIGEN_ATTEND_PAIRS_UPTO must be a whole number of query heads, not {given!r}; "
+                      "using this machine's measured choice", stacklevel=3)
     path = _build_root() / f"infinigen_cpu_{_cpu_key()}" / "attend_pairs_upto"
     try:
         return int(path.read_text())

@@ -1822,7 +1822,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attend_pairs_upto", [] { return pairs_upto.load(); }, "the query heads a KV head up to which pairs serve");
   mod.def("bf16_dots_native", &bf16_dots_native, "whether this build multiplies bfloat16 pairs (AVX-512 BF16)");
 #ifdef IG_BF16_DOTS
-  mod.attr("BF16_ATTEND_ROWS") = bf16dots::LONG_ROWS;  // rows from which bfloat16 pairs serve (attend_products)
+  mod.attr("BF16_ATTEND_ROWS") = bf16dots::LONG_ROWS;  // rows from which bfloat16 pairs serve (attend_pairs_upto)
 #else
   mod.attr("BF16_ATTEND_ROWS") = py::none();
 #endif
