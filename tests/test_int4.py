@@ -26,7 +26,7 @@ def test_rows_hold_q4_1_groups():
     torch.manual_seed(0)
     x = torch.randn(5, 96) * torch.rand(5, 1)
     x[2, :32] = 0.25  # a constant group: d = 0, every value its minimum
-    rows = int4_rows.pack(x)
+    rows = int4_rows.pack_rows(x)
     assert rows.dtype == torch.uint8 and rows.shape == (5, int4_rows.width(96)) == (5, 48 + 12)
     back = int4_rows.unpacked(rows)
     d = rows[:, 48:54].contiguous().view(torch.float16).float()  # (5, 3)
@@ -36,10 +36,37 @@ def test_rows_hold_q4_1_groups():
     assert torch.equal(back[2, :32], torch.full((32,), 0.25))
     levels = torch.cat([rows[:, :48].view(5, 3, 16) & 15, rows[:, :48].view(5, 3, 16) >> 4], -1).float()
     assert torch.equal(back, (levels * d[..., None] + m[..., None]).view(5, 96))
-    assert torch.equal(int4_rows.pack(back), rows)
+    assert torch.equal(int4_rows.pack_rows(back), rows)
     assert int4_rows.dim(rows.shape[-1]) == 96
     with pytest.raises(ValueError, match="multiple of 32"):
         int4_rows.width(40)
+
+
+def test_held_rows_go_in_tiles_of_16():
+    """The held form: the first 16 floor(R / 16) rows (over the leading dims) in tiles, group by group: four 64-byte
+    chunks (chunk c, bytes 4o..4o+3: row o's level bytes 4c..4c+3), the 16 scales, the 16 minimums; the rest rows.
+    rows_of undoes it; a merged weight's part is a view on whole tiles, a re-tiled copy otherwise."""
+    torch.manual_seed(2)
+    x = torch.randn(2, 19, 64)
+    rows = int4_rows.pack_rows(x)
+    held = int4_rows.pack(x)
+    assert held.shape == rows.shape and torch.equal(int4_rows.rows_of(held), rows)
+    flat, hflat = rows.view(38, 40), held.view(38, 40)
+    assert torch.equal(hflat[32:], flat[32:])  # 38 rows: two tiles, then 6 rows
+    tile = hflat[16:32].reshape(-1)  # the second tile: rows 16..31
+    for g in range(2):
+        group = tile[320 * g : 320 * (g + 1)]
+        for o in (0, 5, 15):
+            row = flat[16 + o]
+            for c in range(4):
+                assert torch.equal(group[64 * c + 4 * o : 64 * c + 4 * o + 4], row[16 * g + 4 * c : 16 * g + 4 * c + 4])
+            assert torch.equal(group[256 + 2 * o : 258 + 2 * o], row[32 + 2 * g : 34 + 2 * g])
+            assert torch.equal(group[288 + 2 * o : 290 + 2 * o], row[36 + 2 * g : 38 + 2 * g])
+    w = int4_rows.pack(torch.randn(72, 64))  # a merged weight: parts of 32, 24 and 16 rows
+    whole = int4_rows.part(w, 0, 32)
+    assert whole.data_ptr() == w.data_ptr() and torch.equal(int4_rows.rows_of(whole), int4_rows.rows_of(w)[:32])
+    for start, size in ((32, 24), (56, 16), (40, 32)):
+        assert torch.equal(int4_rows.rows_of(int4_rows.part(w, start, size)), int4_rows.rows_of(w)[start : start + size])
 
 
 @pytest.mark.skipif(K is None, reason="no CPU kernels")
@@ -53,17 +80,18 @@ def test_the_kernel_unpacks_rows_as_pytorch_does():
 
 
 @pytest.mark.skipif(K is None, reason="no CPU kernels")
-@pytest.mark.parametrize("inputs", [576, 64, 896])
-def test_int4_linear_kernel(inputs, monkeypatch):
-    """`linear` over int4 rows: the product of the values the rows hold with the activations as int8 groups (the
-    kernel's own rounding), a row's result whatever rows share the call, with a bias and a residual."""
+@pytest.mark.parametrize("inputs,out", [(576, 37), (64, 48), (896, 37), (96, 5)])
+def test_int4_linear_kernel(inputs, out, monkeypatch):
+    """`linear` over held int4 weights (tiles, then rows: 37 rows are two tiles and five rows, 48 three tiles, 5 no
+    tile): the product of the values held with the activations as int8 groups (the kernel's own rounding), a row's
+    result whatever rows share the call, with a bias and a residual."""
     torch.manual_seed(9)
-    W = torch.randn(37, inputs) * torch.rand(37, 1)
+    W = torch.randn(out, inputs) * torch.rand(out, 1)
     W[3, :32] = 0  # a zero group
     rows = int4_rows.pack(W)
     x = torch.randn(6, inputs) * 3
     x[1, 32:64] = 0  # a zero group of activations
-    bias, res = torch.randn(37), torch.randn(6, 37)
+    bias, res = torch.randn(out), torch.randn(6, out)
     y = K.linear(x, rows, None, None)
     dense = int4_rows.unpacked(rows)
     ref = torch.nn.functional.linear(q8_groups(x), dense)
@@ -124,4 +152,4 @@ def test_a_q4_1_gguf_comes_back_as_it_was():
         x = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).float()
         blocks = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(x.shape[0], -1, 20)  # (rows, groups, 20)
         want = torch.cat([blocks[..., 4:].flatten(1), blocks[..., :2].flatten(1), blocks[..., 2:4].flatten(1)], -1)
-        assert torch.equal(int4_rows.pack(x), want), t.name
+        assert torch.equal(int4_rows.pack_rows(x), want), t.name

@@ -12,6 +12,14 @@ symmetric range around zero (q4_0 wastes a level and half a range on one-signed 
 models); groups of 32 with their own float16 scale and minimum read back a Q4_K super-block's sub-blocks within
 float16's rounding, and a decode kernel's group is then one 32-byte vector of a row's activations (int8 for VNNI's
 u8 x s8 products: the weight's levels are unsigned, the activations signed).
+
+Held, a weight's rows go in tiles of 16 (`tiled`: its first 16 floor(out / 16) rows, the rest stay rows; the same
+bytes, moved): group g of a tile is 320 bytes, four 64-byte chunks (chunk c: bytes 4o..4o+3 hold row o's levels
+q[4c..4c+3] in their low nibbles, q[16+4c..16+4c+3] in their high ones), then the 16 rows' scales, then their
+minimums. A decode kernel's 512-bit product of a chunk with four activations broadcast is then one step of 16 rows'
+dot products, one row a lane: in rows each (row, group) cost a conversion, a permute and a multiply-add of its own,
+~2.5x the instructions a row of activations (instruction-bound at 4 rows, where tiles read at the memory's rate).
+Slices of whole tiles are tiles (a merged weight's parts: `part`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from . import backend as backends
 
 GROUP = 32
+TILE = 16  # rows a tile
 
 
 def width(in_features: int) -> int:
@@ -39,7 +48,12 @@ def dim(row_bytes: int) -> int:
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
-    """Values x (..., in) -> stored rows (..., width(in)) uint8, in PyTorch ops (once, at load)."""
+    """Values x (..., in) -> the held form (..., width(in)) uint8: rows (pack_rows) in tiles (tiled)."""
+    return tiled(pack_rows(x))
+
+
+def pack_rows(x: torch.Tensor) -> torch.Tensor:
+    """Values x (..., in) -> rows (..., width(in)) uint8 in q4_1's groups, in PyTorch ops (once, at load)."""
     *lead, n = x.shape
     width(n)
     xg = x.float().reshape(*lead, n // GROUP, GROUP)
@@ -54,9 +68,58 @@ def pack(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed.reshape(*lead, n // 2), scales, mins], -1)
 
 
+def _tile_view(w: int, tiles: int) -> tuple:
+    """(levels, scales, minimums) shapes of `tiles` tiles of rows `w` bytes wide as rows, and the order of their dims
+    in a tile: (tile, row, group, chunk, byte) levels and (tile, row, group, 2) float16 bytes -> group first."""
+    ng = dim(w) // GROUP
+    return (tiles, TILE, ng, 4, 4), (tiles, TILE, ng, 2), ng
+
+
+def tiled(rows: torch.Tensor) -> torch.Tensor:
+    """Rows (..., w) -> the held form (..., w): the leading dims' first 16 floor(R / 16) rows in tiles (see above)."""
+    *lead, w = rows.shape
+    flat = rows.reshape(-1, w)
+    T = flat.shape[0] // TILE
+    if T == 0:
+        return rows.clone()
+    lv_shape, sc_shape, ng = _tile_view(w, T)
+    head = flat[: T * TILE].view(T, TILE, w)
+    half = ng * GROUP // 2
+    lv = head[..., :half].reshape(lv_shape).permute(0, 2, 3, 1, 4).reshape(T, ng, 256)  # (tile, group, chunk, row, 4)
+    d = head[..., half : half + 2 * ng].reshape(sc_shape).permute(0, 2, 1, 3).reshape(T, ng, 32)
+    m = head[..., half + 2 * ng :].reshape(sc_shape).permute(0, 2, 1, 3).reshape(T, ng, 32)
+    tiles = torch.cat([lv, d, m], -1).view(T * TILE, w)
+    return torch.cat([tiles, flat[T * TILE :]]).view(rows.shape)
+
+
+def rows_of(held: torch.Tensor) -> torch.Tensor:
+    """The held form (..., w) -> its rows (..., w) (tiled's inverse)."""
+    *lead, w = held.shape
+    flat = held.reshape(-1, w)
+    T = flat.shape[0] // TILE
+    if T == 0:
+        return held.clone()
+    lv_shape, sc_shape, ng = _tile_view(w, T)
+    tiles = flat[: T * TILE].view(T, ng, 320)
+    lv = tiles[..., :256].reshape(T, ng, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(T, TILE, ng * 16)
+    d = tiles[..., 256:288].reshape(T, ng, TILE, 2).permute(0, 2, 1, 3).reshape(T, TILE, 2 * ng)
+    m = tiles[..., 288:].reshape(T, ng, TILE, 2).permute(0, 2, 1, 3).reshape(T, TILE, 2 * ng)
+    head = torch.cat([lv, d, m], -1).view(T * TILE, w)
+    return torch.cat([head, flat[T * TILE :]]).view(held.shape)
+
+
+def part(held: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Rows [start, start + size) of a held weight (out, w) in the held form: a view where they are whole tiles (or
+    run to the end), else a copy re-tiled."""
+    out = held.shape[0]
+    if start % TILE == 0 and (size % TILE == 0 or start + size == out):
+        return held[start : start + size]
+    return tiled(rows_of(held)[start : start + size])
+
+
 def unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored rows (..., width(in)) uint8 -> the values they hold (..., in) in `dtype` (the CPU kernel where
-    built, for float32 and bfloat16: the same bits)."""
+    """A held weight (..., width(in)) uint8 (tiles, then rows) -> the values it holds (..., in) in `dtype` (the CPU
+    kernel where built, for float32 and bfloat16: the same bits)."""
     *lead, w = rows.shape
     n = dim(w)
     if dtype in (torch.float32, torch.bfloat16) and (kern := backends.for_device(rows.device).ops) is not None:
@@ -64,8 +127,9 @@ def unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return reference_unpacked(rows, dtype)
 
 
-def reference_unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def reference_unpacked(held: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """unpacked in PyTorch ops."""
+    rows = rows_of(held)
     *lead, w = rows.shape
     n = dim(w)
     ng = n // GROUP

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import cache_dir
-from . import int8_rows
+from . import int4_rows, int8_rows
 
 FORMAT = 2
 PAGE = 4096  # every tensor starts at a page: views of any dtype, and madvise on a tensor's own pages
@@ -40,6 +40,8 @@ def key(files: list[Path], model) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     facts = {"format": FORMAT, "files": stats, "args": repr(model.args), "weights": model.weights,
              "dtype": str(model.dtype), "group": int8_rows.GROUP}
+    if model.weights == "int4":  # int4 weights held in tiles of rows: a file of rows (or of other tiles) is not read
+        facts["int4_tile"] = int4_rows.TILE
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
 
 

@@ -46,7 +46,7 @@ def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     large (never a float32 copy of a whole LM head)."""
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
-    step = max(1, CONVERT_ELEMENTS // w.shape[1])
+    step = max(int4_rows.TILE, CONVERT_ELEMENTS // w.shape[1] // int4_rows.TILE * int4_rows.TILE)  # int4: whole tiles
     if w.shape[0] <= step:
         return F.linear(x, dense(w, x.dtype), bias)
     parts = [(w[s : s + step], None if bias is None else bias[s : s + step]) for s in range(0, w.shape[0], step)]

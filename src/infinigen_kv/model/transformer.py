@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend as backends
-from . import ops
+from . import int4_rows, ops
 from .attention import attend_layer, attend
 from .hparams import ModelArgs
 from .rope import apply_rope, inv_freq
@@ -97,8 +97,9 @@ class Attention(nn.Module):
         self.rope = args.rope
 
     def _proj(self, start: int, size: int) -> Proj:
-        b = self.wqkv.bias
-        return Proj(self.wqkv.weight[start : start + size], None if b is None else b[start : start + size])
+        w, b = self.wqkv.weight, self.wqkv.bias
+        w = int4_rows.part(w, start, size) if w.dtype == torch.uint8 else w[start : start + size]
+        return Proj(w, None if b is None else b[start : start + size])
 
     @property
     def q_proj(self) -> Proj:

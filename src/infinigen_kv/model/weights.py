@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import mapped, ops
+from . import int4_rows, mapped, ops
 from .hparams import ModelArgs
 
 # (a checkpoint's name inside a layer, ours, which part of a merged weight: its index among the parts)
@@ -72,8 +72,15 @@ def copy_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
         dst.copy_(rows)
     elif dst.dtype == torch.int8:
         dst[start : start + n].copy_(ops.held(rows, "int8"))
-    elif dst.dtype == torch.uint8:
-        dst[start : start + n].copy_(ops.held(rows, "int4"))
+    elif dst.dtype == torch.uint8:  # int4: held in tiles of rows (int4_rows), so the tiles the rows touch are rewritten
+        lo = start // int4_rows.TILE * int4_rows.TILE
+        hi = min(dst.shape[0], -(-(start + n) // int4_rows.TILE) * int4_rows.TILE)
+        block = int4_rows.rows_of(dst[lo:hi]) if (lo, hi) != (start, start + n) else None
+        if block is None:
+            dst[start : start + n].copy_(ops.held(rows, "int4"))
+        else:
+            block[start - lo : start - lo + n] = int4_rows.pack_rows(rows.float())
+            dst[lo:hi].copy_(int4_rows.tiled(block))
     else:
         dst[start : start + n].copy_(rows)
 
@@ -158,7 +165,7 @@ def _read_shard(path: Path, args: ModelArgs, params: dict) -> set:
             shape = sl.get_shape()
             rows = shape[0] if shape else 1
             row_bytes = 4 * max(1, (shape[1] if len(shape) > 1 else 1))
-            step = max(1, READ_BYTES // row_bytes)
+            step = max(int4_rows.TILE, READ_BYTES // row_bytes // int4_rows.TILE * int4_rows.TILE)  # whole tiles
             for s in range(0, rows, step):
                 if read >= READ_BYTES:
                     h.__exit__(None, None, None)

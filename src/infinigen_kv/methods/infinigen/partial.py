@@ -139,9 +139,10 @@ class PartialQuery:
             memo = _GATHERED.setdefault(attn, {})
             key = (w.dtype, self.rows[layer].numpy().tobytes())
             if key not in memo:
-                rows = w[self.q_rows(layer)].contiguous()
-                if rows.dtype == torch.uint8:  # int4 rows: as int8 rows of their values, which the kernel reads
-                    rows = held(dense(rows, torch.float32), "int8")
+                if w.dtype == torch.uint8:  # int4 (tiles of rows): as int8 rows of their values, which the kernel reads
+                    rows = held(dense(w, torch.float32)[self.q_rows(layer)], "int8")
+                else:
+                    rows = w[self.q_rows(layer)].contiguous()
                 memo[key] = rows
             W = self._gathered[layer] = memo[key]
         return W

@@ -1178,6 +1178,125 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
   for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
 }
 
+// int4 tiles: the held form keeps its first 16 floor(out / 16) rows as tiles of 16 rows (model/int4_rows.py), the rest
+// as rows. A tile's group g (of ng) takes 320 bytes: four 64-byte chunks (chunk c: bytes 4o..4o+3 hold row o's levels
+// q[4c..4c+3] in their low nibbles and q[16+4c..16+4c+3] in their high ones), then the 16 rows' float16 scales d, then
+// their minimums m. A 512-bit dpbusd of a chunk's nibbles with four activations broadcast is then one step of 16 rows'
+// dot products, lane by lane: no lanes summed across, each group's scale one vector of 16 rows, the levels unpacked
+// once for every row of x (in rows, each (row, group) paid a conversion, a permute and a multiply-add).
+constexpr int64_t Q4_TILE = 16, Q4_TILE_GROUP = 320;
+
+// y[b * ldy + o] (o < 16) = x[b] . (row o of the tile at t) for RB rows of quantized activations (row b's values at
+// xq + b in, its groups' scales and sums at xs + b ng, xsum + b ng). Per lane: the group's exact integer dot, then
+// acc = fma(float(dot), d sx, acc) and accm = fma(m, xsum, accm) group by group, y = acc + accm: the same bits on every
+// path (512-bit, 256-bit, scalar).
+template <int RB>
+inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
+                        const float* __restrict xsum, int64_t in, float* y, int64_t ldy) {
+  const int64_t ng = in / Q4_GROUP;
+#ifdef IG_VNNI512
+  __m512 acc[RB], accm[RB];
+  for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* tg = t + g * Q4_TILE_GROUP;
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 256), _MM_HINT_T0);
+    __m512i lv[8];  // lv[c]: q[4c..4c+3] of the 16 rows, lv[4 + c]: q[16+4c..16+4c+3]
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(tg + 64 * c);
+      lv[c] = _mm512_and_si512(v, low);
+      lv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 256)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 288)));
+    for (int b = 0; b < RB; ++b) {
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      int32_t x4[8];
+      std::memcpy(x4, xg, 32);
+      __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[0], _mm512_set1_epi32(x4[0]));
+      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], _mm512_set1_epi32(x4[4]));
+      for (int c = 1; c < 4; ++c) {
+        p0 = _mm512_dpbusd_epi32(p0, lv[c], _mm512_set1_epi32(x4[c]));
+        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], _mm512_set1_epi32(x4[4 + c]));
+      }
+      const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g]));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p0, p1)), sc, acc[b]);
+      accm[b] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[b * ng + g]), accm[b]);
+    }
+  }
+  for (int b = 0; b < RB; ++b) _mm512_storeu_ps(y + b * ldy, _mm512_add_ps(acc[b], accm[b]));
+#elif defined(IG_AVX2)
+  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: the 32-byte halves of each chunk
+    __m256 acc[RB], accm[RB];
+    for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* tg = t + g * Q4_TILE_GROUP;
+      if (h == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 128), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 192), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 256), _MM_HINT_T0);
+      }
+      __m256i lv[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
+        lv[c] = _mm256_and_si256(v, low);
+        lv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 256 + 16 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 288 + 16 * h)));
+      for (int b = 0; b < RB; ++b) {
+        int32_t x4[8];
+        std::memcpy(x4, xq + b * in + g * Q4_GROUP, 32);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
+#elif defined(__AVXVNNI__)
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_avx_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
+#else  // pairs of u8 x s8 products summed in int16: at most 8 x 2 x 15 x 127 = 30480, exact
+        __m256i s = _mm256_maddubs_epi16(lv[0], _mm256_set1_epi32(x4[0]));
+        for (int c = 1; c < 8; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])));
+        const __m256i p = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+        const __m256 sc = _mm256_mul_ps(dv, _mm256_set1_ps(xs[b * ng + g]));
+        acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[b]);
+        accm[b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[b * ng + g]), accm[b]);
+      }
+    }
+    for (int b = 0; b < RB; ++b) _mm256_storeu_ps(y + b * ldy + 8 * h, _mm256_add_ps(acc[b], accm[b]));
+  }
+#else
+  float acc[RB][Q4_TILE] = {}, accm[RB][Q4_TILE] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* tg = t + g * Q4_TILE_GROUP;
+    for (int64_t o = 0; o < Q4_TILE; ++o) {
+      const float d = half_at(reinterpret_cast<const int8_t*>(tg + 256 + 2 * o));
+      const float m = half_at(reinterpret_cast<const int8_t*>(tg + 288 + 2 * o));
+      for (int b = 0; b < RB; ++b) {
+        const int8_t* xg = xq + b * in + g * Q4_GROUP;
+        int32_t dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = tg[64 * c + 4 * o + j];
+            dot += int32_t(byte & 0x0F) * xg[4 * c + j] + int32_t(byte >> 4) * xg[16 + 4 * c + j];
+          }
+        acc[b][o] = std::fma(float(dot), d * xs[b * ng + g], acc[b][o]);
+        accm[b][o] = std::fma(m, xsum[b * ng + g], accm[b][o]);
+      }
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int64_t o = 0; o < Q4_TILE; ++o) y[b * ldy + o] = acc[b][o] + accm[b][o];
+#endif
+}
+
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
                  float* y, bool bf16 = false) {
@@ -1210,21 +1329,54 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     else
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
-  at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
+  auto row = [&](int64_t o) {  // output o for every row of x, from weight row o
+    const W* w = wp + o * ldw;
+    int64_t b = 0;
+    for (; b + 4 <= R; b += 4) rows(std::integral_constant<int, 4>{}, w, b, y + b * out + o);
+    if (R - b >= 2) {
+      rows(std::integral_constant<int, 2>{}, w, b, y + b * out + o);
+      b += 2;
+    }
+    if (b < R) rows(std::integral_constant<int, 1>{}, w, b, y + b * out + o);
+  };
+  auto finish = [&](int64_t o0, int64_t o1) {  // bias, then the residual
     for (int64_t o = o0; o < o1; ++o) {
-      const W* w = wp + o * ldw;
-      int64_t b = 0;
-      for (; b + 4 <= R; b += 4) rows(std::integral_constant<int, 4>{}, w, b, y + b * out + o);
-      if (R - b >= 2) {
-        rows(std::integral_constant<int, 2>{}, w, b, y + b * out + o);
-        b += 2;
-      }
-      if (b < R) rows(std::integral_constant<int, 1>{}, w, b, y + b * out + o);
       if (bias)
         for (int64_t j = 0; j < R; ++j) y[j * out + o] += bias[o];
       if (res)
         for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
     }
+  };
+  if constexpr (I4) {  // tiles of 16 rows, then the rows after the last tile (one more task)
+    const int64_t tiles = out / Q4_TILE;
+    at::parallel_for(0, tiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t o0 = t * Q4_TILE, o1 = std::min(out, o0 + Q4_TILE);
+        if (t == tiles) {
+          for (int64_t o = o0; o < o1; ++o) row(o);
+        } else {
+          const uint8_t* tp = wp + o0 * ldw;
+          auto tile = [&](auto rb, int64_t b) {
+            constexpr int RB = decltype(rb)::value;
+            tile_dot_q4<RB>(tp, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng,
+                            in, y + b * out + o0, out);
+          };
+          int64_t b = 0;
+          for (; b + 4 <= R; b += 4) tile(std::integral_constant<int, 4>{}, b);
+          if (R - b >= 2) {
+            tile(std::integral_constant<int, 2>{}, b);
+            b += 2;
+          }
+          if (b < R) tile(std::integral_constant<int, 1>{}, b);
+        }
+        finish(o0, o1);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) row(o);
+    finish(o0, o1);
   });
 }
 
@@ -1505,7 +1657,8 @@ at::Tensor dequantize_kv_rows(at::Tensor rows, int64_t d) {
   return out;
 }
 
-// int4 rows (..., q4_width(n)) uint8 -> their values (..., n) in float32 or bfloat16: level x scale + min per group of
+// int4 weights as held (..., q4_width(n)) uint8 (the leading dims' rows in tiles of 16, then rows: linear_impl's
+// layout) -> their values (..., n) in float32 or bfloat16: level x scale + min per group of
 // 32 (int4_rows.unpacked's bits: a 4-bit level times a float16 scale is exact in float32, so the one rounding is the
 // sum's, fused or not; bfloat16 rounds that to nearest even, as PyTorch's .to). A prompt chunk's weights for the
 // BLAS, a slice at a time: PyTorch's ops took 1.3x the bfloat16 weights' prefill in unpacking.
@@ -1520,16 +1673,26 @@ at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
   const uint8_t* rp = rows.data_ptr<uint8_t>();
   float* of = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t tiled = R / Q4_TILE * Q4_TILE;  // rows in tiles (linear_impl's layout), then rows
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
     float v[Q4_GROUP];
+    uint8_t b[Q4_GROUP / 2];
     for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* row = rp + i * w;
-      const uint8_t* lv = row;
-      const uint8_t* dm = row + n / 2;
+      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
+      const int64_t o = i % Q4_TILE;
       for (int64_t g = 0; g < ng; ++g) {
-        const float d = half_at(reinterpret_cast<const int8_t*>(dm + 2 * g));
-        const float m = half_at(reinterpret_cast<const int8_t*>(dm + 2 * (ng + g)));
-        const uint8_t* b = lv + g * (Q4_GROUP / 2);
+        float d, m;
+        if (i < tiled) {
+          const uint8_t* tg = tile + g * Q4_TILE_GROUP;
+          for (int64_t c = 0; c < 4; ++c) std::memcpy(b + 4 * c, tg + 64 * c + 4 * o, 4);
+          d = half_at(reinterpret_cast<const int8_t*>(tg + 256 + 2 * o));
+          m = half_at(reinterpret_cast<const int8_t*>(tg + 288 + 2 * o));
+        } else {
+          const uint8_t* row = rp + i * w;
+          std::memcpy(b, row + g * (Q4_GROUP / 2), Q4_GROUP / 2);
+          d = half_at(reinterpret_cast<const int8_t*>(row + n / 2 + 2 * g));
+          m = half_at(reinterpret_cast<const int8_t*>(row + n / 2 + 2 * (ng + g)));
+        }
         for (int64_t j = 0; j < Q4_GROUP / 2; ++j) {
           v[j] = float(b[j] & 0x0F) * d + m;
           v[j + Q4_GROUP / 2] = float(b[j] >> 4) * d + m;
