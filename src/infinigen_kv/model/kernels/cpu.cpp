@@ -973,8 +973,8 @@ inline void rows_dot_q8(const int8_t* __restrict w, const int8_t* __restrict xq,
   for (; (g + 8) * KV_GROUP <= in; g += 8) {  // eight whole groups: their dot products as one vector, scaled at once
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + in + 2 * g)));
     const int8_t* wg = w + g * KV_GROUP;
-    if constexpr (RB > 1)  // several rows, bound by their products: the weights read ahead (one row: by the bandwidth)
-      for (int k = 0; k < 4; ++k) _mm_prefetch(reinterpret_cast<const char*>(wg + Q8_AHEAD + 64 * k), _MM_HINT_T0);
+    for (int k = 0; k < 4; ++k)  // the weights read ahead
+      _mm_prefetch(reinterpret_cast<const char*>(wg + Q8_AHEAD + 64 * k), _MM_HINT_T0);
 #ifdef IG_VNNI512  // two groups a product: the weights + 128 as unsigned bytes (w xor 0x80)
     __m512i wv[4];
     for (int k = 0; k < 4; ++k)
