@@ -69,6 +69,19 @@ def test_held_rows_go_in_tiles_of_16():
         assert torch.equal(int4_rows.rows_of(int4_rows.part(w, start, size)), int4_rows.rows_of(w)[start : start + size])
 
 
+def test_a_checkpoints_rows_fill_tiles_at_any_offset():
+    """Loading writes a checkpoint's rows into a held weight at its part's offset, in slices: rows that start or end
+    inside a tile rewrite that tile, the others' rows kept."""
+    from infinigen_kv.model.weights import copy_rows
+
+    torch.manual_seed(3)
+    x = torch.randn(45, 64)
+    dst = torch.zeros(45, int4_rows.width(64), dtype=torch.uint8)
+    for start, stop in ((0, 5), (5, 21), (21, 40), (40, 45)):  # across tiles, inside one, into the last rows
+        copy_rows(dst, start, x[start:stop])
+    assert torch.equal(dst, int4_rows.pack(x))
+
+
 @pytest.mark.skipif(K is None, reason="no CPU kernels")
 def test_the_kernel_unpacks_rows_as_pytorch_does():
     """A prompt chunk's int4 weights unpacked by the kernel (float32 and bfloat16): PyTorch's bits, batched rows."""

@@ -68,40 +68,30 @@ def pack_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed.reshape(*lead, n // 2), scales, mins], -1)
 
 
-def _tile_view(w: int, tiles: int) -> tuple:
-    """(levels, scales, minimums) shapes of `tiles` tiles of rows `w` bytes wide as rows, and the order of their dims
-    in a tile: (tile, row, group, chunk, byte) levels and (tile, row, group, 2) float16 bytes -> group first."""
-    ng = dim(w) // GROUP
-    return (tiles, TILE, ng, 4, 4), (tiles, TILE, ng, 2), ng
-
-
 def tiled(rows: torch.Tensor) -> torch.Tensor:
     """Rows (..., w) -> the held form (..., w): the leading dims' first 16 floor(R / 16) rows in tiles (see above)."""
-    *lead, w = rows.shape
+    w = rows.shape[-1]
     flat = rows.reshape(-1, w)
-    T = flat.shape[0] // TILE
+    T, ng = flat.shape[0] // TILE, dim(w) // GROUP
     if T == 0:
         return rows.clone()
-    lv_shape, sc_shape, ng = _tile_view(w, T)
-    head = flat[: T * TILE].view(T, TILE, w)
-    half = ng * GROUP // 2
-    lv = head[..., :half].reshape(lv_shape).permute(0, 2, 3, 1, 4).reshape(T, ng, 256)  # (tile, group, chunk, row, 4)
-    d = head[..., half : half + 2 * ng].reshape(sc_shape).permute(0, 2, 1, 3).reshape(T, ng, 32)
-    m = head[..., half + 2 * ng :].reshape(sc_shape).permute(0, 2, 1, 3).reshape(T, ng, 32)
-    tiles = torch.cat([lv, d, m], -1).view(T * TILE, w)
+    head = flat[: T * TILE].view(T, TILE, w)  # a row: ng x 16 level bytes, ng x 2 scale bytes, ng x 2 minimum bytes
+    lv = head[..., : 16 * ng].reshape(T, TILE, ng, 4, 4).permute(0, 2, 3, 1, 4)  # (tile, group, chunk, row, 4 bytes)
+    d = head[..., 16 * ng : 18 * ng].reshape(T, TILE, ng, 2).permute(0, 2, 1, 3)  # (tile, group, row, 2 bytes)
+    m = head[..., 18 * ng :].reshape(T, TILE, ng, 2).permute(0, 2, 1, 3)
+    tiles = torch.cat([lv.reshape(T, ng, 256), d.reshape(T, ng, 32), m.reshape(T, ng, 32)], -1).view(T * TILE, w)
     return torch.cat([tiles, flat[T * TILE :]]).view(rows.shape)
 
 
 def rows_of(held: torch.Tensor) -> torch.Tensor:
     """The held form (..., w) -> its rows (..., w) (tiled's inverse)."""
-    *lead, w = held.shape
+    w = held.shape[-1]
     flat = held.reshape(-1, w)
-    T = flat.shape[0] // TILE
+    T, ng = flat.shape[0] // TILE, dim(w) // GROUP
     if T == 0:
         return held.clone()
-    lv_shape, sc_shape, ng = _tile_view(w, T)
     tiles = flat[: T * TILE].view(T, ng, 320)
-    lv = tiles[..., :256].reshape(T, ng, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(T, TILE, ng * 16)
+    lv = tiles[..., :256].reshape(T, ng, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(T, TILE, 16 * ng)
     d = tiles[..., 256:288].reshape(T, ng, TILE, 2).permute(0, 2, 1, 3).reshape(T, TILE, 2 * ng)
     m = tiles[..., 288:].reshape(T, ng, TILE, 2).permute(0, 2, 1, 3).reshape(T, TILE, 2 * ng)
     head = torch.cat([lv, d, m], -1).view(T * TILE, w)
