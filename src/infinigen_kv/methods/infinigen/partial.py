@@ -8,6 +8,7 @@ PyTorch); otherwise the whole query times A_P.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from ...model import backend as backends
 from ...model import int8_rows
 from ...model.ops import dense, held
+from .calibration import partial_query_weights
 
 
 def rope_channels(channels: torch.Tensor, d: int) -> torch.Tensor:
@@ -32,6 +34,18 @@ def _times(q: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 _GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its gathered q rows
+_FOLDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # first attention module -> {calibration: folds}
+
+
+def folded(arch, calibration) -> tuple:
+    """A_P folded into this model's own q_proj (partial_query_weights: (L, H p, D), (L, H p)), once per model and
+    calibration. Not the calibration's stored fold: that was made from the model it calibrated, which may hold the same
+    checkpoint at another precision (the calibration's fingerprint is the same in float32 and bfloat16)."""
+    memo = _FOLDED.setdefault(arch.attns[0], {})
+    key = hashlib.sha1(b"".join(t.cpu().numpy().tobytes() for t in (calibration.skew, calibration.channels))).hexdigest()
+    if key not in memo:
+        memo[key] = partial_query_weights(arch, calibration.skew, calibration.channels)
+    return memo[key]
 
 class PartialQuery:
     """Layer l+1's skewed partial query (B, G, r, p) from layer l's input x (B, 1, D), for every layer of one
@@ -42,8 +56,9 @@ class PartialQuery:
         self.weight = self.bias = None
         if calibration.pq_weight is not None:  # no RoPE: A_P folded in, per layer on its layer's device
             devs = [a.q_proj.weight.device for a in arch.attns]
-            self.weight = [w.to(dv, dtype) for w, dv in zip(calibration.pq_weight, devs)]
-            self.bias = [b.to(dv, dtype) for b, dv in zip(calibration.pq_bias, devs)]
+            weight, bias = folded(arch, calibration)
+            self.weight = [w.to(dv, dtype) for w, dv in zip(weight, devs)]
+            self.bias = [b.to(dv, dtype) for b, dv in zip(bias, devs)]
         # RoPE models with raw (unskewed) channels: only the q_proj rows of P and their RoPE partners, per layer
         # (G, c) and P (G, p) (not with a QK-norm: it needs the whole head)
         self.rows = self.channels = None
