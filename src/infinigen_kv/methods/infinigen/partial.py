@@ -42,7 +42,8 @@ def folded(arch, calibration) -> tuple:
     calibration. Not the calibration's stored fold: that was made from the model it calibrated, which may hold the same
     checkpoint at another precision (the calibration's fingerprint is the same in float32 and bfloat16)."""
     memo = _FOLDED.setdefault(arch.attns[0], {})
-    key = hashlib.sha1(b"".join(t.cpu().numpy().tobytes() for t in (calibration.skew, calibration.channels))).hexdigest()
+    key = hashlib.sha1(b"".join(t.cpu().numpy().tobytes() for t in (calibration.skew, calibration.channels)))
+    key = key.hexdigest()
     if key not in memo:
         memo[key] = partial_query_weights(arch, calibration.skew, calibration.channels)
     return memo[key]
