@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import KINDS, row_zero_selections, tiny_model
+import infinigen_kv as ig
 
 from infinigen_kv.methods.infinigen.fetch import counted
 from infinigen_kv.methods.infinigen.speculator import approx_scores, select
@@ -399,3 +400,20 @@ def test_recall_diagnostic_per_head():
             assert all(0 <= v <= 1 for v in topk[i]) and all(0 < v <= 1 + 1e-5 for v in mass[i])
         means.append([sum(t) / H for t in topk[1:]] + [sum(m) / H for m in mass[1:]])
     assert all(a > b for a, b in zip(*means))
+
+
+def test_a_no_rope_models_partial_query_folds_its_own_weights():
+    """Without RoPE (OPT) the partial query's weights are the calibration's partial channels folded into this model's
+    own q_proj: a float32 model given the calibration of its bfloat16 copy (the same fingerprint) does not take that
+    copy's stored fold, which rounded q_proj to bfloat16."""
+    from infinigen_kv.methods.infinigen.calibration import partial_query_weights
+    from infinigen_kv.methods.infinigen.partial import PartialQuery
+
+    from infinigen_kv.model.arch import get_arch
+
+    cal = ig.make_cache("infinigen", tiny_model("opt", weights="bfloat16")).calibration
+    arch = get_arch(tiny_model("opt"))
+    want, _ = partial_query_weights(arch, cal.skew, cal.channels)
+    got = PartialQuery(arch, cal, torch.float32).weight
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not torch.equal(cal.pq_weight, want)  # the stored fold: the bfloat16 copy's

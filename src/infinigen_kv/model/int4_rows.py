@@ -68,18 +68,22 @@ def pack_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed.reshape(*lead, n // 2), scales, mins], -1)
 
 
+def _tile_order(w: int) -> torch.Tensor:
+    """(16 w,) int64: for each byte of a tile (see above), its index in the tile's 16 rows (16, w) flattened."""
+    ng = dim(w) // GROUP
+    i = torch.arange(TILE * w).view(TILE, w)  # a row: ng x 16 level bytes, ng x 2 scale bytes, ng x 2 minimum bytes
+    lv = i[:, : 16 * ng].reshape(TILE, ng, 4, 4).permute(1, 2, 0, 3)  # (group, chunk, row, 4 bytes)
+    d = i[:, 16 * ng : 18 * ng].reshape(TILE, ng, 2).permute(1, 0, 2)  # (group, row, 2 bytes)
+    m = i[:, 18 * ng :].reshape(TILE, ng, 2).permute(1, 0, 2)
+    return torch.cat([lv.reshape(ng, 256), d.reshape(ng, 32), m.reshape(ng, 32)], -1).reshape(-1)
+
+
 def tiled(rows: torch.Tensor) -> torch.Tensor:
     """Rows (..., w) -> the held form (..., w): the leading dims' first 16 floor(R / 16) rows in tiles (see above)."""
     w = rows.shape[-1]
     flat = rows.reshape(-1, w)
-    T, ng = flat.shape[0] // TILE, dim(w) // GROUP
-    if T == 0:
-        return rows.clone()
-    head = flat[: T * TILE].view(T, TILE, w)  # a row: ng x 16 level bytes, ng x 2 scale bytes, ng x 2 minimum bytes
-    lv = head[..., : 16 * ng].reshape(T, TILE, ng, 4, 4).permute(0, 2, 3, 1, 4)  # (tile, group, chunk, row, 4 bytes)
-    d = head[..., 16 * ng : 18 * ng].reshape(T, TILE, ng, 2).permute(0, 2, 1, 3)  # (tile, group, row, 2 bytes)
-    m = head[..., 18 * ng :].reshape(T, TILE, ng, 2).permute(0, 2, 1, 3)
-    tiles = torch.cat([lv.reshape(T, ng, 256), d.reshape(T, ng, 32), m.reshape(T, ng, 32)], -1).view(T * TILE, w)
+    T = flat.shape[0] // TILE
+    tiles = flat[: T * TILE].reshape(T, TILE * w)[:, _tile_order(w)].view(T * TILE, w)
     return torch.cat([tiles, flat[T * TILE :]]).view(rows.shape)
 
 
@@ -87,15 +91,10 @@ def rows_of(held: torch.Tensor) -> torch.Tensor:
     """The held form (..., w) -> its rows (..., w) (tiled's inverse)."""
     w = held.shape[-1]
     flat = held.reshape(-1, w)
-    T, ng = flat.shape[0] // TILE, dim(w) // GROUP
-    if T == 0:
-        return held.clone()
-    tiles = flat[: T * TILE].view(T, ng, 320)
-    lv = tiles[..., :256].reshape(T, ng, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(T, TILE, 16 * ng)
-    d = tiles[..., 256:288].reshape(T, ng, TILE, 2).permute(0, 2, 1, 3).reshape(T, TILE, 2 * ng)
-    m = tiles[..., 288:].reshape(T, ng, TILE, 2).permute(0, 2, 1, 3).reshape(T, TILE, 2 * ng)
-    head = torch.cat([lv, d, m], -1).view(T * TILE, w)
-    return torch.cat([head, flat[T * TILE :]]).view(held.shape)
+    T = flat.shape[0] // TILE
+    head = torch.empty(T, TILE * w, dtype=held.dtype, device=held.device)
+    head[:, _tile_order(w)] = flat[: T * TILE].reshape(T, TILE * w)
+    return torch.cat([head.view(T * TILE, w), flat[T * TILE :]]).view(held.shape)
 
 
 def part(held: torch.Tensor, start: int, size: int) -> torch.Tensor:
