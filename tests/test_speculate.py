@@ -409,11 +409,15 @@ def test_a_no_rope_models_partial_query_folds_its_own_weights():
     from infinigen_kv.methods.infinigen.calibration import partial_query_weights
     from infinigen_kv.methods.infinigen.partial import PartialQuery
 
+    from infinigen_kv.methods.infinigen.calibration import Calibration
     from infinigen_kv.model.arch import get_arch
 
-    cal = ig.make_cache("infinigen", tiny_model("opt", weights="bfloat16")).calibration
+    bf16 = tiny_model("opt", weights="bfloat16")
+    made = ig.make_cache("infinigen", bf16).calibration
+    cal = Calibration(made.skew, made.channels, made.meta,  # as calibrated on the bfloat16 copy
+                      *partial_query_weights(get_arch(bf16), made.skew, made.channels))
     arch = get_arch(tiny_model("opt"))
     want, _ = partial_query_weights(arch, cal.skew, cal.channels)
+    assert not torch.equal(cal.pq_weight, want)
     got = PartialQuery(arch, cal, torch.float32).weight
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert not torch.equal(cal.pq_weight, want)  # the stored fold: the bfloat16 copy's
