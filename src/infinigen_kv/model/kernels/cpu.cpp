@@ -638,7 +638,7 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<float> ks(BLOCK * ng, 1.f), vs(BLOCK * ng, 1.f);  // int8 rows' group scales, token by token
 #ifdef IG_ATTEND512
     constexpr bool WIDE = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;  // attend512.h's rows
-    std::vector<float> qp(WIDE ? r * D : 0), kf(WIDE ? 16 * D : 0);  // the query in widen's order; 16 rows widened
+    std::vector<float> qp(WIDE ? r * D : 0), kf(WIDE ? 16 * D : 0);  // the query in widen's order; 16 rows transposed
 #endif
 #ifdef IG_BF16_DOTS
     std::vector<uint16_t> qb(WIDE && pairs ? r * D : 0), pb(WIDE && pairs ? r * (BLOCK + 16) : 0);
@@ -668,7 +668,7 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 #endif
 #ifdef IG_ATTEND512
       if constexpr (WIDE)
-        if (!dots) attend512::deinterleave(qr, r * D, qp.data());
+        if (!dots && r <= 2) attend512::deinterleave(qr, r * D, qp.data());
 #endif
       auto position = [&](int64_t t) {  // the pool row of the item's t-th token
         if (has_new && t == 0) return new_rows ? new_rows[row] : new_row;
@@ -688,11 +688,17 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       for (int64_t tb = t0; tb < t1; tb += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, t1 - tb);
         if (idx) prefetch_block(tb + BLOCK);
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t pos = position(tb + j);
-          blk[j] = pos;
-          mask[j] = (has_new && tb + j == 0) || idx || !kb || kb[pos];  // (the new row may lie past keep)
-        }
+        if (!idx && !has_new)  // the whole past, rows in order
+          for (int64_t j = 0; j < nb; ++j) {
+            blk[j] = f0 + tb + j;
+            mask[j] = !kb || kb[f0 + tb + j];
+          }
+        else
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t pos = position(tb + j);
+            blk[j] = pos;
+            mask[j] = (has_new && tb + j == 0) || idx || !kb || kb[pos];  // (the new row may lie past keep)
+          }
         if constexpr (I8)
           for (int64_t j = 0; j < nb; ++j) {
             kv_scales(Kr + blk[j] * rw, d, ks.data() + j * ng);
@@ -716,8 +722,12 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
               continue;
             }
 #endif
-            attend512::scores16<D>(qp.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, kf.data(), ka,
-                                   va, 16 * rw * 2);
+            if (r > 2)
+              attend512::scores16_transposed<D>(qr, r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, kf.data(),
+                                                ka, va);
+            else
+              attend512::scores16<D>(qp.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, ka, va,
+                                     16 * rw * 2);
           }
 #endif
 #ifdef IG_AVX2
