@@ -4,15 +4,16 @@ process cancels that), at the default model's shapes (B sequences x 3 KV heads x
 the same result.
 
     python scripts/dev/kernel_ab.py --rev HEAD~1 [--batch 4] [--prompt-len 4096] [--threads 1]
-    python scripts/dev/kernel_ab.py --rev HEAD~1 --kernel attend [--batch 8] [--prompt-len 8192] [--threads 2]
+    python scripts/dev/kernel_ab.py --rev HEAD~1 --kernel attend [--batch 8] [--prompt-len 8192] [--threads 2] [--dense]
     python scripts/dev/kernel_ab.py --rev HEAD~1 --kernel linear [--weights int4] [--batch 1] [--threads 2]
 
-speculate (32 int8 partial channels): the cap binds (alpha 12, a quarter chosen: the default at 4k), few tokens
-within alpha (0.01: scores and passes only), every token within alpha and under the cap; microseconds per
-(sequence, KV head) row. attend: a step's 29 layers over chosen rows (1,024 of the past per (sequence, KV head),
-in position order, and the new token), each layer its own float32 pool (cold, as in a step); ms a step. linear: a
-step's decode linears, bfloat16 at the default model's shapes or `--weights int4` rows at Qwen2.5-0.5B's (24 layers,
-896 wide, 4,864 intermediate; its LM head apart).
+speculate (32 int8 partial channels): the cap binds (alpha 12, a quarter chosen: the default at 4k), few tokens within
+alpha (0.01: scores and passes only), every token within alpha and under the cap; microseconds per (sequence, KV head)
+row. attend: a step's 29 layers over chosen rows (1,024 of the past per (sequence, KV head), in position order, and the
+new token), each layer its own float32 pool (cold, as in a step); ms a step; with `--dense`, the 0.5B's 24 layers of
+bfloat16 rows over the whole past (2 KV heads x 7 query heads), outputs within 1e-5. linear: a step's decode linears,
+bfloat16 at the default model's shapes or `--weights int4` rows at Qwen2.5-0.5B's (24 layers, 896 wide, 4,864
+intermediate; its LM head apart).
 """
 
 import argparse
@@ -58,12 +59,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--kernel", choices=["speculate", "attend", "linear"], default="speculate")
     ap.add_argument("--weights", choices=["bfloat16", "int8", "int4"], default="bfloat16", help="linear's weights")
+    ap.add_argument("--dense", action="store_true", help="attend: the 0.5B's step over its whole past instead (24 "
+                    "layers of bfloat16 rows, 2 KV heads x 7 query heads: full's attention, InfiniGen's dense steps)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     old = build({f: show(args.rev, f"{KERNELS}/{f}") for f in FILES})
     new = build({f: Path(KERNELS, f).read_text() for f in FILES})
     if args.kernel == "attend":
-        return attend_ab(old, new, args)
+        return dense_attend_ab(old, new, args) if args.dense else attend_ab(old, new, args)
     if args.kernel == "linear":
         return linear_ab(old, new, args)
     B, G, r, p, n = args.batch, 3, 3, 32, args.prompt_len
@@ -105,6 +108,23 @@ def attend_ab(old, new, args, layers: int = 29, m: int = 1024):
     same = all(torch.equal(a, b) for a, b in zip(step(old), step(new)))
     report(f"attend, B{B} x {n}, {m} chosen rows", args.rev, med, layers * B * G * (m + 1) * d * 8 / 1e6,
            f"same output: {same}")
+
+
+def dense_attend_ab(old, new, args, layers: int = 24):
+    B, G, r, d, n = args.batch, 2, 7, 64, args.prompt_len
+    g = torch.Generator().manual_seed(0)
+    pools = [tuple(torch.randn(B, G, n + 64, d, generator=g).bfloat16() for _ in range(2)) for _ in range(layers)]
+    q = torch.randn(B, G, r, d, generator=g)
+
+    def step(kern):
+        return [kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32) for K, V in pools]
+
+    for kern in (old, new):  # the widened rows' float32 products, whatever the machine's bfloat16 pairs would serve
+        kern.set_attend_pairs_upto(0)
+    med = alternated([lambda: step(old), lambda: step(new)], args.rounds)
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(step(old), step(new)))
+    report(f"attend, B{B} x {n}, the whole past (bfloat16 rows, 2 x 7 heads)", args.rev, med,
+           layers * B * G * n * d * 4 / 1e6, f"close (1e-5): {close}")
 
 
 def linear_ab(old, new, args):
