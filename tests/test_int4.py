@@ -137,15 +137,22 @@ def test_an_int4_model_decodes_what_its_values_compute(float32_products):
     assert torch.equal(step_logits(held, ig.make_cache("infinigen", held, alpha=1e9, budget=1.0), ids, mask), got)
 
 
-def test_int4_weights_load_and_map(tmp_path):
-    """load_model(weights="int4") from a checkpoint: the held file mapped at the next load, the same bits; on a
-    device other than the CPU, or with a width not in whole groups, one clear error."""
+def test_int4_weights_load_and_map(tmp_path, monkeypatch):
+    """load_model(weights="int4") from a checkpoint: the held file mapped at the next load, the same bits, and never a
+    file held in another tile layout; on a device other than the CPU, or with a width not in whole groups, one clear
+    error."""
+    from infinigen_kv.model import mapped
     from infinigen_kv.model.load import ModelLoadError
 
     path = save_tiny(tmp_path / "m", kind="qwen2")
     model, _ = load_model(path, device="cpu", weights="int4")
     again, _ = load_model(path, device="cpu", weights="int4")
     assert again.mapped_from == model.mapped_from is not None
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    key = mapped.key(files, model)
+    monkeypatch.setattr(int4_rows, "TILE", 2 * int4_rows.TILE)
+    assert mapped.key(files, model) != key
+    monkeypatch.undo()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     assert model.layers[0].mlp.w1.weight.dtype == torch.uint8
     with pytest.raises(ModelLoadError, match="int4 weights run on CPU"):

@@ -75,10 +75,10 @@ def copy_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
     elif dst.dtype == torch.uint8:  # int4: held in tiles of rows (int4_rows), so the tiles the rows touch are rewritten
         lo = start // int4_rows.TILE * int4_rows.TILE
         hi = min(dst.shape[0], -(-(start + n) // int4_rows.TILE) * int4_rows.TILE)
-        block = int4_rows.rows_of(dst[lo:hi]) if (lo, hi) != (start, start + n) else None
-        if block is None:
+        if (lo, hi) == (start, start + n):  # whole tiles (or the rows after the last)
             dst[start : start + n].copy_(ops.held(rows, "int4"))
         else:
+            block = int4_rows.rows_of(dst[lo:hi])
             block[start - lo : start - lo + n] = int4_rows.pack_rows(rows.float())
             dst[lo:hi].copy_(int4_rows.tiled(block))
     else:

@@ -1196,6 +1196,14 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
 // once for every row of x (in rows, each (row, group) paid a conversion, a permute and a multiply-add).
 constexpr int64_t Q4_TILE = 16, Q4_TILE_GROUP = 320;
 
+#ifdef IG_AVX2
+// the five lines of a tile's group Q4_AHEAD bytes ahead of tg, asked for now
+inline void prefetch_tile_group(const uint8_t* tg) {
+  for (int k = 0; k < Q4_TILE_GROUP; k += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + k), _MM_HINT_T0);
+}
+#endif
+
 // y[b * ldy + o] (o < 16) = x[b] . (row o of the tile at t) for RB rows of quantized activations (row b's values at
 // xq + b in, its groups' scales and sums at xs + b ng, xsum + b ng). Per lane: the group's exact integer dot, then
 // acc = fma(float(dot), d sx, acc) and accm = fma(m, xsum, accm) group by group, y = acc + accm: the same bits on every
@@ -1210,11 +1218,7 @@ inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* tg = t + g * Q4_TILE_GROUP;
-    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 256), _MM_HINT_T0);
+    prefetch_tile_group(tg);
     __m512i lv[8];  // lv[c]: q[4c..4c+3] of the 16 rows, lv[4 + c]: q[16+4c..16+4c+3]
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(tg + 64 * c);
@@ -1246,13 +1250,7 @@ inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* tg = t + g * Q4_TILE_GROUP;
-      if (h == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 64), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 128), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 192), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + 256), _MM_HINT_T0);
-      }
+      if (h == 0) prefetch_tile_group(tg);
       __m256i lv[8];
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
@@ -1339,15 +1337,17 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     else
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
-  auto row = [&](int64_t o) {  // output o for every row of x, from weight row o
-    const W* w = wp + o * ldw;
+  auto in_blocks = [&](auto&& f) {  // f(rb, b) over the rows of x in blocks of rb = 4, then 2, then 1
     int64_t b = 0;
-    for (; b + 4 <= R; b += 4) rows(std::integral_constant<int, 4>{}, w, b, y + b * out + o);
+    for (; b + 4 <= R; b += 4) f(std::integral_constant<int, 4>{}, b);
     if (R - b >= 2) {
-      rows(std::integral_constant<int, 2>{}, w, b, y + b * out + o);
+      f(std::integral_constant<int, 2>{}, b);
       b += 2;
     }
-    if (b < R) rows(std::integral_constant<int, 1>{}, w, b, y + b * out + o);
+    if (b < R) f(std::integral_constant<int, 1>{}, b);
+  };
+  auto row = [&](int64_t o) {  // output o for every row of x, from weight row o
+    in_blocks([&](auto rb, int64_t b) { rows(rb, wp + o * ldw, b, y + b * out + o); });
   };
   auto finish = [&](int64_t o0, int64_t o1) {  // bias, then the residual
     for (int64_t o = o0; o < o1; ++o) {
@@ -1365,19 +1365,10 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
         if (t == tiles) {
           for (int64_t o = o0; o < o1; ++o) row(o);
         } else {
-          const uint8_t* tp = wp + o0 * ldw;
-          auto tile = [&](auto rb, int64_t b) {
-            constexpr int RB = decltype(rb)::value;
-            tile_dot_q4<RB>(tp, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng,
-                            in, y + b * out + o0, out);
-          };
-          int64_t b = 0;
-          for (; b + 4 <= R; b += 4) tile(std::integral_constant<int, 4>{}, b);
-          if (R - b >= 2) {
-            tile(std::integral_constant<int, 2>{}, b);
-            b += 2;
-          }
-          if (b < R) tile(std::integral_constant<int, 1>{}, b);
+          in_blocks([&](auto rb, int64_t b) {
+            tile_dot_q4<decltype(rb)::value>(wp + o0 * ldw, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
+                                             qx8->sum.data() + b * qx8->ng, in, y + b * out + o0, out);
+          });
         }
         finish(o0, o1);
       }
