@@ -127,7 +127,7 @@ def test_a_prefill_reads_the_lm_head_as_held(weights, monkeypatch):
     model = tiny_model("llama-gqa", weights=weights)
     converted = []
     real = ops.converted_linear
-    monkeypatch.setattr(ops, "converted_linear", lambda x, w, b: converted.append(w) or real(x, w, b))
+    monkeypatch.setattr(ops, "converted_linear", lambda x, w, b, *a: converted.append(w) or real(x, w, b, *a))
     bf16 = ops.bf16_linear  # (bfloat16 products, where the CPU has them: the weight in bfloat16 for the BLAS)
     monkeypatch.setattr(ops, "bf16_linear", lambda x, w, b: converted.append(w) or bf16(x, w, b))
     ids, mask = left_padded_batch(lengths=(20, 13))

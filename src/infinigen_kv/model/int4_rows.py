@@ -78,32 +78,45 @@ def _tile_order(w: int) -> torch.Tensor:
     return torch.cat([lv.reshape(ng, 256), d.reshape(ng, 32), m.reshape(ng, 32)], -1).reshape(-1)
 
 
-def tiled(rows: torch.Tensor) -> torch.Tensor:
-    """Rows (..., w) -> the held form (..., w): the leading dims' first 16 floor(R / 16) rows in tiles (see above)."""
+def tiled(rows: torch.Tensor, order=None) -> torch.Tensor:
+    """Rows (..., w) -> the held form (..., w): the leading dims' first 16 floor(R / 16) rows in tiles (see above).
+    order(w): a tile's byte order (int5 rows pass theirs)."""
     w = rows.shape[-1]
     flat = rows.reshape(-1, w)
     T = flat.shape[0] // TILE
-    tiles = flat[: T * TILE].reshape(T, TILE * w)[:, _tile_order(w)].view(T * TILE, w)
+    tiles = flat[: T * TILE].reshape(T, TILE * w)[:, (order or _tile_order)(w)].view(T * TILE, w)
     return torch.cat([tiles, flat[T * TILE :]]).view(rows.shape)
 
 
-def rows_of(held: torch.Tensor) -> torch.Tensor:
+def rows_of(held: torch.Tensor, order=None) -> torch.Tensor:
     """The held form (..., w) -> its rows (..., w) (tiled's inverse)."""
     w = held.shape[-1]
     flat = held.reshape(-1, w)
     T = flat.shape[0] // TILE
     head = torch.empty(T, TILE * w, dtype=held.dtype, device=held.device)
-    head[:, _tile_order(w)] = flat[: T * TILE].reshape(T, TILE * w)
+    head[:, (order or _tile_order)(w)] = flat[: T * TILE].reshape(T, TILE * w)
     return torch.cat([head.view(T * TILE, w), flat[T * TILE :]]).view(held.shape)
 
 
 def part(held: torch.Tensor, start: int, size: int) -> torch.Tensor:
     """Rows [start, start + size) of a held weight (out, w) in the held form: a view where they are whole tiles (or
-    run to the end), else a copy re-tiled."""
+    run to the end), else a copy re-tiled (int4 rows; int5 rows are whole tiles by construction)."""
     out = held.shape[0]
     if start % TILE == 0 and (size % TILE == 0 or start + size == out):
         return held[start : start + size]
+    if held.dtype != torch.uint8:
+        raise ValueError(f"rows [{start}, {start + size}) of a weight held in tiles are not whole tiles")
     return tiled(rows_of(held)[start : start + size])
+
+
+def from_levels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Rows (..., width(in)) uint8 of levels q (..., in) in [0, 15] (a group's 32 in order), scales d and minimums m
+    (..., in / 32) float16: a GGUF's Q4_0, Q4_1 and Q4_K blocks as they are (their levels moved, not re-rounded)."""
+    *lead, n = q.shape
+    qg = q.reshape(*lead, n // GROUP, GROUP)
+    packed = qg[..., :16] | (qg[..., 16:] << 4)
+    return torch.cat([packed.reshape(*lead, n // 2), d.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8)],
+                     -1)
 
 
 def unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

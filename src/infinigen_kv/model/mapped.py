@@ -32,15 +32,17 @@ FORMAT = 2
 PAGE = 4096  # every tensor starts at a page: views of any dtype, and madvise on a tensor's own pages
 MADV_RANDOM = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
-          "uint8": torch.uint8}
+          "uint8": torch.uint8, "float8_e5m2": torch.float8_e5m2}
 
 
 def key(files: list[Path], model) -> str:
-    """The digest naming the held file of `model` (built, not yet loaded) read from checkpoint shards `files`."""
+    """The digest naming the held file of `model` (built, not yet loaded) read from checkpoint files `files`."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     facts = {"format": FORMAT, "files": stats, "args": repr(model.args), "weights": model.weights,
              "dtype": str(model.dtype), "group": int8_rows.GROUP}
-    if model.weights == "int4":  # int4 weights held in tiles of rows: a file of rows (or of other tiles) is not read
+    if model.plan is not None:  # a GGUF at its own precision: each weight's form
+        facts["plan"] = sorted(model.plan.items())
+    if model.weights in ("int4", "int5", "file"):  # weights held in tiles of rows: a file of other tiles is not read
         facts["int4_tile"] = int4_rows.TILE
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
 
@@ -53,10 +55,20 @@ def save(model, k: str) -> bool:
     """Write every parameter of `model` as held to file `k`, atomically (a process mapping an older file keeps it);
     False where the cache cannot be written."""
     params = dict(model.named_parameters())  # each parameter once (a tied LM head is the embedding)
+    return write(k, {n: (p.dtype, tuple(p.shape)) for n, p in params.items()}, ((n, 0, p) for n, p in params.items()))
+
+
+def write(k: str, shapes: dict, chunks) -> bool:
+    """Write file `k` of tensors `shapes` ({name: (dtype, shape)}) from `chunks`, an iterable of (name, first row,
+    rows as held), each written where its rows lie as it comes (so a conversion holds one chunk, not the model);
+    atomically; False where the cache cannot be written (the chunks not all taken)."""
     table, offset = {}, 0
-    for name, p in params.items():
-        table[name] = [str(p.dtype).replace("torch.", ""), list(p.shape), offset]
-        offset += -(-p.numel() * p.element_size() // PAGE) * PAGE
+    for name, (dtype, shape) in shapes.items():
+        table[name] = [str(dtype).replace("torch.", ""), list(shape), offset]
+        numel = 1
+        for s in shape:
+            numel *= s
+        offset += -(-numel * dtype.itemsize // PAGE) * PAGE
     header = json.dumps({"format": FORMAT, "tensors": table}).encode()
     start = -(-(8 + len(header)) // PAGE) * PAGE
     p_out = path_of(k)
@@ -65,9 +77,11 @@ def save(model, k: str) -> bool:
         p_out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header)
-            for name, p in params.items():
-                f.seek(start + table[name][2])
-                f.write(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            for name, row, t in chunks:
+                dtype, shape = shapes[name]
+                row_bytes = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+                f.seek(start + table[name][2] + row * row_bytes)
+                f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             f.truncate(start + offset)
         os.replace(tmp, p_out)
         return True

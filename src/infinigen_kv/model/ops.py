@@ -5,9 +5,10 @@ the input's shape and the weight's dtype, never from state set elsewhere:
 - a few rows (a decode step of a batch) on CPU: the `linear` kernel, one streamed read of each weight row for every
   row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH); a
   bfloat16 weight in bfloat16 products where the CPU has them (kernels/bf16_dots.h), as a prompt chunk's;
-- a prompt chunk (`prefill=True`): the BLAS, padded to PREFILL_MIN_ROWS rows so a row gets the same bits at any row
-  count; a weight held in bfloat16 or int8 rows multiplies in bfloat16 where the CPU does so natively
-  (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`).
+- a prompt chunk (`prefill=True`): the BLAS in blocks of exactly PREFILL_ROWS rows (the last padded), so a row gets
+  the same bits at any row count and batch; a weight held in bfloat16 or int8 rows multiplies in bfloat16 where the
+  CPU does so natively (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`), each slice
+  once for all the blocks.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as backends
-from . import int4_rows, int8_rows
+from . import int4_rows, int5_rows, int8_rows
 
-PREFILL_MIN_ROWS = 16  # the CPU BLAS takes a small-matrix path below ~12 rows
+PREFILL_ROWS = 128  # a prompt chunk's rows a CPU GEMM call: MKL's sgemm picks its blocking by the row count (at 1,536
+# inputs a row's bits at 57 rows or more differ from its bits at 16), never by a row's place among them; at 128 rows
+# a 512-row chunk's products take 1.03-1.12x the time of one call (64 rows: 1.3-1.5x)
 SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32), and the kernel a held weight
 KERNEL_ROWS = 8  # rows up to which the `linear` kernel beats the BLAS on float32 weights
 CONVERT_ELEMENTS = 1 << 22  # most weight elements converted to float32 at once: 16 MB, under the heap's mapping threshold (heap.py: larger temporaries are mapped and faulted in afresh at every call)
@@ -35,46 +38,61 @@ def cpu_kernels():
 
 
 def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of a weight as held, in `dtype`: int8 and int4 rows dequantized, others converted."""
+    """The values of a weight as held, in `dtype`: int8, int5 and int4 rows dequantized, others converted."""
     if w.dtype == torch.int8:
         return int8_rows.unpacked_kv(w, dtype)
+    if w.dtype == int5_rows.DTYPE:
+        return int5_rows.unpacked(w, dtype)
     return int4_rows.unpacked(w, dtype) if w.dtype == torch.uint8 else w.to(dtype)
 
 
-def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def tiled(w: torch.Tensor) -> bool:
+    """Whether a held weight keeps its rows in tiles of 16 (int4 and int5 rows): slices of it are whole tiles."""
+    return w.dtype in (torch.uint8, int5_rows.DTYPE)
+
+
+def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blocks: int = 0) -> torch.Tensor:
     """F.linear of x with w as held: converted to x's dtype for the call in slices of its output rows where it is
-    large (never a float32 copy of a whole LM head)."""
-    if w.dtype == x.dtype:
-        return F.linear(x, w, bias)
-    step = max(int4_rows.TILE, CONVERT_ELEMENTS // w.shape[1] // int4_rows.TILE * int4_rows.TILE)  # int4: whole tiles
-    if w.shape[0] <= step:
-        return F.linear(x, dense(w, x.dtype), bias)
-    parts = [(w[s : s + step], None if bias is None else bias[s : s + step]) for s in range(0, w.shape[0], step)]
-    return torch.cat([F.linear(x, dense(wp, x.dtype), bp) for wp, bp in parts], dim=-1)
+    large (never a float32 copy of a whole LM head). blocks: x (rows, in) multiplied `blocks` rows a GEMM call (rows
+    a multiple of it), each slice of w converted once for all of them."""
+    step = w.shape[0] if w.dtype == x.dtype else max(
+        int4_rows.TILE, CONVERT_ELEMENTS // w.shape[1] // int4_rows.TILE * int4_rows.TILE)  # whole tiles
+    parts = []
+    for s in range(0, w.shape[0], step):
+        wp = w[s : s + step] if w.dtype == x.dtype else dense(w[s : s + step], x.dtype)
+        bp = None if bias is None else bias[s : s + step]
+        if not blocks:
+            parts.append(F.linear(x, wp, bp))
+            continue
+        y = x.new_empty(x.shape[0], wp.shape[0])
+        for r in range(0, x.shape[0], blocks):
+            torch.mm(x[r : r + blocks], wp.t(), out=y[r : r + blocks])
+        parts.append(y if bp is None else y.add_(bp))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, bf16: bool = True) -> torch.Tensor:
-    """x2 (rows, in) of a prompt chunk by the BLAS, padded to PREFILL_MIN_ROWS rows on CPU: below that the BLAS's
-    small-matrix path gives other bits, so a short prompt alone and in a batch would differ. A weight held in bfloat16
-    or int8 rows multiplies in bfloat16 where the CPU does so natively (backend.bf16_products) unless `bf16` is
-    False."""
+    """x2 (rows, in) of a prompt chunk by the BLAS, on CPU in GEMM calls of exactly PREFILL_ROWS rows (the last
+    padded with zeros): the BLAS chooses its blocking (and so a row's bits) by the rows of a call, so a prompt alone
+    and in a batch, or cut in other chunks, would differ. A weight held in bfloat16 or int8 rows multiplies in
+    bfloat16 where the CPU does so natively (backend.bf16_products) unless `bf16` is False."""
     rows = x2.shape[0]
     if not x2.is_cpu:
         return converted_linear(x2, w, bias)
-    if rows < PREFILL_MIN_ROWS:
-        padded = x2.new_zeros(PREFILL_MIN_ROWS, x2.shape[1])
+    if rows % PREFILL_ROWS:
+        padded = x2.new_zeros(-(-rows // PREFILL_ROWS) * PREFILL_ROWS, x2.shape[1])
         padded[:rows] = x2
         return _prefill_linear(padded, w, bias, bf16)[:rows]
     if bf16 and w.dtype != x2.dtype and x2.dtype == torch.float32 and backends.cpu().bf16_products:
         return bf16_linear(x2, w, bias)
-    return converted_linear(x2, w, bias)
+    return converted_linear(x2, w, bias, PREFILL_ROWS)
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (rows, in) float32 @ w^T in bfloat16 products (oneDNN, float32 accumulation), w as held (bfloat16, or int8
-    rows dequantized to bfloat16 in slices) -> (rows, out) float32: x and the product rounded to bfloat16 (a relative
-    error of ~2e-3 a value, the order of the bfloat16 weights' own rounding)."""
-    y = converted_linear(x.to(torch.bfloat16), w, None).float()
+    rows dequantized to bfloat16 in slices), PREFILL_ROWS rows a call -> (rows, out) float32: x and the product
+    rounded to bfloat16 (a relative error of ~2e-3 a value, the order of the bfloat16 weights' own rounding)."""
+    y = converted_linear(x.to(torch.bfloat16), w, None, PREFILL_ROWS).float()
     return y + bias if bias is not None else y
 
 
@@ -100,7 +118,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
 
 
 def _linear(x, w, bias, prefill, residual, bf16=True) -> torch.Tensor:
-    """linear's BLAS paths: a prompt chunk (padded to PREFILL_MIN_ROWS rows), W x^T for a few rows of float32 weights,
+    """linear's BLAS paths: a prompt chunk (in blocks of PREFILL_ROWS rows), W x^T for a few rows of float32 weights,
     or the weight converted for the call."""
     shape = x.shape[:-1]
     rows = x.numel() // x.shape[-1]
@@ -136,13 +154,15 @@ def embedding(ids: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 def held(w: torch.Tensor, weights: str | None) -> torch.Tensor:
-    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8" or "int4" (rows)."""
+    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8", "int5" or "int4" (rows)."""
     if weights == "bfloat16":
         return w.to(torch.bfloat16)
     if weights == "int8":
         return w if w.dtype == torch.int8 else int8_rows.pack_kv(w.float())
     if weights == "int4":
         return w if w.dtype == torch.uint8 else int4_rows.pack(w.float())
+    if weights == "int5":
+        return w if w.dtype == int5_rows.DTYPE else int5_rows.pack(w.float())
     return w
 
 
@@ -150,4 +170,6 @@ def held_width(in_features: int, weights: str | None) -> int:
     """Columns a held weight of `in_features` inputs takes (int8 and int4 rows end with their scales)."""
     if weights == "int4":
         return int4_rows.width(in_features)
+    if weights == "int5":
+        return int5_rows.width(in_features)
     return int8_rows.kv_width(in_features) if weights == "int8" else in_features

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend as backends
-from . import int4_rows, ops
+from . import int4_rows, int5_rows, ops
 from .attention import attend_layer, attend
 from .hparams import ModelArgs
 from .rope import apply_rope, inv_freq
@@ -35,8 +35,9 @@ from .kv import KVView
 from .step import Step, window_mask
 
 # weights held apart from the compute dtype (CPU)
-HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
-EMBED_HELD = {"int4": "int8"}  # the embedding and LM head at more bits than the layers (llama.cpp's Q4_K_M: Q6_K)
+HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int5": int5_rows.DTYPE, "int4": torch.uint8}
+EMBED_HELD = {"int4": "int8", "int5": "int8"}  # the embedding and LM head at more bits than the layers (as llama.cpp's
+# Q4_K_M keeps its output layer in Q6_K); looked up a row at a time, they are never tiles
 
 
 @dataclass
@@ -84,13 +85,13 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, weights: str, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, layer: int, weights, dtype: torch.dtype):
         super().__init__()
         H, G, d = args.n_heads, args.n_kv_heads, args.head_dim
         self.layer, self.n_heads, self.n_kv_heads, self.head_dim = layer, H, G, d
         self.window, self.scaling, self.q_scale = args.windows[layer], args.score_scale, args.q_scale
-        self.wqkv = Linear(args.dim, (H + 2 * G) * d, args.qkv_bias, weights, dtype)
-        self.wo = Linear(H * d, args.dim, args.out_bias, weights, dtype)
+        self.wqkv = Linear(args.dim, (H + 2 * G) * d, args.qkv_bias, form(weights, f"layers.{layer}.attn.wqkv"), dtype)
+        self.wo = Linear(H * d, args.dim, args.out_bias, form(weights, f"layers.{layer}.attn.wo"), dtype)
         norm = args.norm if args.norm != "layer" else "rms"
         self.q_norm = Norm(d, norm, args.norm_eps, dtype) if args.qk_norm else None
         self.k_norm = Norm(d, norm, args.norm_eps, dtype) if args.qk_norm else None
@@ -98,7 +99,7 @@ class Attention(nn.Module):
 
     def _proj(self, start: int, size: int) -> Proj:
         w, b = self.wqkv.weight, self.wqkv.bias
-        w = int4_rows.part(w, start, size) if w.dtype == torch.uint8 else w[start : start + size]
+        w = int4_rows.part(w, start, size) if ops.tiled(w) else w[start : start + size]
         return Proj(w, None if b is None else b[start : start + size])
 
     @property
@@ -161,14 +162,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, weights: str, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, layer: int, weights, dtype: torch.dtype):
         super().__init__()
         self.act, self.hidden = args.act, args.intermediate
+        w1, w2 = form(weights, f"layers.{layer}.mlp.w1"), form(weights, f"layers.{layer}.mlp.w2")
         if args.act == "relu":  # OPT: fc1 -> relu -> fc2
-            self.w1 = Linear(args.dim, args.intermediate, args.mlp_bias, weights, dtype)
+            self.w1 = Linear(args.dim, args.intermediate, args.mlp_bias, w1, dtype)
         else:  # gated: gate and up merged, (silu | gelu_tanh)(gate) * up
-            self.w1 = Linear(args.dim, 2 * args.intermediate, args.mlp_bias, weights, dtype)
-        self.w2 = Linear(args.intermediate, args.dim, args.mlp_bias, weights, dtype)
+            self.w1 = Linear(args.dim, 2 * args.intermediate, args.mlp_bias, w1, dtype)
+        self.w2 = Linear(args.intermediate, args.dim, args.mlp_bias, w2, dtype)
 
     def forward(self, h: torch.Tensor, prefill: bool, residual: torch.Tensor | None) -> torch.Tensor:
         m = self._modules  # (nn.Module's attribute lookup is the slow path: ~120 times a decode step)
@@ -189,11 +191,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, weights: str, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, layer: int, weights, dtype: torch.dtype):
         super().__init__()
         self.layer, self.pre_norm, self.sandwich = layer, args.pre_norm, args.sandwich
         self.attn = Attention(args, layer, weights, dtype)
-        self.mlp = MLP(args, weights, dtype)
+        self.mlp = MLP(args, layer, weights, dtype)
         self.attn_norm = Norm(args.dim, args.norm, args.norm_eps, dtype)
         self.mlp_norm = Norm(args.dim, args.norm, args.norm_eps, dtype)
         if args.sandwich:  # Gemma 3: each sublayer's output normed before the residual add
@@ -224,18 +226,25 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A decoder-only model of any supported architecture. weights: how the linear and embedding weights are held
-    (None: in `dtype`, as everything; "bfloat16" or "int8" rows: float32 compute on CPU, dtype float32)."""
+    """A decoder-only model of any supported architecture. weights: how the linear and embedding weights are held:
+    None (in `dtype`, as everything), or one form for all ("bfloat16", "int8", "int5" or "int4" rows: float32 compute
+    on CPU, dtype float32; the embedding and LM head as EMBED_HELD says), or "file" (a GGUF at its own precision).
+    plan: {weight's name ("layers.3.attn.wqkv", "embed", "lm_head"): form} where forms differ from weight to weight
+    (gguf_model.plan); it overrides `weights`' forms. checkpoint: what names the checkpoint it was read from,
+    whatever the form (calibrations are kept per checkpoint)."""
 
     def __init__(self, args: ModelArgs, weights: str | None = None, dtype: torch.dtype = torch.float32,
-                 source: str | None = None):
+                 source: str | None = None, checkpoint: str | None = None, plan: dict | None = None):
         super().__init__()
+        self.plan = dict(plan) if plan is not None else None
         self.args, self.weights, self.dtype = args, weights, dtype
+        weights = self.plan if self.plan is not None else weights
         self.source = source  # the checkpoint directory it was loaded from (its tokenizer's), if any
+        self.checkpoint = checkpoint
         self.mapped_from = None  # the key of the file the parameters are mapped from (model/mapped.py), if any
         self.placed = False  # layers on devices of their own (placement.place): the forward moves x between them
         E = args.embed_dim or args.dim
-        ew = EMBED_HELD.get(weights, weights)  # how the embedding and LM head are held
+        ew = form(weights, "embed")  # how the embedding and LM head are held
         wdtype = HELD.get(ew, dtype)
         self.embed = nn.Parameter(torch.empty(args.vocab_size, ops.held_width(E, ew), dtype=wdtype),
                                   requires_grad=False)
@@ -245,8 +254,9 @@ class Transformer(nn.Module):
         self.project_out = Linear(args.dim, E, False, None, dtype) if args.embed_dim else None
         self.layers = nn.ModuleList(Block(args, i, weights, dtype) for i in range(args.n_layers))
         self.norm = Norm(args.dim, args.norm, args.norm_eps, dtype) if args.final_norm else None
+        hw = form(weights, "lm_head")
         self.lm_head = self.embed if args.tie_embeddings else nn.Parameter(
-            torch.empty(args.vocab_size, ops.held_width(E, ew), dtype=wdtype), requires_grad=False)
+            torch.empty(args.vocab_size, ops.held_width(E, hw), dtype=HELD.get(hw, dtype)), requires_grad=False)
         for key, rope in args.ropes:
             self.register_buffer(_freq_name(key), inv_freq(rope, args.head_dim), persistent=False)
 
@@ -357,11 +367,18 @@ class Transformer(nn.Module):
                     column=column).logits[:, -1]
 
 
+def form(weights: str | dict | None, name: str) -> str | None:
+    """How weight `name` ("layers.3.attn.wqkv", "embed", "lm_head") is held under `weights` (a form or a plan)."""
+    if isinstance(weights, dict):
+        return weights.get(name)
+    return EMBED_HELD.get(weights, weights) if name in ("embed", "lm_head") else weights
+
+
 def _freq_name(key) -> str:
     return f"inv_freq_{key or 'global'}"
 
 
 def compute_dtype(model) -> torch.dtype:
     """The dtype a model computes in: float32 for weights held in bfloat16 or as int8 rows, else its weights'."""
-    return torch.float32 if model.weights in HELD else model.dtype
+    return torch.float32 if model.weights in HELD or model.weights == "file" else model.dtype
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import int4_rows, mapped, ops
+from . import int4_rows, int5_rows, mapped, ops
 from .hparams import ModelArgs
 
 # (a checkpoint's name inside a layer, ours, which part of a merged weight: its index among the parts)
@@ -81,6 +81,10 @@ def copy_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
             block = int4_rows.rows_of(dst[lo:hi])
             block[start - lo : start - lo + n] = int4_rows.pack_rows(rows.float())
             dst[lo:hi].copy_(int4_rows.tiled(block))
+    elif dst.dtype == int5_rows.DTYPE:  # int5: whole tiles of rows (a weight of other shapes is held as int8 rows)
+        if start % int5_rows.TILE or n % int5_rows.TILE:
+            raise ValueError(f"rows [{start}, {start + n}) of an int5 weight are not whole tiles of {int5_rows.TILE}")
+        dst[start : start + n].copy_(int5_rows.pack(rows.float()))
     else:
         dst[start : start + n].copy_(rows)
 
@@ -122,6 +126,24 @@ def shards(source: Path) -> list[Path] | None:
         return [source / f for f in files]
     single = source / "model.safetensors"
     return [single] if single.is_file() else None
+
+
+def checkpoint_id(files: list[Path]) -> str:
+    """The checkpoint's identity from its tensors as stored (whatever form they are held in): their names, dtypes and
+    shapes, and the first row of every q and k projection."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                h.update(f"{name}:{sl.get_dtype()}:{sl.get_shape()};".encode())
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    h.update(sl[0:1].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "st:" + h.hexdigest()[:32]
 
 
 READ_BYTES = 64 << 20  # most bytes of a shard mapped at once (a float32 LM head of a large vocabulary: in slices)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ...model import backend as backends
 from ...model import int8_rows
-from ...model.ops import dense, held
+from ...model.ops import dense, held, tiled
 from .calibration import partial_query_weights
 
 
@@ -133,7 +133,7 @@ class PartialQuery:
         w = self.arch.attns[layer].q_proj.weight
         if self.rows is None:
             return w.numel() * w.element_size()
-        row = int8_rows.kv_width(self.arch.hidden_size) if w.dtype == torch.uint8 else w.shape[1] * w.element_size()
+        row = int8_rows.kv_width(self.arch.hidden_size) if tiled(w) else w.shape[1] * w.element_size()
         return len(self.q_rows(layer)) * row
 
     def q_rows(self, layer: int) -> torch.Tensor:
@@ -155,7 +155,7 @@ class PartialQuery:
             memo = _GATHERED.setdefault(attn, {})
             key = (w.dtype, self.rows[layer].numpy().tobytes())
             if key not in memo:
-                if w.dtype == torch.uint8:  # int4 (tiles of rows): as int8 rows of their values, which the kernel reads
+                if tiled(w):  # int4 or int5 (tiles of rows): as int8 rows of their values, which the kernel reads
                     rows = held(dense(w, torch.float32)[self.q_rows(layer)], "int8")
                 else:
                     rows = w[self.q_rows(layer)].contiguous()

@@ -1194,12 +1194,21 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
 // their minimums m. A 512-bit dpbusd of a chunk's nibbles with four activations broadcast is then one step of 16 rows'
 // dot products, lane by lane: no lanes summed across, each group's scale one vector of 16 rows, the levels unpacked
 // once for every row of x (in rows, each (row, group) paid a conversion, a permute and a multiply-add).
-constexpr int64_t Q4_TILE = 16, Q4_TILE_GROUP = 320;
+// int5 tiles (model/int5_rows.py): the same chunks of low nibbles, then 64 bytes of fifth bits (row o's dword at 4o:
+// q[4c+j]'s bit at bit c of byte j, q[16+4c+j]'s at bit 4+c), then the scales and minimums: 384 bytes a group. Chunk
+// c's fifth bits are that dword shifted by 4 - c (low nibbles) or c (high ones) and masked with 0x10 a byte.
+constexpr int64_t Q4_TILE = 16, Q4_TILE_GROUP = 320, Q5_TILE_GROUP = 384;
+template <int BITS>
+constexpr int64_t tile_group_bytes() { return BITS == 5 ? Q5_TILE_GROUP : Q4_TILE_GROUP; }
+template <int BITS>
+constexpr int64_t tile_scales_at() { return BITS == 5 ? 320 : 256; }  // a group's scales; its minimums 32 bytes on
+inline int64_t q5_width(int64_t in) { return in * 3 / 4; }
 
 #ifdef IG_AVX2
-// the five lines of a tile's group Q4_AHEAD bytes ahead of tg, asked for now
+// the lines of a tile's group Q4_AHEAD bytes ahead of tg, asked for now
+template <int BITS = 4>
 inline void prefetch_tile_group(const uint8_t* tg) {
-  for (int k = 0; k < Q4_TILE_GROUP; k += 64)
+  for (int k = 0; k < tile_group_bytes<BITS>(); k += 64)
     _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + k), _MM_HINT_T0);
 }
 #endif
@@ -1207,26 +1216,39 @@ inline void prefetch_tile_group(const uint8_t* tg) {
 // y[b * ldy + o] (o < 16) = x[b] . (row o of the tile at t) for RB rows of quantized activations (row b's values at
 // xq + b in, its groups' scales and sums at xs + b ng, xsum + b ng). Per lane: the group's exact integer dot, then
 // acc = fma(float(dot), d sx, acc) and accm = fma(m, xsum, accm) group by group, y = acc + accm: the same bits on every
-// path (512-bit, 256-bit, scalar).
-template <int RB>
-inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
-                        const float* __restrict xsum, int64_t in, float* y, int64_t ldy) {
+// path (512-bit, 256-bit, scalar). BITS 4: int4 tiles; 5: int5 tiles (the fifth bits ORed into the levels).
+template <int RB, int BITS = 4>
+inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
+                       const float* __restrict xsum, int64_t in, float* y, int64_t ldy) {
   const int64_t ng = in / Q4_GROUP;
+  constexpr int64_t TG = tile_group_bytes<BITS>(), SC = tile_scales_at<BITS>();
 #ifdef IG_VNNI512
   __m512 acc[RB], accm[RB];
   for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* tg = t + g * Q4_TILE_GROUP;
-    prefetch_tile_group(tg);
+    const uint8_t* tg = t + g * TG;
+    prefetch_tile_group<BITS>(tg);
     __m512i lv[8];  // lv[c]: q[4c..4c+3] of the 16 rows, lv[4 + c]: q[16+4c..16+4c+3]
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(tg + 64 * c);
       lv[c] = _mm512_and_si512(v, low);
       lv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 256)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 288)));
+    if constexpr (BITS == 5) {
+      const __m512i h = _mm512_loadu_si512(tg + 256), five = _mm512_set1_epi8(0x10);
+      // lv | (shifted & 0x10): ternary logic A | (B & C)
+      lv[0] = _mm512_ternarylogic_epi32(lv[0], _mm512_slli_epi32(h, 4), five, 0xF8);
+      lv[1] = _mm512_ternarylogic_epi32(lv[1], _mm512_slli_epi32(h, 3), five, 0xF8);
+      lv[2] = _mm512_ternarylogic_epi32(lv[2], _mm512_slli_epi32(h, 2), five, 0xF8);
+      lv[3] = _mm512_ternarylogic_epi32(lv[3], _mm512_slli_epi32(h, 1), five, 0xF8);
+      lv[4] = _mm512_ternarylogic_epi32(lv[4], h, five, 0xF8);
+      lv[5] = _mm512_ternarylogic_epi32(lv[5], _mm512_srli_epi32(h, 1), five, 0xF8);
+      lv[6] = _mm512_ternarylogic_epi32(lv[6], _mm512_srli_epi32(h, 2), five, 0xF8);
+      lv[7] = _mm512_ternarylogic_epi32(lv[7], _mm512_srli_epi32(h, 3), five, 0xF8);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC + 32)));
     for (int b = 0; b < RB; ++b) {
       const int8_t* xg = xq + b * in + g * Q4_GROUP;
       int32_t x4[8];
@@ -1249,16 +1271,24 @@ inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq
     for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < ng; ++g) {
-      const uint8_t* tg = t + g * Q4_TILE_GROUP;
-      if (h == 0) prefetch_tile_group(tg);
+      const uint8_t* tg = t + g * TG;
+      if (h == 0) prefetch_tile_group<BITS>(tg);
       __m256i lv[8];
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
         lv[c] = _mm256_and_si256(v, low);
         lv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 256 + 16 * h)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 288 + 16 * h)));
+      if constexpr (BITS == 5) {
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 256 + 32 * h));
+        const __m256i five = _mm256_set1_epi8(0x10);
+        for (int c = 0; c < 4; ++c) {  // (shift counts as registers: the loop is unrolled either way)
+          lv[c] = _mm256_or_si256(lv[c], _mm256_and_si256(_mm256_sll_epi32(hb, _mm_cvtsi32_si128(4 - c)), five));
+          lv[4 + c] = _mm256_or_si256(lv[4 + c], _mm256_and_si256(_mm256_srl_epi32(hb, _mm_cvtsi32_si128(c)), five));
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + SC + 16 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + SC + 32 + 16 * h)));
       for (int b = 0; b < RB; ++b) {
         int32_t x4[8];
         std::memcpy(x4, xq + b * in + g * Q4_GROUP, 32);
@@ -1268,10 +1298,21 @@ inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq
 #elif defined(__AVXVNNI__)
         __m256i p = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_avx_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
-#else  // pairs of u8 x s8 products summed in int16: at most 8 x 2 x 15 x 127 = 30480, exact
-        __m256i s = _mm256_maddubs_epi16(lv[0], _mm256_set1_epi32(x4[0]));
-        for (int c = 1; c < 8; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])));
-        const __m256i p = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#else  // pairs of u8 x s8 products summed in int16: at most 8 x 2 x 31 x 127 = 62992 for int5: pairs summed in int32
+        __m256i p = _mm256_setzero_si256();
+        const __m256i ones = _mm256_set1_epi16(1);
+        if constexpr (BITS == 4) {  // at most 8 x 2 x 15 x 127 = 30480: exact in int16
+          __m256i s = _mm256_maddubs_epi16(lv[0], _mm256_set1_epi32(x4[0]));
+          for (int c = 1; c < 8; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])));
+          p = _mm256_madd_epi16(s, ones);
+        } else {  // a pair at most 2 x 31 x 127 = 7874: four chunks' pairs in int16 (31496), then int32
+          for (int c0 = 0; c0 < 8; c0 += 4) {
+            __m256i s = _mm256_maddubs_epi16(lv[c0], _mm256_set1_epi32(x4[c0]));
+            for (int c = c0 + 1; c < c0 + 4; ++c)
+              s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])));
+            p = _mm256_add_epi32(p, _mm256_madd_epi16(s, ones));
+          }
+        }
 #endif
         const __m256 sc = _mm256_mul_ps(dv, _mm256_set1_ps(xs[b * ng + g]));
         acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[b]);
@@ -1283,17 +1324,21 @@ inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq
 #else
   float acc[RB][Q4_TILE] = {}, accm[RB][Q4_TILE] = {};
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* tg = t + g * Q4_TILE_GROUP;
+    const uint8_t* tg = t + g * TG;
     for (int64_t o = 0; o < Q4_TILE; ++o) {
-      const float d = half_at(reinterpret_cast<const int8_t*>(tg + 256 + 2 * o));
-      const float m = half_at(reinterpret_cast<const int8_t*>(tg + 288 + 2 * o));
+      const float d = half_at(reinterpret_cast<const int8_t*>(tg + SC + 2 * o));
+      const float m = half_at(reinterpret_cast<const int8_t*>(tg + SC + 32 + 2 * o));
+      uint32_t hb = 0;
+      if constexpr (BITS == 5) std::memcpy(&hb, tg + 256 + 4 * o, 4);
       for (int b = 0; b < RB; ++b) {
         const int8_t* xg = xq + b * in + g * Q4_GROUP;
         int32_t dot = 0;
         for (int c = 0; c < 4; ++c)
           for (int j = 0; j < 4; ++j) {
             const uint8_t byte = tg[64 * c + 4 * o + j];
-            dot += int32_t(byte & 0x0F) * xg[4 * c + j] + int32_t(byte >> 4) * xg[16 + 4 * c + j];
+            const int32_t lo = (byte & 0x0F) | int32_t((hb >> (8 * j + c)) & 1) << 4;
+            const int32_t hi = (byte >> 4) | int32_t((hb >> (8 * j + 4 + c)) & 1) << 4;
+            dot += lo * xg[4 * c + j] + hi * xg[16 + 4 * c + j];
           }
         acc[b][o] = std::fma(float(dot), d * xs[b * ng + g], acc[b][o]);
         accm[b][o] = std::fma(m, xsum[b * ng + g], accm[b][o]);
@@ -1305,13 +1350,18 @@ inline void tile_dot_q4(const uint8_t* __restrict t, const int8_t* __restrict xq
 #endif
 }
 
+// int5 rows' storage type in linear_impl (the tensor's bytes, float8_e5m2 as PyTorch marks them)
+struct int5_t {
+  uint8_t byte;
+};
+
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
                  float* y, bool bf16 = false) {
-  constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>;
-  const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : in;  // a weight row's elements
-  std::optional<QuantizedX8> qx8;  // int8 and int4 weights: the activations in int8
-  if constexpr (I8 || I4) qx8.emplace(x, R, in);
+  constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>;
+  const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : I5 ? q5_width(in) : in;  // a weight row's elements
+  std::optional<QuantizedX8> qx8;  // int8, int5 and int4 weights: the activations in int8
+  if constexpr (I8 || I4 || I5) qx8.emplace(x, R, in);
   std::vector<uint16_t> xb;  // bf16: bfloat16 weights times x rounded to bfloat16, in bfloat16 products
 #ifdef IG_BF16_DOTS
   if constexpr (std::is_same_v<W, uint16_t>)
@@ -1334,7 +1384,7 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     else if (std::is_same_v<W, uint16_t> && !xb.empty())
       bf16dots::rows_dot<RB>(reinterpret_cast<const uint16_t*>(w), xb.data() + b * in, in, yo, out);
 #endif
-    else
+    else if constexpr (!I5)  // (int5 weights are whole tiles)
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
   auto in_blocks = [&](auto&& f) {  // f(rb, b) over the rows of x in blocks of rb = 4, then 2, then 1
@@ -1357,7 +1407,7 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
         for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
     }
   };
-  if constexpr (I4) {  // tiles of 16 rows, then the rows after the last tile (one more task)
+  if constexpr (I4 || I5) {  // tiles of 16 rows, then the rows after the last tile (one more task; int4 only)
     const int64_t tiles = out / Q4_TILE;
     at::parallel_for(0, tiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -1366,8 +1416,9 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
           for (int64_t o = o0; o < o1; ++o) row(o);
         } else {
           in_blocks([&](auto rb, int64_t b) {
-            tile_dot_q4<decltype(rb)::value>(wp + o0 * ldw, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
-                                             qx8->sum.data() + b * qx8->ng, in, y + b * out + o0, out);
+            tile_dot_q<decltype(rb)::value, I5 ? 5 : 4>(reinterpret_cast<const uint8_t*>(wp + o0 * ldw),
+                                                      qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
+                                                      qx8->sum.data() + b * qx8->ng, in, y + b * out + o0, out);
           });
         }
         finish(o0, o1);
@@ -1709,6 +1760,50 @@ at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
   return out;
 }
 
+// int5 weights as held (R, q5_width(n)) float8_e5m2 (whole tiles of 16 rows: model/int5_rows.py) -> their values
+// (R, n) in float32 or bfloat16: level x scale + min per group of 32 (int5_rows.reference_unpacked's bits: a 5-bit
+// level times a float16 scale is exact in float32; the sum is the one rounding). A prompt chunk's weights for the
+// BLAS, a slice at a time.
+at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat8_e5m2 && rows.dim() >= 1 && n % Q4_GROUP == 0 &&
+              rows.size(-1) == q5_width(n), "bad int5 rows");
+  const int64_t w = q5_width(n), R = rows.numel() / w, ng = n / Q4_GROUP;
+  TORCH_CHECK(R % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
+  auto sizes = rows.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* rp = reinterpret_cast<const uint8_t*>(rows.data_ptr());
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    float v[Q4_GROUP];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
+      const int64_t o = i % Q4_TILE;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* tg = tile + g * Q5_TILE_GROUP;
+        uint32_t hb;
+        std::memcpy(&hb, tg + 256 + 4 * o, 4);
+        const float d = half_at(reinterpret_cast<const int8_t*>(tg + 320 + 2 * o));
+        const float m = half_at(reinterpret_cast<const int8_t*>(tg + 352 + 2 * o));
+        for (int64_t c = 0; c < 4; ++c)
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = tg[64 * c + 4 * o + j];
+            v[4 * c + j] = float((byte & 0x0F) | ((hb >> (8 * j + c)) & 1) << 4) * d + m;
+            v[16 + 4 * c + j] = float((byte >> 4) | ((hb >> (8 * j + 4 + c)) & 1) << 4) * d + m;
+          }
+        if (ob != nullptr) {
+          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
+        } else {
+          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // A decode token into an InfiniGen pool layer at slot `at`: k, v (B, G, 1, d) float32 (rows of d contiguous, any
 // strides above: views of the step's merged q k v output) into K, V (B, G, cap, d) (float32 or bfloat16: the pool's
 // kv_dtype; or (B, G, cap, kv_width(d)) int8 rows, pack_kv_row), and the int8 row of k's partial channels (G, p) into
@@ -1793,12 +1888,15 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
-  const bool i8 = W.scalar_type() == at::kChar, i4 = W.scalar_type() == at::kByte;
-  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4,
-              "W must be float32, bfloat16, int8 rows or int4 rows");
+  const bool i8 = W.scalar_type() == at::kChar, i4 = W.scalar_type() == at::kByte,
+             i5 = W.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4 || i5,
+              "W must be float32, bfloat16, int8 rows, int5 tiles or int4 rows");
   const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
-  TORCH_CHECK(!i4 || in % Q4_GROUP == 0, "int4 rows need whole groups of 32");
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && W.size(1) == (i8 ? kv_width(in) : i4 ? q4_width(in) : in), "bad shapes");
+  TORCH_CHECK(!(i4 || i5) || in % Q4_GROUP == 0, "int4 and int5 rows need whole groups of 32");
+  TORCH_CHECK(!i5 || out % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 &&
+              W.size(1) == (i8 ? kv_width(in) : i4 ? q4_width(in) : i5 ? q5_width(in) : in), "bad shapes");
   const float* bp = nullptr;
   if (bias.has_value()) {
     check_cpu_contig(*bias, "bias");
@@ -1818,6 +1916,9 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
     linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i4)
     linear_impl(x.data_ptr<float>(), W.data_ptr<uint8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i5)
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const int5_t*>(W.data_ptr()), bp, rp, R, in, out,
+                y.data_ptr<float>());
   else
     linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, rp, R, in, out,
                 y.data_ptr<float>(), bf16);
@@ -1965,7 +2066,7 @@ at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Te
 at::Tensor prefill_column_sums(const at::Tensor& q, const at::Tensor& k, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row or int4-row weights, plus a residual",
+  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row, int5-tile or int4-row weights, plus a residual",
           py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
           py::arg("bf16") = false);
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
@@ -1978,6 +2079,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("quantize_kv_rows", &quantize_kv_rows, "int8 K/V rows: groups of 32 values, a float16 scale each");
   mod.def("dequantize_kv_rows", &dequantize_kv_rows, "int8 K/V rows' values in float32");
   mod.def("dequantize_q4_rows", &dequantize_q4_rows, "int4 weight rows' values in float32 or bfloat16");
+  mod.def("dequantize_q5_tiles", &dequantize_q5_tiles, "int5 weight tiles' values in float32 or bfloat16");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
