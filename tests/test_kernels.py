@@ -1,5 +1,6 @@
 """The CPU kernels (kernels/cpu.cpp) against plain PyTorch, and the decode path with and without them."""
 
+import json
 import math
 import os
 import time
@@ -649,3 +650,24 @@ def test_rms_norm_kernel_gives_pytorchs_values():
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), w * h, rtol=1e-5, atol=1e-5)
     assert torch.equal(ops.rms_norm(x, w, 1e-6)[2:3], ops.rms_norm(x[2:3], w, 1e-6))
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, plus_one=True), h * (1 + w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_install_built_the_kernels():
+    """The install (`make install`, or `infinigen build-kernels` after a pip install) compiles the CPU kernels for
+    this machine: they are there before the suite's first command, so no user's first command waits for them; the
+    command says so in one line, and again at once when they are built."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import KERNELS_BUILT_AT_START
+
+    if not kernels.enabled() or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler (or the kernels switched off): the PyTorch path serves")
+    assert KERNELS_BUILT_AT_START, "the kernels were not built by the install: run `infinigen build-kernels`"
+    r = subprocess.run([sys.executable, "-m", "infinigen_kv.cli", "build-kernels"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("infinigen: CPU kernels already built for this machine"), r
+    r = subprocess.run([sys.executable, "-m", "infinigen_kv.cli", "build-kernels", "--json"], capture_output=True,
+                       text=True, timeout=120)
+    assert json.loads(r.stdout)["kernels"] == "already built"

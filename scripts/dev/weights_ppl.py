@@ -3,7 +3,7 @@ every position scored, the same windows for each. `--second-half` scores only ea
 `llama-perplexity -c WINDOW --chunks WINDOWS` does (its chunks are these windows when given the text written by
 `--write-text`), so the two tools' figures compare.
 
-    python scripts/dev/weights_ppl.py --data WIKITEXT_TEST_TXT [--model M] [--weights bfloat16,int8,int4] [--windows 4]
+    python scripts/dev/weights_ppl.py --data WIKITEXT_TEST_TXT [--model M] [--weights auto,bfloat16,int8,int4] [--windows 4]
 """
 
 import argparse
@@ -16,13 +16,17 @@ import torch.nn.functional as F
 from infinigen_kv.model.load import load_model
 
 
-def window_perplexity(model, ids: torch.Tensor, window: int, windows: int, first: int = 0) -> tuple[float, float]:
+def window_perplexity(model, ids: torch.Tensor, window: int, windows: int, first: int = 0,
+                      bos: int | None = None) -> tuple[float, float]:
     """(perplexity, seconds in the forwards) of `windows` windows of `window` tokens of ids, one forward each, the
-    predictions from position `first` on scored."""
+    predictions from position `first` on scored; bos: each window's first token made this one (llama-perplexity's
+    chunks of a model whose tokenizer adds BOS)."""
     nll, n, seconds = 0.0, 0, 0.0
     with torch.inference_mode():
         for i in range(windows):
-            x = ids[i * window : (i + 1) * window][None]
+            x = ids[i * window : (i + 1) * window][None].clone()
+            if bos is not None:
+                x[0, 0] = bos
             start = time.perf_counter()
             logits = model(x, use_cache=False).logits[0]
             seconds += time.perf_counter() - start
@@ -35,7 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="a text file (WikiText-2's test split)")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--weights", default="bfloat16,int8,int4")
+    ap.add_argument("--weights", default="auto,bfloat16,int8,int4", help="auto: a GGUF at its own precision")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--second-half", action="store_true", help="score each window's second half (llama-perplexity's)")
@@ -47,7 +51,9 @@ def main() -> None:
     first = args.window // 2 if args.second_half else 0
     for weights in args.weights.split(","):
         model, tok = load_model(args.model, weights=weights)
-        ppl, _ = window_perplexity(model, torch.tensor(tok(text)["input_ids"]), args.window, args.windows, first)
+        ids = torch.tensor(tok(text)["input_ids"])
+        bos = tok.bos_token_id if tok.bos_token_id is not None and int(ids[0]) == tok.bos_token_id else None
+        ppl, _ = window_perplexity(model, ids, args.window, args.windows, first, bos)
         print(f"{weights}: perplexity {ppl:.4f}", flush=True)
 
 

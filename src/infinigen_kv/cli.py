@@ -21,7 +21,7 @@ from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT
                      PARTIAL_DTYPES, SPECULATE_FROM, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
 from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_busy, cmd_bench_speed,
-                       cmd_calibrate, cmd_generate, cmd_serve)
+                       cmd_build_kernels, cmd_calibrate, cmd_generate, cmd_serve)
 from .methods.registry import METHODS
 
 
@@ -66,11 +66,12 @@ def _add_model_args(p):
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
                    "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
-    p.add_argument("--weights", choices=["bfloat16", "int8", "int4"], default=None,
-                   help="CPU: how the linear and embedding weights are held: bfloat16, int8 rows (llama.cpp's "
-                   "q8_0: 32 values a float16 scale; half the bytes, read as they lie in decode), or int4 rows (q4_1: "
-                   "32 values a float16 scale and minimum, 5 bits a weight; embedding and LM head as int8 rows) "
-                   "(default: bfloat16)")
+    p.add_argument("--weights", choices=["auto", "bfloat16", "int8", "int5", "int4"], default=None,
+                   help="CPU: how the linear and embedding weights are held: auto (a GGUF at its own precision, tensor "
+                   "by tensor: Q4 blocks as int4 rows, Q5 as int5 rows, Q6_K and Q8_0 as int8 rows, F16/BF16/F32 as "
+                   "bfloat16; a checkpoint directory in bfloat16), bfloat16, int8 rows (llama.cpp's q8_0: 32 values a "
+                   "float16 scale), int5 rows (32 values a float16 scale and minimum, 6 bits a weight) or int4 rows "
+                   "(q4_1, 5 bits a weight); int5 and int4 keep the embedding and LM head as int8 rows (default: auto)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="CPU threads, fixed (default: all cores, fewer while measured faster on a busy machine; "
                    "see the README, 'CPU decode path')")
@@ -120,7 +121,8 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                    help="InfiniGen calibration: skewing matrices (svd), raw channels (none), or auto (default: %s)"
                    % InfiniGenConfig.skew)
     p.add_argument("--calibration-text", type=_text_file, default=None, metavar="FILE",
-                   help="InfiniGen calibration: a text file to calibrate on (default: text the model generates itself)")
+                   help="InfiniGen calibration: a text file to calibrate on (default: the package's own ~2,000-token "
+                   "text of prose, code, dialogue and numbers)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
     if not serving:
         p.add_argument("--capacity", type=_capacity, default=None,
@@ -147,7 +149,8 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="infinigen", description="InfiniGen KV-cache management for transformers models",
+    parser = Parser(prog="infinigen", description="InfiniGen: LLM inference with the KV cache in host memory and only "
+                    "the entries that matter fetched each step; GGUF and safetensors models, CPU and CUDA",
                     formatter_class=Help)
     parser.add_argument("--version", action="version", version=f"infinigen-kv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=functools.partial(Parser, formatter_class=Help))
@@ -160,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_accuracy(bsub)
     _add_busy(bsub)
     _add_serve(sub)
+    k = sub.add_parser("build-kernels", help="compile the CPU kernels for this machine (the install runs it; once "
+                       "per machine and version)")
+    k.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     return parser
 
 
@@ -186,7 +192,7 @@ def _add_generate(sub) -> None:
 def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="calibrate a model (skewing matrices, partial channels) and cache it")
     _add_model_args(c)
-    c.add_argument("--text-file", default=None, help="calibration text (default: text the model generates itself)")
+    c.add_argument("--text-file", default=None, help="calibration text (default: the package's own text)")
     c.add_argument("--out", default=None, help="directory to write the calibration file to (default: the user cache)")
     c.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=InfiniGenConfig.partial_ratio,
                    help="share of head channels kept as partial query/key channels")
@@ -342,8 +348,8 @@ def _check_inputs(args) -> None:
         raise CLIError(f"calibration text file not found: {args.text_file}")
 
 def _quiet_transformers() -> None:
-    """Where a command brings transformers in (a GGUF's one-time conversion, lm-eval), its warnings and loading bars
-    stay off; it is never imported for this."""
+    """Where a command brings transformers in (a checkpoint without tokenizer.json, lm-eval), its warnings and loading
+    bars stay off; it is never imported for this."""
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
@@ -363,7 +369,8 @@ def main(argv=None) -> int:
     except CLIError as e:
         print(f"infinigen: error: {e}", file=sys.stderr)
         return 2
-    handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate, "serve": cmd_serve}
+    handlers = {"generate": cmd_generate, "calibrate": cmd_calibrate, "serve": cmd_serve,
+                "build-kernels": cmd_build_kernels}
     if args.command == "bench":
         handler = {"speed": cmd_bench_speed, "accuracy": cmd_bench_accuracy, "busy": cmd_bench_busy}[args.bench]
     else:

@@ -31,14 +31,20 @@ def _method_options(args) -> dict:
             "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
 
 
-def _load(args):
-    from .model.load import load_model
+def _load(args, say: bool = True):
+    """The model and tokenizer the arguments name; say: one line on stderr when loaded, with how its weights are held
+    (after any one-time conversion's, before any calibration's)."""
+    from .model.load import held_summary, load_model
     from .runtime.threads import set_threads
 
     set_threads(getattr(args, "threads", None))
-
-    return load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None),
-                      weights=getattr(args, "weights", None))
+    start = time.perf_counter()
+    model, tok = load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None),
+                            weights=getattr(args, "weights", None))
+    if say:
+        print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {time.perf_counter() - start:.2f} s "
+              f"({held_summary(model)})", file=sys.stderr, flush=True)
+    return model, tok
 
 
 def cmd_generate(args) -> dict:
@@ -49,9 +55,7 @@ def cmd_generate(args) -> dict:
     from .runtime.generation import generate
 
     prompt = args.prompt_text  # read and checked by _check_inputs, before torch loads
-    start = time.perf_counter()
     model, tok = _load(args)
-    loaded = time.perf_counter() - start
     if args.chat:
         if not tok.chat_template:
             raise CLIError("--chat: this model's tokenizer has no chat template")
@@ -65,7 +69,6 @@ def cmd_generate(args) -> dict:
     device = next(model.parameters()).device
     cache = make_cache(args.method, model, tokenizer=tok, **_method_options(args))
     prefix = _prefix_store(args, model, cache)  # (bad input: one error line, no other before it)
-    print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {loaded:.2f} s", file=sys.stderr, flush=True)
     res = generate(model, enc["input_ids"].to(device), enc["attention_mask"].to(device), cache=cache,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, progress="generate", prefix=prefix)
@@ -107,6 +110,17 @@ def _prefix_store(args, model, cache):
         raise CLIError(f"--prefix-cache-dir: {e}") from None
 
 
+def cmd_build_kernels(args) -> dict:
+    """The CPU kernels compiled for this machine now (kernels.build), not at a user's first command."""
+    from .model import kernels
+
+    result = kernels.build()
+    if args.json:
+        print(result["line"], file=sys.stderr)
+        return {k: v for k, v in result.items() if k != "line"}
+    return result
+
+
 def cmd_calibrate(args) -> dict:
     from .methods.infinigen import calibrate
     from .methods.infinigen.calibration import default_path
@@ -116,7 +130,7 @@ def cmd_calibrate(args) -> dict:
                     recall=True)
     config = InfiniGenConfig(partial_ratio=args.partial_ratio, channel_rule=args.channel_rule, skew=args.skew,
                              calibration_text=args.text_file)
-    path = default_path(model, config)
+    path = default_path(model, config, tok)
     if args.out:
         path = Path(args.out) / path.name
     cal.save(path)
@@ -161,7 +175,7 @@ def cmd_bench_accuracy(args) -> dict:
         raise CLIError("--resume needs --out (the directory of the run to go on from)")
     if args.prefix >= args.window:
         raise CLIError(f"--prefix ({args.prefix}) must be smaller than --window ({args.window})")
-    model, tok = _load(args)
+    model, tok = _load(args, say=False)
     options = {k: v for k, v in _method_options(args).items() if k != "budget"}
     return run_accuracy(model, tok, methods, tasks, args.budget, args.samples, args.seed, options,
                         lengths=args.lengths, data=args.data, window=args.window, prefix=args.prefix,
@@ -179,7 +193,7 @@ def cmd_bench_speed(args) -> dict:
         raise CLIError(f"--data path not found: {args.data}")
     set_threads(args.threads)
     machine = machine_info(resolve_device(args.device))  # before the model: its probe buffer is not in the peak RSS
-    model, tok = _load(args)
+    model, tok = _load(args, say=False)
     return run_speed(model, tok, methods, args.batch, args.prompt_len, args.new_tokens, args.repeats,
                      _method_options(args), data=args.data, out=args.out, model_name=args.model, machine=machine)
 
@@ -250,6 +264,8 @@ def _serve_ray(args, model_id: str, aliases: tuple, options: dict, engine_args: 
 
 
 def _summary(result: dict) -> str:
+    if "kernels" in result and "line" in result:
+        return result["line"]
     if result.get("benchmark") == "busy":
         from .bench.busy import markdown_table
 

@@ -63,8 +63,8 @@ def from_levels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
     lo = qg & 0x0F
     packed = (lo[..., :16] | (lo[..., 16:] << 4)).reshape(*lead, n // 2)
     hb = ((qg >> 4) & 1).to(torch.int64) << _BITS.to(q.device)  # (..., ng, 32)
-    dword = hb.sum(-1).to(torch.int32)  # (..., ng): the fifth bits (the sum of distinct powers of two: an or)
-    high = dword.contiguous().view(torch.uint8).reshape(*lead, 4 * ng)  # little-endian: byte j first
+    dword = hb.sum(-1)  # (..., ng) int64: the fifth bits (the sum of distinct powers of two: an or)
+    high = dword.contiguous().view(torch.uint8).view(*lead, ng, 8)[..., :4].reshape(*lead, 4 * ng)  # low 4 bytes
     return torch.cat([packed, high, d.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8)], -1)
 
 

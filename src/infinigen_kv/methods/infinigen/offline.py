@@ -1,6 +1,7 @@
-"""Calibrating a model, offline: the text (a file, or text the model writes itself with the full cache), its
-post-RoPE queries and keys, the skewing per layer (calibration.py), optionally each layer's recall (recall.py);
-and `load_or_calibrate`, which a cache calls: the named file, the per-model cached one, or a new one.
+"""Calibrating a model, offline: the text (the package's own, a file, or text the model writes itself where it has
+no tokenizer), its post-RoPE queries and keys from a prefill, the skewing per layer (calibration.py), optionally
+each layer's recall (recall.py); and `load_or_calibrate`, which a cache calls: the named file, the per-checkpoint
+cached one, or a new one.
 """
 
 from __future__ import annotations
@@ -11,60 +12,39 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from ... import heap
 from ...config import InfiniGenConfig
 from ...model.arch import Arch, get_arch
 from ...model.kv import KVView, StepCache
+from ...progress import Progress
 from ...runtime.generation import generate
 from ..full import FullCache
-from .calibration import (Calibration, CalibrationError, FORMAT_VERSION, default_path, fingerprint,
-                          partial_query_weights, resolve_skew, skew_layer)
+from .calibration import (BUILTIN_TEXT, Calibration, CalibrationError, FORMAT_VERSION, default_path, fingerprint,
+                          partial_channels, partial_query_weights, resolve_skew, skew_layer)
 from .recall import measure_recall
 
 
 # ---------------------------------------------------------------------------------------------------
 # Calibration text
-ROWS = 8  # independent samples, so the text covers more than one topic
-
-
-
-TICK_SECONDS = 10.0  # a progress line at most this often where no bar is drawn
-
-
-
-class Ticker:
-    """Progress of a calibration stage where no bar is drawn (stderr not a terminal: a log, a CI run, the demo):
-    a line at most every TICK_SECONDS. On a terminal tqdm draws its bar instead."""
-
-    def __init__(self, stage: str, total: int):
-        self.stage, self.total, self.every = stage, total, TICK_SECONDS
-        self.on = not sys.stderr.isatty()
-        self.t0 = self.last = time.perf_counter()
-
-    def __call__(self, done: int, *_) -> None:  # also an on_step callback of generate (returns None: go on)
-        now = time.perf_counter()
-        if self.on and now - self.last >= self.every:
-            self.last = now
-            print(f"infinigen: calibration: {self.stage} {done}/{self.total} ({now - self.t0:.0f} s)",
-                  file=sys.stderr, flush=True)
-
+ROWS = 8  # independent samples of generated text, so it covers more than one topic
 
 
 @torch.inference_mode()
 def generated_text_ids(model, tokens: int = 4096, seed: int = 0) -> torch.Tensor:
-    """Calibration text the model writes itself: no download, no tokenizer, works for any model.
-    ROWS sampled continuations of the BOS token (temperature 0.8, top-p 0.95). Returns (ROWS, T) ids."""
+    """Calibration text the model writes itself, for a model without a tokenizer (one built in memory): ROWS sampled
+    continuations of the BOS token (temperature 0.8, top-p 0.95). Returns (ROWS, T) ids."""
     device = next(model.parameters()).device
     length = max(16, tokens // ROWS)
     bos = getattr(model.config, "bos_token_id", None)
     ids = torch.full((ROWS, 1), bos if isinstance(bos, int) else 0, dtype=torch.long, device=device)
-    tick = Ticker("writing its text, tokens", length - 1)
+    bar = Progress("calibrating: writing its text", length - 1, " tokens")
     out = generate(
         model, ids, cache=FullCache(model), max_new_tokens=length - 1,
-        temperature=0.8, top_p=0.95, seed=seed, stop_at_eos=False, progress="calibration text",
-        on_step=lambda i, *_: tick(i + 1),
+        temperature=0.8, top_p=0.95, seed=seed, stop_at_eos=False,
+        on_step=lambda i, *_: bar(i + 1),
     )
+    bar.close()
     return torch.cat([ids, out.tokens], dim=1)
 
 
@@ -82,15 +62,18 @@ def text_file_ids(path: str, tokenizer, tokens: int = 4096, row: int = 512) -> t
 # The calibration itself
 class _Recorder(StepCache):
     """A cache that stores nothing and notes each layer's post-RoPE queries and keys from its attention input (each
-    chunk attends over itself): calibration's pass over its text."""
+    chunk attends over itself): calibration's pass over its text. rows: keep them all (the SVD skew needs them);
+    otherwise only each channel's sum of magnitudes (what the partial channels of unskewed q/k are chosen by:
+    (H, d) and (G, d) a layer, not ~0.2 GB of rows)."""
 
     class Layer:
         def view(self, k, v, fetch=None) -> KVView:
             return KVView(k, v)
 
-    def __init__(self, arch: Arch):
-        self.arch, self.layers = arch, [self.Layer() for _ in range(arch.num_layers)]
+    def __init__(self, arch: Arch, rows: bool = True):
+        self.arch, self.layers, self.rows = arch, [self.Layer() for _ in range(arch.num_layers)], rows
         self.qs, self.ks = [[] for _ in self.layers], [[] for _ in self.layers]
+        self.n = 0  # rows seen a layer (B*T summed)
 
     def get_seq_length(self) -> int:
         return 0
@@ -98,25 +81,36 @@ class _Recorder(StepCache):
     def before_attention(self, l: int, x: torch.Tensor, step) -> list:
         arch, rope = self.arch, step.rope(l)
         q = arch.query(l, x, rope) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
-        self.qs[l].append(q.transpose(0, 1).flatten(1, 2).float().cpu())  # (H, B*T, d)
-        self.ks[l].append(arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu())
+        q = q.transpose(0, 1).flatten(1, 2).float().cpu()  # (H, B*T, d)
+        k = arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu()  # (G, B*T, d)
+        if l == 0:
+            self.n += q.shape[1]
+        if self.rows:
+            self.qs[l].append(q)
+            self.ks[l].append(k)
+        else:
+            self.qs[l].append(q.abs().sum(1, dtype=torch.float64))  # (H, d)
+            self.ks[l].append(k.abs().sum(1, dtype=torch.float64))  # (G, d)
         return []
 
 
 @torch.inference_mode()
-def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 4):
-    """Post-RoPE queries and keys of every layer over ids (S, T): lists of (H, S*T, d) and (G, S*T, d)."""
+def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 1, rows: bool = True):
+    """Post-RoPE queries and keys of every layer over ids (S, T) from a prefill (rows `batch` at a time): lists of
+    (H, S*T, d) and (G, S*T, d); rows False: each channel's mean magnitude instead, lists of (H, d) and (G, d)."""
     device = next(model.parameters()).device
-    rec = _Recorder(arch)
-    tick = Ticker("queries and keys, rows", ids.shape[0])
-    for i in tqdm(range(0, ids.shape[0], batch), desc="calibration pass", leave=False, disable=None):
+    rec = _Recorder(arch, rows)
+    bar = Progress("calibrating: prefill", ids.numel(), " tokens")
+    for i in range(0, ids.shape[0], batch):
         chunk = ids[i : i + batch].to(device)
         model(input_ids=chunk, past_key_values=rec, logits_to_keep=1)
-        tick(i + chunk.shape[0])
+        heap.trim()  # (the row's activations back to the OS: a first use's memory is a later one's)
+        bar((i + chunk.shape[0]) * ids.shape[1])
+    bar.close()
     qs, ks = rec.qs, rec.ks
     for parts in (qs, ks):  # each layer's parts joined and dropped in turn: never two copies of them all
         for l in range(arch.num_layers):
-            parts[l] = torch.cat(parts[l], 1)
+            parts[l] = torch.cat(parts[l], 1) if rows else (torch.stack(parts[l]).sum(0) / rec.n).float()
     return qs, ks
 
 
@@ -132,21 +126,24 @@ def calibrate(
     recall: bool = False,
     cache_cls=None,
 ) -> Calibration:
-    """Calibrate `model` on a text file (needs a tokenizer) or on text the model generates itself; with
-    `recall`, also measure each layer's speculation recall on that text (for layer_budget "recall"; it runs
-    cache_cls, InfiniGenCache: `ig.calibrate` passes it)."""
+    """Calibrate `model` from a prefill of a text file, or of the package's own text (BUILTIN_TEXT; both need a
+    tokenizer), or, for a model without one, of text it generates itself; with `recall`, also measure each layer's
+    speculation recall on that text (for layer_budget "recall"; it runs cache_cls, InfiniGenCache: `ig.calibrate`
+    passes it)."""
     t0 = time.perf_counter()
     arch = get_arch(model)
     ids, source = calibration_ids(model, tokenizer, text_file, tokens, seed)
     skew = resolve_skew(skew, arch)
-    qs, ks = collect_qk(model, arch, ids)
+    qs, ks = collect_qk(model, arch, ids, rows=skew == "svd")
     p = math.ceil(partial_ratio * arch.head_dim)
     mats, channels = [], []
-    tick = Ticker("skewing, layers", arch.num_layers)
-    for l in tqdm(range(arch.num_layers), desc="skewing", leave=False, disable=None):
-        A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule, skew)
-        qs[l] = ks[l] = None  # (every layer's float32 queries: ~0.4 GB over the 0.5B's 4,096 tokens)
-        tick(l + 1)
+    for l in range(arch.num_layers):
+        if skew == "svd":
+            A, P = skew_layer(qs[l], ks[l], arch.group, p, channel_rule, skew)
+        else:  # unskewed: the channels of the largest mean |q| (x mean |k|)
+            A = torch.eye(arch.head_dim).expand(arch.num_kv_heads, -1, -1)
+            P = partial_channels(qs[l].view(arch.num_kv_heads, arch.group, -1).mean(1), ks[l], p, channel_rule)
+        qs[l] = ks[l] = None  # (every layer's float32 queries: ~0.2 GB over the 0.5B's 2,000 tokens)
         mats.append(A)
         channels.append(P)
     mats, channels = torch.stack(mats), torch.stack(channels)
@@ -173,8 +170,10 @@ def calibrate(
 
 
 def calibration_ids(model, tokenizer, text_file: str | None, tokens: int = 4096, seed: int = 0):
-    """The calibration text: (rows, T) ids of `text_file` (needs the tokenizer) or of text the model writes,
-    and its name for the file's metadata."""
+    """The calibration text: (rows, T) ids of `text_file`, else of the package's own text (BUILTIN_TEXT), with the
+    tokenizer; without one, of text the model writes; and its name for the file's metadata."""
+    if text_file is None and tokenizer is not None:
+        return text_file_ids(str(BUILTIN_TEXT), tokenizer, tokens), "builtin"
     if text_file is None:
         return generated_text_ids(model, tokens, seed), "generated"
     if tokenizer is None:
@@ -195,8 +194,8 @@ def load_or_calibrate(model, config, tokenizer=None, cache_cls=None) -> Calibrat
             raise CalibrationError(f"calibration file {config.calibration} has no per-layer recall, which "
                                    "layer_budget 'recall' needs: make it again with `infinigen calibrate`")
         return cal
-    path = default_path(model, config)
-    if config.calibration_text and tokenizer is None and (recall or not path.is_file()):
+    path = default_path(model, config, tokenizer)
+    if tokenizer is None and (recall or not path.is_file()) and (config.calibration_text or model.source):
         tokenizer = tokenizer_for(model)  # only to read the text
     if path.is_file():
         try:
@@ -208,7 +207,8 @@ def load_or_calibrate(model, config, tokenizer=None, cache_cls=None) -> Calibrat
             return cal
         except CalibrationError:
             pass  # stale or damaged cache entry: calibrate again and overwrite it
-    print("infinigen: calibrating the model (once; cached for later runs) ...", file=sys.stderr, flush=True)
+    print("infinigen: calibrating (once for this checkpoint: every weight format shares it) ...", file=sys.stderr,
+          flush=True)
     cal = calibrate(model, tokenizer, config.calibration_text, config.partial_ratio, config.channel_rule,
                     config.skew, recall=recall, cache_cls=cache_cls)
     cal.save(path)
@@ -221,6 +221,8 @@ def ensure_recall(model, cal: Calibration, config, tokenizer=None, cache_cls=Non
     """The calibration's per-layer recall (measure_recall), measured now on the calibration text if it has
     none yet (a calibration made without it) and kept in its metadata."""
     if cal.meta.get("recall") is None:
+        if tokenizer is None and model.source is not None:
+            tokenizer = tokenizer_for(model)
         ids, _ = calibration_ids(model, tokenizer, config.calibration_text)
         cal.meta["recall"] = measure_recall(model, cal, ids, cache_cls)
     return cal.meta["recall"]
