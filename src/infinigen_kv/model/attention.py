@@ -88,6 +88,13 @@ def _attention(query, view: KVView, attention_mask, scaling, window):
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
     elif split_decode(query):  # int8 rows crossed to the device as they are stored, and are read where they lie
         out = decode_attention(q, key, value, view.mask, _scale(scaling, d))  # (B, G, r, d)
+    elif (kern := backends.for_device(key.device).ops) is not None and key.is_contiguous() and value.is_contiguous():
+        # a gathered working set (B, G, m, d) on CPU: the kernel's dense pass, as over a whole cache (offload's,
+        # whose rows lie in the full cache's order, then gets the full cache's bits)
+        m = key.shape[2]
+        keep = None if view.mask is None else view.mask.reshape(B, -1, m).contiguous()
+        out = kern.attend(q.float().contiguous(), key, value, None, None, None, -1, keep, m, _scale(scaling, d),
+                          query.dtype)
     else:
         key, value = _computed(query, key, value)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=view.mask, scale=scaling)  # (B, G, r, d)

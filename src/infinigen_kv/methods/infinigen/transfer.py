@@ -3,7 +3,8 @@ the move (staging buffers, events, rows in flight); a cache layer holds only its
 
 One order for every path, per decode step and layer: the chosen rows are fetched (gathered from the pool
 as it was after the previous step), then the new token is stored. The working set handed to attention is
-[new token, fetched rows].
+[new token, fetched rows]; on CPU a whole past (offload) is handed as it lies, then the new token: the full
+cache's order, so that attention over it gives the full cache's bits.
 
 `DirectTransfer` (CPU compute): pool and compute share memory, there is nothing to hide. With the CPU
 kernel, attention reads the chosen rows where they lie in the pool; otherwise they are gathered when the
@@ -69,6 +70,11 @@ class DirectTransfer:
         B, G, m = fetch.idx.shape
         K = self.scratch.get("k", (B, G, m + 1, layer.k.width), layer.k.dtype)
         V = self.scratch.get("v", (B, G, m + 1, layer.v.width), layer.v.dtype)
+        if fetch.whole and not fetch.fixed:  # [the past as it lies, new token] with its mask (B, G, 1, m + 1)
+            torch.cat([layer.k.gather(fetch.idx), to_rows(k_new, K.dtype)], dim=2, out=K)
+            torch.cat([layer.v.gather(fetch.idx), to_rows(v_new, V.dtype)], dim=2, out=V)
+            real = fetch.real_mask()
+            return K, V, None if real is None else torch.cat([real, real.new_ones(B, G, 1)], -1).unsqueeze(2)
         torch.cat([to_rows(k_new, K.dtype), layer.k.gather(fetch.idx)], dim=2, out=K)
         torch.cat([to_rows(v_new, V.dtype), layer.v.gather(fetch.idx)], dim=2, out=V)
         return K, V, work_mask(fetch.real_mask())
