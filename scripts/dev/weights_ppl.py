@@ -51,6 +51,8 @@ def main() -> None:
     first = args.window // 2 if args.second_half else 0
     for weights in args.weights.split(","):
         model, tok = load_model(args.model, weights=weights)
+        # special tokens' text read as text, as llama-perplexity reads it (WikiText's "<unk>" is Gemma's unknown token)
+        tok.backend_tokenizer.encode_special_tokens = True
         ids = torch.tensor(tok(text)["input_ids"])
         bos = tok.bos_token_id if tok.bos_token_id is not None and int(ids[0]) == tok.bos_token_id else None
         ppl, _ = window_perplexity(model, ids, args.window, args.windows, first, bos)

@@ -79,6 +79,7 @@ class _Recorder(StepCache):
         return 0
 
     def before_attention(self, l: int, x: torch.Tensor, step) -> list:
+        heap.trim()  # what the last layer freed back to the OS (its activations): a first use peaks as a later one
         arch, rope = self.arch, step.rope(l)
         q = arch.query(l, x, rope) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
         q = q.transpose(0, 1).flatten(1, 2).float().cpu()  # (H, B*T, d)
@@ -104,7 +105,6 @@ def collect_qk(model, arch: Arch, ids: torch.Tensor, batch: int = 1, rows: bool 
     for i in range(0, ids.shape[0], batch):
         chunk = ids[i : i + batch].to(device)
         model(input_ids=chunk, past_key_values=rec, logits_to_keep=1)
-        heap.trim()  # (the row's activations back to the OS: a first use's memory is a later one's)
         bar((i + chunk.shape[0]) * ids.shape[1])
     bar.close()
     qs, ks = rec.qs, rec.ks
