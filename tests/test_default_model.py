@@ -29,7 +29,6 @@ def test_default_model_loads_from_its_gguf(smollm, capsys):
     table and one held file no larger than the GGUF, no safetensors copy; a second load maps that file (no
     conversion)."""
     from infinigen_kv.model.load import default_gguf
-    from infinigen_kv.testing.gguf import hf_from_gguf
     from infinigen_kv.model.int5_rows import DTYPE as INT5
 
     model, tok = smollm

@@ -291,3 +291,15 @@ def test_gemma3s_tokenizer_gives_llama_cpps_ids():
     for text, ids in want.items():
         assert tok.encode(text).ids == ids, (text, tok.encode(text).ids)
     assert special["bos_token"] == "<bos>" and special["eos_token"] == "<eos>"
+
+
+def test_two_settings_of_the_same_forms_share_one_held_file(tmp_path, monkeypatch):
+    """A Q4_0 file's own precision and --weights int4 hold the same forms: one held file, mapped by both."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_hf("llama-gqa"), tmp_path / "m.gguf", default="Q4_0", types={"token_embd": "Q8_0",
+                                                                                         "output": "Q8_0"})
+    a, _ = ig.load_model(path)
+    b, _ = ig.load_model(path, weights="int4")
+    assert a.mapped_from == b.mapped_from and len(list((tmp_path / "cache" / "held").glob("*.bin"))) == 1
+    c, _ = ig.load_model(path, weights="int8")
+    assert c.mapped_from != a.mapped_from

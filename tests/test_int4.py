@@ -117,15 +117,17 @@ def test_int4_linear_kernel(inputs, out, monkeypatch):
 
 
 @torch.inference_mode()
-def test_an_int4_model_decodes_what_its_values_compute(float32_products):
-    """--weights int4: the layers' linears as int4 rows, the embedding and LM head as int8 rows (as llama.cpp's
-    Q4_K_M keeps its output layer at more bits); prefill and decode close to a float32 model of the values held (the
-    decode activations rounded to int8 groups), every method exact at full budget against full."""
+@pytest.mark.parametrize("weights", ["int4", "int5"])
+def test_a_4_or_5_bit_model_decodes_what_its_values_compute(weights, float32_products):
+    """--weights int4 / int5: the layers' linears as int4 / int5 rows, the embedding and LM head as int8 rows (as
+    llama.cpp's Q4_K_M keeps its output layer at more bits); prefill and decode close to a float32 model of the
+    values held (the decode activations rounded to int8 groups), every method exact at full budget against full."""
+    from infinigen_kv.model.int5_rows import DTYPE as INT5
     from infinigen_kv.model.ops import dense
 
-    held = tiny_model("qwen2", weights="int4")
+    held = tiny_model("qwen2", weights=weights)
     attn = held.layers[0].attn
-    assert attn.wqkv.weight.dtype == held.layers[0].mlp.w2.weight.dtype == torch.uint8
+    assert attn.wqkv.weight.dtype == held.layers[0].mlp.w2.weight.dtype == {"int4": torch.uint8, "int5": INT5}[weights]
     assert held.embed.dtype == held.lm_head.dtype == torch.int8
     ref = tiny_model("qwen2")
     for p, q in zip(held.parameters(), ref.parameters()):
@@ -134,7 +136,8 @@ def test_an_int4_model_decodes_what_its_values_compute(float32_products):
     got = step_logits(held, ig.make_cache("full", held), ids, mask)
     want = step_logits(ref, ig.make_cache("full", ref), ids, mask)
     assert ((got - want).norm() / want.norm()) < 2e-2
-    assert torch.equal(step_logits(held, ig.make_cache("infinigen", held, alpha=1e9, budget=1.0), ids, mask), got)
+    for method, options in (("infinigen", {"alpha": 1e9, "budget": 1.0}), ("offload", {})):
+        assert torch.equal(step_logits(held, ig.make_cache(method, held, **options), ids, mask), got), method
 
 
 def test_int4_weights_load_and_map(tmp_path, monkeypatch):

@@ -1,13 +1,10 @@
 """int5 weight rows (a GGUF's Q5 blocks held as they are, or --weights int5: model/int5_rows.py) and the kernel that
-reads them."""
+reads them; a model held so: tests/test_int4.py."""
 
 import pytest
 import torch
 
-import infinigen_kv as ig
 from infinigen_kv.model import int5_rows, kernels
-from conftest import left_padded_batch, tiny_model
-from test_exactness import step_logits
 from test_int4 import q8_groups
 
 K = kernels.cpu()
@@ -89,23 +86,3 @@ def test_int5_linear_kernel(inputs, out):
     assert torch.equal(K.linear(x, held, bias, res), res + (y + bias))
     with pytest.raises(RuntimeError, match="whole tiles"):
         K.linear(x, held[:out - 8], None, None)
-
-
-@torch.inference_mode()
-def test_an_int5_model_decodes_what_its_values_compute(float32_products):
-    """--weights int5: the layers' linears as int5 tiles, the embedding and LM head as int8 rows; prefill and decode
-    close to a float32 model of the values held, every method exact at full budget against full."""
-    from infinigen_kv.model.ops import dense
-
-    held = tiny_model("qwen2", weights="int5")
-    assert held.layers[0].attn.wqkv.weight.dtype == held.layers[0].mlp.w2.weight.dtype == int5_rows.DTYPE
-    assert held.embed.dtype == held.lm_head.dtype == torch.int8
-    ref = tiny_model("qwen2")
-    for p, q in zip(held.parameters(), ref.parameters()):
-        q.copy_(dense(p, torch.float32))
-    ids, mask = left_padded_batch(lengths=(30, 22))
-    got = step_logits(held, ig.make_cache("full", held), ids, mask)
-    want = step_logits(ref, ig.make_cache("full", ref), ids, mask)
-    assert ((got - want).norm() / want.norm()) < 2e-2
-    for method, options in (("infinigen", {"alpha": 1e9, "budget": 1.0}), ("offload", {})):
-        assert torch.equal(step_logits(held, ig.make_cache(method, held, **options), ids, mask), got), method

@@ -10,7 +10,6 @@ import json
 import statistics
 import time
 
-import torch
 
 import infinigen_kv as ig
 from infinigen_kv.bench.speed import prompts

@@ -3,7 +3,8 @@ every position scored, the same windows for each. `--second-half` scores only ea
 `llama-perplexity -c WINDOW --chunks WINDOWS` does (its chunks are these windows when given the text written by
 `--write-text`), so the two tools' figures compare.
 
-    python scripts/dev/weights_ppl.py --data WIKITEXT_TEST_TXT [--model M] [--weights auto,bfloat16,int8,int4] [--windows 4]
+    python scripts/dev/weights_ppl.py --data WIKITEXT_TEST_TXT [--model M] [--weights auto,bfloat16,int8,int4] \
+        [--windows 4]
 """
 
 import argparse

@@ -33,7 +33,7 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 BF16 = 30
 GROUP = 32
-FORMS = ("int4", "int5", "int8", "bfloat16", "float32")  # from the fewest bits up: a merged weight takes its parts' last
+FORMS = ("int4", "int5", "int8", "bfloat16", "float32")  # fewest bits first: a merged weight takes its parts' last
 
 
 def natural(kind: int) -> str:

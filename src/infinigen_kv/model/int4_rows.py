@@ -54,18 +54,22 @@ def pack(x: torch.Tensor) -> torch.Tensor:
 
 def pack_rows(x: torch.Tensor) -> torch.Tensor:
     """Values x (..., in) -> rows (..., width(in)) uint8 in q4_1's groups, in PyTorch ops (once, at load)."""
+    width(x.shape[-1])
+    return from_levels(*group_levels(x, 15))
+
+
+def group_levels(x: torch.Tensor, top: int):
+    """Values x (..., in) -> (levels (..., in) uint8 in [0, top], scales d and minimums m (..., in / 32) float16) of
+    groups of 32 by their minimum and (max - min) / top, the levels computed from the rounded d and m (so that they
+    read back what they were divided by)."""
     *lead, n = x.shape
-    width(n)
     xg = x.float().reshape(*lead, n // GROUP, GROUP)
     lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
     m = lo.half()
-    d = ((hi - m.float()) / 15).half()
+    d = ((hi - m.float()) / top).half()
     df, mf = d.float(), m.float()
-    q = torch.where(df > 0, (xg - mf) / df, 0.0).round_().clamp_(0, 15).to(torch.uint8)  # (..., groups, 32)
-    packed = q[..., :16] | (q[..., 16:] << 4)  # (..., groups, 16)
-    scales = d.view(*lead, -1).view(torch.uint8)  # float16 bytes, little-endian
-    mins = m.view(*lead, -1).view(torch.uint8)
-    return torch.cat([packed.reshape(*lead, n // 2), scales, mins], -1)
+    q = torch.where(df > 0, (xg - mf) / df, 0.0).round_().clamp_(0, top).to(torch.uint8)  # (..., groups, 32)
+    return q.reshape(*lead, n), d.squeeze(-1), m.squeeze(-1)
 
 
 def _tile_order(w: int) -> torch.Tensor:
@@ -115,8 +119,8 @@ def from_levels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
     *lead, n = q.shape
     qg = q.reshape(*lead, n // GROUP, GROUP)
     packed = qg[..., :16] | (qg[..., 16:] << 4)
-    return torch.cat([packed.reshape(*lead, n // 2), d.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8)],
-                     -1)
+    scales, mins = d.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8)
+    return torch.cat([packed.reshape(*lead, n // 2), scales, mins], -1)
 
 
 def unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

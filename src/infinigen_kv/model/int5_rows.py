@@ -71,15 +71,8 @@ def from_levels(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
 def pack_rows(x: torch.Tensor) -> torch.Tensor:
     """Values x (..., in) -> rows (..., width(in)) uint8, each group by its minimum and (max - min) / 31 (q5_1's
     rounding: `--weights int5` from a checkpoint's values)."""
-    *lead, n = x.shape
-    width(n)
-    xg = x.float().reshape(*lead, n // GROUP, GROUP)
-    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-    m = lo.half()
-    d = ((hi - m.float()) / 31).half()
-    df, mf = d.float(), m.float()
-    q = torch.where(df > 0, (xg - mf) / df, 0.0).round_().clamp_(0, 31).to(torch.uint8)
-    return from_levels(q.reshape(*lead, n), d.squeeze(-1), m.squeeze(-1))
+    width(x.shape[-1])
+    return from_levels(*int4_rows.group_levels(x, 31))
 
 
 @lru_cache(maxsize=64)

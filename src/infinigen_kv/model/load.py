@@ -8,7 +8,6 @@ bfloat16 by default (weights.py).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os

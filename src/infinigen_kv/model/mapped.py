@@ -40,8 +40,8 @@ def key(files: list[Path], model) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     facts = {"format": FORMAT, "files": stats, "args": repr(model.args), "weights": model.weights,
              "dtype": str(model.dtype), "group": int8_rows.GROUP}
-    if model.plan is not None:  # a GGUF at its own precision: each weight's form
-        facts["plan"] = sorted(model.plan.items())
+    if model.plan is not None:  # each weight's form: two settings of the same forms (a Q4_1 file's own precision
+        facts["weights"], facts["plan"] = "plan", sorted(model.plan.items())  # and --weights int4) share a file
     if model.weights in ("int4", "int5", "file"):  # weights held in tiles of rows: a file of other tiles is not read
         facts["int4_tile"] = int4_rows.TILE
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
