@@ -64,8 +64,9 @@ class Parser(argparse.ArgumentParser):
 def _add_model_args(p):
     p.add_argument("--model", default=None, help=f"hub id, checkpoint directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and KV, bfloat16 linear "
-                   "weights) (default: bf16-weights on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16, or bf16-weights (CPU: float32 compute and "
+                   "KV, bfloat16 linear weights) (default: on CPU float32 compute with the weights held as --weights "
+                   "says, on CUDA bf16/fp16)")
     p.add_argument("--weights", choices=["auto", "bfloat16", "int8", "int5", "int4"], default=None,
                    help="CPU: how the linear and embedding weights are held: auto (a GGUF at its own precision, tensor "
                    "by tensor: Q4 blocks as int4 rows, Q5 as int5 rows, Q6_K and Q8_0 as int8 rows, F16/BF16/F32 as "
