@@ -36,7 +36,7 @@ def _fixed_threads():
     threads.TUNER.enabled = False
     torch.set_num_threads(ALL_THREADS)
     yield
-    threads.set_threads(None)  # a test's --threads N does not outlive it
+    torch.set_num_threads(ALL_THREADS)  # a test's --threads N does not outlive it
     threads.TUNER.enabled = True
 
 
@@ -56,17 +56,18 @@ def triton_module(name: str, monkeypatch):
 
 @pytest.fixture
 def float32_products(monkeypatch):
-    """Prompt chunks and decode rows multiplied in float32 on every CPU (not in bfloat16 where it is native): for
-    tests that compare held weights against float32 ones bit for bit."""
-    use_float32_products(monkeypatch)
+    """`float32_products(*models)`: those models' backends with prompt chunks and decode rows multiplied in float32
+    on every CPU (not in bfloat16 where it is native), for tests that compare held weights against float32 ones bit
+    for bit; their own backends back after the test."""
+    return lambda *models: use_float32_products(monkeypatch, *models)
 
 
-def use_float32_products(monkeypatch):
-    """float32_products inside a test (monkeypatch.undo() goes back to the machine's products)."""
-    from infinigen_kv.model import backend
+def use_float32_products(monkeypatch, *models):
+    """float32_products inside a test (monkeypatch.undo() gives the models their backends back)."""
+    import dataclasses
 
-    monkeypatch.setenv("INFINIGEN_BF16_PRODUCTS", "0")
-    monkeypatch.setattr(backend, "_chosen", {})
+    for model in models:
+        monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, bf16_products=False))
 
 
 @pytest.fixture(scope="session")

@@ -11,19 +11,21 @@ import torch
 
 from infinigen_kv.model import kernels
 
-K = kernels.cpu()
+K = kernels.library()
 pytestmark = pytest.mark.skipif(K is None, reason="no CPU kernels here")
 
 
 @pytest.fixture(params=["float32", "bfloat16"])
 def products(request):
-    """attend's products for any query heads a KV head, for the test: the name."""
+    """attend's products for any query heads a KV head, for the test: the name (`upto` gives its pairs_upto)."""
     if request.param == "bfloat16" and not K.bf16_dots_native():
         pytest.skip("no AVX-512 BF16 here")
-    before = K.attend_pairs_upto()
-    K.set_attend_pairs_upto(64 if request.param == "bfloat16" else 0)
-    yield request.param
-    K.set_attend_pairs_upto(before)
+    return request.param
+
+
+def upto(products: str) -> int:
+    """attend's pairs_upto for `products`: bfloat16 pairs at every head count, or never."""
+    return 64 if products == "bfloat16" else 0
 
 
 def check(out, q, k, v, rows, scale, products):
@@ -44,7 +46,7 @@ def test_whole_past(n, d, r, products):
     q = torch.randn(B, G, r, d)
     Kp, Vp = (torch.randn(B, G, cap, d).bfloat16() for _ in range(2))
     keep = torch.rand(B, 1, n) > 0.1
-    out = K.attend(q, Kp, Vp, None, None, None, -1, keep, n, d**-0.5, torch.float32)
+    out = K.attend(q, Kp, Vp, None, None, None, -1, keep, n, d**-0.5, torch.float32, upto(products))
     for g in range(G):
         check(out[0, g], q[0, g], Kp[0, g], Vp[0, g], keep[0, 0].nonzero()[:, 0], d**-0.5, products)
 
@@ -57,7 +59,7 @@ def test_chosen_rows_and_the_new_token(products):
     idx = torch.randint(0, 4000, (B, G, m))
     count = torch.tensor([[m, 1200], [63, 20]])  # the last two rows short (with the new token 64: pairs; 21 not)
     new = torch.randint(4000, cap, (B, G))
-    out = K.attend(q, Kp, Vp, idx, count, new, -1, None, 0, 0.125, torch.float32)
+    out = K.attend(q, Kp, Vp, idx, count, new, -1, None, 0, 0.125, torch.float32, upto(products))
     for b in range(B):
         for g in range(G):
             rows = torch.cat([new[b, g : g + 1], idx[b, g, : count[b, g]]])
@@ -72,23 +74,25 @@ def test_a_row_is_computed_alike_alone_or_beside_a_longer_one(products):
     Kp, Vp = (torch.randn(2, G, cap, d).bfloat16() for _ in range(2))
     idx = torch.randint(0, cap, (2, G, 2000))
     count = torch.tensor([[2000], [40]])
-    both = K.attend(q, Kp, Vp, idx, count, None, -1, None, 0, 0.125, torch.float32)
-    alone = K.attend(q[1:], Kp[1:], Vp[1:], idx[1:], count[1:], None, -1, None, 0, 0.125, torch.float32)
+    both = K.attend(q, Kp, Vp, idx, count, None, -1, None, 0, 0.125, torch.float32, upto(products))
+    alone = K.attend(q[1:], Kp[1:], Vp[1:], idx[1:], count[1:], None, -1, None, 0, 0.125, torch.float32,
+                     upto(products))
     assert torch.equal(both[1], alone[0])
 
 
-def test_the_products_are_chosen_once_per_machine_or_by_the_environment(monkeypatch):
-    """kernels.attend_pairs_upto: INFINIGEN_ATTEND_PAIRS_UPTO where a whole number (a bad value: a warning, then the
-    machine's choice), else the choice measured once and read back; 0 where the CPU has no bfloat16 pairs."""
+def test_the_products_are_the_kernel_paths_constant(monkeypatch, tmp_path):
+    """The backend's attend_pairs_upto is its kernel path's constant (model/backend.py), the same at every build,
+    whatever a measurement once kept beside the kernels' build says and whatever the machine's load: 0 where the CPU
+    has no bfloat16 pairs, Intel's count on Intel's AVX-512 BF16, the path's elsewhere."""
+    from infinigen_kv.model import backend
+
+    b = backend.build("cpu")
     if not K.bf16_dots_native():
-        assert kernels.attend_pairs_upto(K) == 0
-        return
-    monkeypatch.setenv("INFINIGEN_ATTEND_PAIRS_UPTO", "5")
-    assert kernels.attend_pairs_upto(K) == 5
-    monkeypatch.delenv("INFINIGEN_ATTEND_PAIRS_UPTO")
-    kept = kernels.attend_pairs_upto(K)  # measured at the first load, kept beside the build
-    monkeypatch.setattr(kernels, "_measure_attend_pairs", lambda module: pytest.fail("measured again"))
-    assert kernels.attend_pairs_upto(K) == kept
-    monkeypatch.setenv("INFINIGEN_ATTEND_PAIRS_UPTO", "many")
-    with pytest.warns(UserWarning, match="whole number of query heads, not 'many'"):
-        assert kernels.attend_pairs_upto(K) == kept
+        assert b.attend_pairs_upto == 0
+    elif kernels.cpu_vendor() == "GenuineIntel":
+        assert b.attend_pairs_upto == backend.INTEL_PAIRS_UPTO
+    else:
+        assert b.attend_pairs_upto == backend.PATHS[b.path].attend_pairs_upto
+    monkeypatch.setenv("INFINIGEN_ATTEND_PAIRS_UPTO", "5")  # a setting of the code before: read by nothing now
+    assert backend.build("cpu") == b
+    assert backend.build("cpu", attend_pairs_upto=3).attend_pairs_upto == (3 if K.bf16_dots_native() else 0)

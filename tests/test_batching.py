@@ -271,7 +271,7 @@ def test_static_steps_once_the_rows_stay(tiny_models, method, options, monkeypat
             "d": (4, prompt(10, 4), 8, None)}
     eager = run_plan(model, method, options, plan)
     calls = []
-    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: True)
+    monkeypatch.setattr(static, "graphs_on", lambda model, device, flag=None: True)
     for cls, name in ((static.StaticDecoder, "__init__"), (Rebatch, "place"), (Rebatch, "move_rows")):
         monkeypatch.setattr(cls, name, lambda *a, f=getattr(cls, name), n=name, **k: calls.append(n) or f(*a, **k))
     assert run_plan(model, method, options, plan) == eager

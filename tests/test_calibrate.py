@@ -51,7 +51,7 @@ def test_opt_partial_query_weights_fold_the_skew(tiny_models):
     arch = get_arch(model)
     x = torch.randn(2, 1, arch.hidden_size)
     l = 2
-    q = arch.query(l, x, None).view(2, arch.num_kv_heads, arch.group, arch.head_dim)  # pre-scaled as OPT does
+    q = arch.query(l, x, None, model.backend).view(2, arch.num_kv_heads, arch.group, arch.head_dim)  # pre-scaled as OPT does
     expect = q @ cal.skew_partial[l].unsqueeze(0)
     got = torch.nn.functional.linear(x, cal.pq_weight[l], cal.pq_bias[l]).view_as(expect)
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-4)

@@ -161,7 +161,10 @@ def test_pinned_pool_joins_in_place_and_is_counted_whole():
 
 
 def test_the_row_store_runs_its_triton_kernel():
-    """A static step's row store on the GPU: one Triton kernel (not the PyTorch fallback), the reference's bytes."""
+    """A static step's row store on the GPU: one Triton kernel (a failure would raise), the reference's bytes."""
+    from infinigen_kv.model.triton_kernel import triton_installed
+
+    assert triton_installed()
     from infinigen_kv.methods.infinigen import store_row as sr
     from test_store_row import buffers
 
@@ -170,21 +173,23 @@ def test_the_row_store_runs_its_triton_kernel():
         got = [t.clone() if isinstance(t, torch.Tensor) else t for t in expect]
         sr.reference(*expect)
         sr.store_row(*got)
-        assert sr.KERNEL.ok  # the kernel ran
         assert all(torch.equal(e, g) for e, g in zip(expect, got) if isinstance(e, torch.Tensor))
 
 
 @pytest.mark.parametrize("method", ["full", "offload", "infinigen"])
 def test_a_running_batch_in_graphs(method, monkeypatch):
     """The server's running batch on the GPU: CUDA graphs over its bucket of rows (rows joining and leaving in place)
-    give the tokens of eager steps (INFINIGEN_CUDA_GRAPH=0)."""
+    give the tokens of eager steps (a backend built with cuda_graph=False)."""
     from infinigen_kv.testing import prompt, run_plan as run
 
     model = tiny_model("llama-gqa").to("cuda")
     plan = {"a": (0, prompt(40, 1), 16, None), "b": (0, prompt(30, 2), 16, None), "c": (0, prompt(20, 3), 6, None),
             "d": (4, prompt(10, 4), 8, None)}
     options = {"min_budget": 0} if method == "infinigen" else {}
-    monkeypatch.setenv("INFINIGEN_CUDA_GRAPH", "0")
+    import dataclasses
+
+    graphs = model.backend
+    model.backend = dataclasses.replace(graphs, cuda_graph=False)
     eager = run(model, method, options, plan)
-    monkeypatch.setenv("INFINIGEN_CUDA_GRAPH", "1")
+    model.backend = graphs
     assert run(model, method, options, plan) == eager

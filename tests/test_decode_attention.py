@@ -102,11 +102,11 @@ def test_decode_steps_attend_through_the_kernel(kernel, method, kv_dtype, monkey
     they lie give the tokens of attending over their dequantized values."""
     import infinigen_kv as ig
     from conftest import left_padded_batch, on_fake_cuda, tiny_model
-    from infinigen_kv.model import attention, kernels, static
+    from infinigen_kv.model import attention, backend, static
     from infinigen_kv.model.int8_rows import kv_width
 
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_model("llama-gqa")
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(40, 27))
     opts = ({"budget": 0.3, "min_budget": 0} if method == "infinigen" else {}) | {"kv_dtype": kv_dtype}
 
@@ -121,7 +121,7 @@ def test_decode_steps_attend_through_the_kernel(kernel, method, kv_dtype, monkey
     monkeypatch.setattr(attention, "split_decode", lambda q: True)
     monkeypatch.setattr(attention, "decode_attention", lambda *a: calls.append(a[1].shape) or kernel(*a))
     assert torch.equal(run(), ref)
-    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)  # static steps
+    monkeypatch.setattr(static, "graphs_on", lambda model, device, flag=None: flag is not False)  # static steps
     assert torch.equal(run(), ref)
     assert len(calls) == 2 * 3 * model.config.n_layers
     d = model.config.head_dim

@@ -95,6 +95,49 @@ def test_passkey_with_default_settings(smollm):
         assert (fetched == 1.0 if most == 1.0 else fetched <= most), (options, fetched)
 
 
+def test_the_same_answer_beside_busy_processes(smollm, monkeypatch):
+    """generate at the defaults on a 2k passkey prompt gives the same tokens and fetched fraction beside a busy loop on
+    every core (the thread tuner on: the steps run on fewer threads) as on the quiet machine, with the backend built
+    again while busy: nothing measured decides what is computed (the dense-or-speculate rule and the products follow
+    the kernel path's constants, model/backend.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from infinigen_kv.model import backend
+    from infinigen_kv.runtime import threads
+
+    model, tok = smollm
+    s = passkey(tok, 2000, seed=3)
+    enc = tok(s.prompt, return_tensors="pt")
+    monkeypatch.setattr(threads.TUNER, "enabled", True)
+    most, counts = torch.get_num_threads(), []
+
+    def run():
+        cache = ig.make_cache("infinigen", model, tokenizer=tok)
+        r = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=12,
+                        on_step=lambda *a: counts.append(torch.get_num_threads()))
+        return r.tokens[0].tolist(), cache.stats["fetched_fraction"]
+
+    quiet = run()
+    quiet_backend = model.backend
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(2, cores))]
+    try:
+        monkeypatch.setattr(model, "backend", backend.build("cpu"))
+        assert model.backend == quiet_backend
+        counts.clear()
+        busy = run()
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    assert busy == quiet and s.answer in tok.decode(quiet[0])
+    assert quiet[1] == 1.0  # a 2k prompt at the defaults: every step dense (the README's promise)
+    if most > 1 and hasattr(os, "sched_getaffinity"):
+        assert min(counts) < most  # the load did move the thread count
+
+
 def test_short_prompts_answer_as_the_full_cache_at_the_defaults(smollm):
     """At the default budget, short prompts (chat and completion) get the full cache's greedy answer
     (budget 0.1 alone gave ", the most of of of ..." to "Once upon a time"): a short past is attended whole."""

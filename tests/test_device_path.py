@@ -12,18 +12,20 @@ import torch
 import infinigen_kv as ig
 from conftest import left_padded_batch, on_fake_cuda, tiny_model
 from infinigen_kv.methods.infinigen.layer import partial_dtype
-from infinigen_kv.model import kernels
-
-
-@pytest.fixture
-def device_path(monkeypatch):
-    """No CPU kernels: the PyTorch code a GPU runs (scores, select, partial query rows, attention)."""
-    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend (INFINIGEN_KERNELS=0)
+from infinigen_kv.model import backend
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama-gqa")
+
+
+@pytest.fixture
+def device_path(model, monkeypatch):
+    """No CPU kernels: the PyTorch code a GPU runs (scores, select, partial query rows, attention): the reference
+    backend, for the module's model and (returned) for a test's own."""
+    monkeypatch.setattr(model, "backend", backend.reference())
+    return backend.reference()
 
 
 MODES = [True, False]  # uva, worker
@@ -40,7 +42,7 @@ def run(model, ids, mask, method="infinigen", fake=True, new=8, uva=True, **opti
 @pytest.mark.parametrize("uva", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "opt"])
 def test_device_path_is_exact_at_full_budget(device_path, kind, uva):
-    model = tiny_model(kind)
+    model = tiny_model(kind, backend=device_path)
     ids, mask = left_padded_batch(lengths=(90, 70, 51))
     ref, _, _ = run(model, ids, mask, "full", fake=False)
     got, cache, transfer = run(model, ids, mask, alpha=1e9, budget=1.0, uva=uva)
@@ -55,7 +57,7 @@ def test_device_path_selects_as_the_direct_path(device_path, uva):
     """Budget 0.3 of the past, alpha small enough that rows differ in their counts: the tokens are those of the
     CPU (direct) path with the same selection; the worker trims each fetch to its largest real count (the uva
     gather fetches every slot of the cap: the counts stay on the device, as the mask)."""
-    model = tiny_model("llama-gqa")
+    model = tiny_model("llama-gqa", backend=device_path)
     with torch.no_grad():  # peaked attention (a random init's is flat: every token within any alpha)
         for layer in model.layers:
             layer.attn.q_proj.weight.mul_(8)
@@ -216,7 +218,7 @@ def test_static_steps_drop_the_prompt_mirrors(device_path, model, monkeypatch):
     capture (the step reads the pool), so the decode holds on the device what an eager one holds."""
     from infinigen_kv.model import static
 
-    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)  # no graph on CPU: the steps
+    monkeypatch.setattr(static, "graphs_on", lambda model, device, flag=None: flag is not False)  # no graph on CPU: the steps
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(3))
     cache = ig.make_cache("infinigen", model, budget=0.3, min_budget=0)
     on_fake_cuda(cache)
@@ -270,7 +272,7 @@ def test_partial_query_from_only_the_rows_it_needs(device_path, model):
         assert W.shape[0] == a.num_heads * 2 * cache.pq.channels[layer].shape[-1]  # P and their partners
         rope = step.rope(layer)
         got = cache.partial_query(layer, x, rope, step.memo)
-        q = a.query(layer, x, rope).view(3, a.num_kv_heads, a.group, a.head_dim)
+        q = a.query(layer, x, rope, model.backend).view(3, a.num_kv_heads, a.group, a.head_dim)
         ref = q.gather(-1, cache.pq.channels[layer].view(1, a.num_kv_heads, 1, -1).expand(3, -1, a.group, -1))
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -286,7 +288,8 @@ def test_scores_are_float32_on_every_device(model):
     assert s.dtype == torch.float32
     torch.testing.assert_close(s, q.float() @ k.float().transpose(-1, -2) * 0.5)
     cache = ig.make_cache("infinigen", model, budget=0.3)
-    assert partial_dtype(cache.config.partial_dtype, torch.bfloat16, torch.device("cuda")) == torch.bfloat16
-    assert partial_dtype(cache.config.partial_dtype, torch.float32, torch.device("cuda")) == torch.bfloat16
-    assert partial_dtype("float32", torch.bfloat16, torch.device("cuda")) == torch.float32
-    assert partial_dtype("model", torch.float16, torch.device("cuda")) == torch.float16
+    gpu = backend.build("cuda")
+    assert partial_dtype(cache.config.partial_dtype, torch.bfloat16, torch.device("cuda"), gpu) == torch.bfloat16
+    assert partial_dtype(cache.config.partial_dtype, torch.float32, torch.device("cuda"), gpu) == torch.bfloat16
+    assert partial_dtype("float32", torch.bfloat16, torch.device("cuda"), gpu) == torch.float32
+    assert partial_dtype("model", torch.float16, torch.device("cuda"), gpu) == torch.float16

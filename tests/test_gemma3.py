@@ -71,7 +71,7 @@ def test_gemma3_exact_at_full_budget(gemma, tmp_path, monkeypatch):
                          max_new_tokens=8, stop_at_eos=False).tokens
     # float32 rows and products: the full cache's logits to float32 tolerance (in bfloat16 products a last-bit
     # difference upstream can flip a product's rounding)
-    use_float32_products(monkeypatch)
+    use_float32_products(monkeypatch, model)
     ref = forced_logits(model, ig.make_cache("full", model, kv_dtype="float32"), enc.input_ids, enc.attention_mask,
                         greedy)
     for cache in (exact("dense", "float32"), exact("speculate", "float32"),

@@ -60,7 +60,7 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
         torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not __import__("infinigen_kv.model.backend", fromlist=["cpu"]).cpu().bf16_attention,
+@pytest.mark.skipif(not __import__("infinigen_kv.model.backend", fromlist=["build"]).build("cpu").bf16_attention,
                     reason="needs AVX-512 BF16")
 def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
     """A chunk over a long past (LONG_PAST keys or more, causal) is scored by the CPU kernel in bfloat16 products, as
@@ -68,7 +68,9 @@ def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
     from types import SimpleNamespace
 
     from infinigen_kv.methods import h2o
+    from infinigen_kv.model import backend
 
+    b = backend.build("cpu")
     torch.manual_seed(3)
     B, H, G, T, n, d = 2, 6, 2, 70, 1200, 64
     q, k = torch.randn(B, H, T, d) * 2, torch.randn(B, G, n, d).bfloat16()
@@ -79,14 +81,14 @@ def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
         layer = h2o.H2OLayer.__new__(h2o.H2OLayer)
         layer.window, layer.score = None, SimpleNamespace(data=torch.zeros(B, G, n + 5, 1))
         for mask in (None, causal):  # no mask, or the model's (causal) mask of a chunk over a past
-            assert (layer._kernel_sums(q, k, mask, d**-0.5) is None) == (long_past == n)
-        layer.add_prefill_scores(q, k, causal, d**-0.5)  # the model's mask of a chunk over a past: causal
+            assert (layer._kernel_sums(q, k, mask, d**-0.5, b) is None) == (long_past == n)
+        layer.add_prefill_scores(q, k, causal, d**-0.5, b)  # the model's mask of a chunk over a past: causal
         sums.append(layer.score.data[..., 0])
     torch.testing.assert_close(sums[0], sums[1], atol=2e-3 * sums[1].max().item(), rtol=1e-2)
     assert sums[0][..., n:].abs().sum() == 0 and abs(sums[0].sum().item() - B * H * T) < 1e-2 * B * H * T
     padded = causal.clone()
     padded[1, ..., :5] = False  # a left-padded row: the float32 path, under the mask
-    assert layer._kernel_sums(q, k, padded, d**-0.5) is None
+    assert layer._kernel_sums(q, k, padded, d**-0.5, b) is None
 
 
 def test_h2o_caches_in_one_tee_score_the_prefill_once(tiny_models, monkeypatch):

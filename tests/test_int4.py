@@ -9,7 +9,7 @@ from infinigen_kv.model.load import load_model
 from conftest import left_padded_batch, save_tiny, tiny_model
 from test_exactness import step_logits
 
-K = kernels.cpu()
+K = kernels.library()
 
 
 def q8_groups(x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +132,7 @@ def test_a_4_or_5_bit_model_decodes_what_its_values_compute(weights, float32_pro
     ref = tiny_model("qwen2")
     for p, q in zip(held.parameters(), ref.parameters()):
         q.copy_(dense(p, torch.float32))
+    float32_products(held, ref)
     ids, mask = left_padded_batch(lengths=(30, 22))
     got = step_logits(held, ig.make_cache("full", held), ids, mask)
     want = step_logits(ref, ig.make_cache("full", ref), ids, mask)

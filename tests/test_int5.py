@@ -7,7 +7,7 @@ import torch
 from infinigen_kv.model import int5_rows, kernels
 from test_int4 import q8_groups
 
-K = kernels.cpu()
+K = kernels.library()
 
 
 def test_rows_hold_5_bit_groups():

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.model import kernels
+from infinigen_kv.model import backend, kernels
 from infinigen_kv.model.kv import from_rows
 from infinigen_kv.methods.infinigen.speculator import relative
 from conftest import KINDS, left_padded_batch, tiny_model
 from test_exactness import step_logits
 
-K = kernels.cpu()
+K = kernels.library()
 pytestmark = pytest.mark.skipif(K is None, reason="CPU kernels could not be built (no C++ compiler)")
 
 
@@ -25,14 +25,14 @@ def reference_attention(q, Kp, Vp, rows, scale):
     return torch.softmax(q @ k.T * scale, -1) @ v
 
 
-def bf16_products(Kp, rows, heads) -> bool:
-    """Whether attend multiplies these rows in bfloat16 pairs (kernels/bf16_dots.h: bfloat16 rows of a multiple of 64
-    channels, BF16_ATTEND_ROWS of them or more, `heads` query heads a KV head up to the machine's attend_pairs_upto):
-    the query and the probabilities then round to bfloat16, a relative error of ~1e-3
-    (tests/test_attend_bf16_rows.py holds them to it, and the float32 products to 1e-5)."""
+def bf16_products(Kp, rows, heads, pairs_upto: int = 0) -> bool:
+    """Whether attend (given pairs_upto, as these tests call it: 0) multiplies these rows in bfloat16 pairs
+    (kernels/bf16_dots.h: bfloat16 rows of a multiple of 64 channels, BF16_ATTEND_ROWS of them or more, `heads` query
+    heads a KV head up to pairs_upto): the query and the probabilities then round to bfloat16, a relative error of
+    ~1e-3 (tests/test_attend_bf16_rows.py holds them to it, and the float32 products to 1e-5)."""
     most = K.BF16_ATTEND_ROWS
     return (most is not None and Kp.dtype == torch.bfloat16 and Kp.shape[-1] % 64 == 0 and rows.numel() >= most
-            and heads <= K.attend_pairs_upto())
+            and heads <= pairs_upto)
 
 
 def stored(x: torch.Tensor, dtype) -> torch.Tensor:
@@ -97,7 +97,7 @@ def test_int8_kv_rows_kernel_matches_pytorch(d, monkeypatch):
     x[1, 2, : min(d, 32)] = 0
     rows = K.quantize_kv_rows(x)
     assert rows.shape == (3, 5, int8_rows.kv_width(d)) and int8_rows.kv_dim(rows.shape[-1]) == d
-    monkeypatch.setattr(kernels, "_enabled", False)  # the PyTorch path
+    monkeypatch.setattr(int8_rows, "library", lambda: None)  # the codec's PyTorch path
     assert torch.equal(int8_rows.pack_kv(x), rows)
     back = int8_rows.unpacked_kv(rows, torch.float32)
     groups = torch.nn.functional.pad(x, (0, -d % 32)).view(3, 5, -1, 32).abs().amax(-1)  # (3, 5, groups)
@@ -142,7 +142,7 @@ def test_int8_weight_rows_linear(inputs, monkeypatch):
     for r in (1, 2, 4, 5):
         assert torch.equal(K.linear(x[:r].contiguous(), rows, None, None), y[:r])
     assert torch.equal(K.linear(x[3:4].contiguous(), rows, None, None), y[3:4])
-    monkeypatch.setattr(kernels, "_enabled", False)  # the PyTorch path
+    monkeypatch.setattr(int8_rows, "library", lambda: None)  # the codec's PyTorch path
     assert torch.equal(int8_rows.unpacked_kv(rows, torch.float32), dense)
 
 
@@ -301,7 +301,7 @@ def test_int8_partial_keys_decode(tiny_models, monkeypatch):
     assert layer.partial.data.dtype == torch.int8 and layer.partial.width == layer.skew_p.shape[-1] + 4
     runs = []
     for on in (True, False):
-        monkeypatch.setattr(kernels, "_enabled", on)  # what INFINIGEN_KERNELS=0 does at start-up
+        monkeypatch.setattr(model, "backend", backend.build("cpu", kernels=on))
         cache = ig.make_cache("infinigen", model, partial_dtype="int8", alpha=4.0, budget=0.3, min_budget=0)
         runs.append((step_logits(model, cache, ids, mask), cache.stats["fetched_fraction_per_layer"]))
     torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-4, rtol=1e-4)
@@ -316,7 +316,7 @@ def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch):
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     runs = {}
     for flag in ("1", "0"):
-        monkeypatch.setattr(kernels, "_enabled", flag == "1")  # what INFINIGEN_KERNELS=0 does at start-up
+        monkeypatch.setattr(model, "backend", backend.build("cpu", kernels=flag == "1"))
         # partial keys in the model's dtype on both paths ("auto" stores int8 rows only for the kernel)
         cache = ig.make_cache("infinigen", model, alpha=4.0, budget=0.3, min_budget=0, partial_dtype="model")
         runs[flag] = (step_logits(model, cache, ids, mask), step_logits(model, ig.make_cache("full", model), ids, mask),
@@ -346,7 +346,7 @@ def test_silu_mul_has_pytorchs_bits(rows, F):
     torch.manual_seed(4)
     gu = torch.randn(rows, 2 * F) * torch.logspace(-4, 2, 2 * F)  # tiny to saturated
     expect = torch.nn.functional.silu(gu[:, :F].contiguous()) * gu[:, F:]  # the model's gate_proj output
-    assert torch.equal(K.silu_mul(gu, kernels.silu_lanes()), expect) and kernels.silu_mul_exact()
+    assert torch.equal(K.silu_mul(gu, kernels.silu_lanes()), expect) and kernels.silu_mul_exact(K)
 
 
 @pytest.mark.parametrize("d", [64, 128, 40])
@@ -377,6 +377,7 @@ def test_held_weights_through_the_kernels_match_float32(lengths, weights, float3
     with torch.no_grad():
         for (name, p), (_, q) in zip(held.named_parameters(), ref.named_parameters()):
             q.copy_(dense(p, torch.float32))
+    float32_products(held, ref)
     ids, mask = left_padded_batch(lengths=lengths)
     torch.testing.assert_close(step_logits(held, ig.make_cache("full", held), ids, mask),
                                step_logits(ref, ig.make_cache("full", ref), ids, mask),
@@ -403,14 +404,16 @@ def test_partial_query_kernel(tiny_models, kind, weights, monkeypatch):
         for layer, rope in [(1, ropes[0]), (len(cache.layers) - 1, ropes[-1])]:  # RoPE per row, or one for all
             cache.layers[layer].skew_p = cache.skew_partial[layer]
             got = cache.partial_query(layer, x, rope, {})
-            monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
-            expect = cache.partial_query(layer, x, rope, {})
-            monkeypatch.undo()
-            tol = 1e-2 if weights == "int8" else 1e-5  # int8 rows: the kernel's int8 activations (2^-8 of a group)
+            expect = cache.pq(layer, x, rope, cache.layers[layer].skew_p, {}, backend.reference())
+            own = cache.pq.of_query(cache.arch.query(layer, x, rope, model.backend), cache.layers[layer].skew_p)
+            if weights == "int8":  # int8 rows: the kernel's int8 activations (2^-8 of a group) against float ones
+                for y in (got, own):
+                    assert (y - expect).norm() / expect.norm() < 1e-2
+                continue
+            tol = 1e-5
             if weights == "bfloat16" and cache.pq.rows is not None and K.bf16_dots_native():
                 tol = 2e-2
             torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
-            own = cache.pq.of_query(cache.arch.query(layer, x, rope), cache.layers[layer].skew_p)
             if weights == "bfloat16" and K.bf16_dots_native():  # the query's own linear rounds x to bfloat16 too
                 tol = 2e-2
             torch.testing.assert_close(own, expect, rtol=tol, atol=tol)
@@ -425,22 +428,21 @@ def test_partial_key_storage(tiny_models, monkeypatch):
     for option, kernel, expect in [("auto", True, torch.int8), ("bfloat16", True, torch.bfloat16),
                                    ("model", True, torch.float32), ("auto", False, torch.float32)]:
         if not kernel:
-            monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
+            monkeypatch.setattr(model, "backend", backend.reference())
         cache = ig.make_cache("infinigen", model, partial_dtype=option, budget=1.0, alpha=1e9)
         torch.testing.assert_close(step_logits(model, cache, ids, mask), ref, atol=1e-4, rtol=1e-4)
         assert cache.layers[1].partial.data.dtype == expect
         monkeypatch.undo()
 
 
-def test_bf16_weights_default(monkeypatch):
+def test_bf16_weights_default():
     """Weight-only bfloat16 is the CPU default where the kernels can read it; float32 when asked or without them."""
     from infinigen_kv.model.load import bf16_weights
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu, cuda = backend.build("cpu"), backend.build("cuda")
     assert bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
     assert not bf16_weights("float32", cpu) and not bf16_weights(None, cuda)
-    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend
-    assert not bf16_weights(None, cpu) and bf16_weights("bf16-weights", cpu)
+    assert not bf16_weights(None, backend.reference()) and bf16_weights("bf16-weights", backend.reference())
 
 
 @pytest.mark.parametrize("kind,weights", [("llama-gqa", "bfloat16"), ("gemma3", "bfloat16"), ("opt", "bfloat16"),
@@ -468,11 +470,13 @@ def test_weights_are_held_once(kind, weights):
 
 
 def test_env_switch_read_at_start_up():
-    """INFINIGEN_KERNELS=0 switches the kernels off for the process (read once: cpu() is on the hot path)."""
+    """INFINIGEN_KERNELS=0 (a user setting, read when a model's backend is built at load) gives the reference
+    backend; load_model(kernels=False) the same without the environment."""
     import subprocess
     import sys
 
-    code = "from infinigen_kv.model import kernels; assert kernels.cpu() is None; print('off')"
+    code = ("import infinigen_kv as ig; from infinigen_kv.model import backend; "
+            "assert backend.build('cpu').name == 'reference'; print('off')")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "INFINIGEN_KERNELS": "0"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "off" in out.stdout, out.stderr
@@ -510,7 +514,7 @@ def test_kernels_give_the_same_bits_with_any_thread_count(tiny_models):
     """the decode thread count changes with the machine's load (threads.py), so a result must not
     depend on it: the same logits to the bit with 1, 2 and 3 threads (speculate, partial_query, attend and
     linear all split their work across the team)."""
-    if kernels.cpu() is None:
+    if kernels.library() is None:
         pytest.skip("no C++ compiler: the kernels are not built")
     model = tiny_models["llama-gqa"]
     ids, mask = left_padded_batch(lengths=(60, 45, 31))
@@ -552,14 +556,15 @@ def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
 
     load = FakeLoad()
     t = threads.Tuner(load=load, interval=0.5)
+    tuned = backend.reference()  # a CPU backend without a fixed count: its steps follow the load
 
     def run(seconds, others):
         load.others = others
         for _ in range(int(seconds / 0.05)):
             load.advance(0.05)
-            t.step()
+            t.step(tuned)
 
-    t.watch()  # the first look before the prefill
+    t.watch(tuned)  # the first look before the prefill
     run(1.0, 0.0)
     assert torch.get_num_threads() == 4 and counts == []  # idle: all cores, nothing touched
     run(2.0, 2.0)  # a competitor on two cores: we see it take more of them as we leave it more
@@ -572,18 +577,16 @@ def test_the_thread_tuner_leaves_other_processes_their_cores(monkeypatch):
     t.interval = 10.0
     run(2.0, 3.0)  # under an interval: no look yet
     assert len(counts) == n
-    t.step(torch.device("meta"))  # not a CPU step: nothing to tune
+    t.step(backend.build("cuda"))  # not a CPU step: nothing to tune
     assert len(counts) == n
-    threads.set_threads(2)  # --threads 2: fixed, whatever the load
-    try:
-        for others in (0.0, 3.0, 0.0):
-            load.others = others
-            for _ in range(20):
-                load.advance(0.05)
-                threads.decode_step()
-        assert counts[-1] == 2 and threads.TUNER.threads == 2
-    finally:
-        threads.set_threads(None)
+    fixed = backend.reference(threads=2)  # --threads 2: fixed, whatever the load
+    t.interval = 0.5
+    for others in (0.0, 3.0, 0.0):
+        load.others = others
+        for _ in range(20):
+            load.advance(0.05)
+            t.step(fixed)
+    assert counts[-1] == 2 and torch.get_num_threads() == 2
 
 
 def test_a_prefill_starts_on_the_cores_left(monkeypatch):
@@ -614,11 +617,12 @@ def test_a_prefill_starts_on_the_cores_left(monkeypatch):
 
     monkeypatch.setattr(threads.time, "sleep", sleep)
     t = threads.Tuner(load=load, interval=0.5)
-    t.before_prefill()
+    tuned = backend.reference()
+    t.before_prefill(tuned)
     assert slept == [threads.FIRST_LOOK] and counts == [1]  # three of four cores busy: one thread from the start
     load.others = 0.0
     load.t += 0.6  # a later prefill, 0.6 s after that look: chosen from it, no wait
-    t.before_prefill()
+    t.before_prefill(tuned)
     assert slept == [threads.FIRST_LOOK] and counts == [1, 4]
 
 
@@ -647,9 +651,10 @@ def test_rms_norm_kernel_gives_pytorchs_values():
     w = torch.randn(64)
     x = torch.randn(5, 1, 64)
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), w * h, rtol=1e-5, atol=1e-5)
-    assert torch.equal(ops.rms_norm(x, w, 1e-6)[2:3], ops.rms_norm(x[2:3], w, 1e-6))
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, plus_one=True), h * (1 + w), rtol=1e-5, atol=1e-5)
+    b = backend.build("cpu")
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, b), w * h, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6, b)[2:3], ops.rms_norm(x[2:3], w, 1e-6, b))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, b, plus_one=True), h * (1 + w), rtol=1e-5, atol=1e-5)
 
 
 def test_the_install_built_the_kernels():
@@ -662,7 +667,7 @@ def test_the_install_built_the_kernels():
 
     from conftest import KERNELS_BUILT_AT_START
 
-    if not kernels.enabled() or not (shutil.which("c++") or shutil.which("g++")):
+    if not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no C++ compiler (or the kernels switched off): the PyTorch path serves")
     assert KERNELS_BUILT_AT_START, "the kernels were not built by the install: run `infinigen build-kernels`"
     r = subprocess.run([sys.executable, "-m", "infinigen_kv.cli", "build-kernels"], capture_output=True, text=True,

@@ -9,7 +9,7 @@ import torch
 import infinigen_kv as ig
 from conftest import left_padded_batch
 from infinigen_kv.config import ConfigError
-from infinigen_kv.model import kernels
+from infinigen_kv.model import backend
 from test_exactness import EXACT, step_logits
 
 METHODS = [("infinigen", EXACT), ("offload", {}), ("h2o", {"budget": 1.0}), ("streaming", {"budget": 1.0})]
@@ -19,8 +19,8 @@ METHODS = [("infinigen", EXACT), ("offload", {}), ("h2o", {"budget": 1.0}), ("st
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "gemma3", "opt"])
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8])
 def test_every_method_equals_full_at_the_same_storage(tiny_models, kind, kernel, storage, monkeypatch):
-    monkeypatch.setattr(kernels, "_enabled", kernel)
     model = tiny_models[kind]
+    monkeypatch.setattr(model, "backend", backend.build("cpu", kernels=kernel))
     KV = {"kv_dtype": str(storage).removeprefix("torch.")}
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     full = ig.make_cache("full", model, **KV)

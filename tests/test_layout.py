@@ -151,7 +151,7 @@ def test_no_capability_probes_and_one_backend():
                 owner = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
                 if owner in PROBED:
                     bad.append(f"{path.name}:{node.lineno} {f.id}({owner}, {node.args[1].value!r})")
-            if (isinstance(f, ast.Attribute) and f.attr == "cpu" and isinstance(f.value, ast.Name)
+            if (isinstance(f, ast.Attribute) and f.attr in ("cpu", "library") and isinstance(f.value, ast.Name)
                     and f.value.id == "kernels" and name not in ("model.backend", "model.kernels")):
-                bad.append(f"{path.name}:{node.lineno} kernels.cpu() outside model/backend.py")
+                bad.append(f"{path.name}:{node.lineno} kernels.{f.attr}() outside model/backend.py")
     assert not bad, bad

@@ -7,7 +7,7 @@ import torch
 
 from infinigen_kv.model import kernels
 
-K = kernels.cpu()
+K = kernels.library()
 pytestmark = pytest.mark.skipif(K is None or not K.bf16_dots_native(),
                                 reason="no CPU kernels with AVX-512 BF16 here (float32 products serve)")
 

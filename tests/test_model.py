@@ -82,6 +82,7 @@ def test_held_weights_compute_their_rounded_values(weights, float32_products):
         for (name, p), (_, q) in zip(held.named_parameters(), exact.named_parameters()):
             if p.dtype != torch.float32:
                 q.copy_(ops.dense(p, torch.float32))
+    float32_products(held, exact)
     ids, mask = left_padded_batch(lengths=(20, 9))
     tol = dict(atol=1e-2, rtol=1e-2) if weights == "int8" else TOL
     torch.testing.assert_close(our_steps(held, ids, mask, 3), our_steps(exact, ids, mask, 3), **tol)
@@ -93,18 +94,18 @@ def test_bfloat16_products_round_a_prompt_chunk_only(weights, monkeypatch):
     """Where the CPU multiplies bfloat16 natively, a prompt chunk's products over held weights run in bfloat16: the
     logits stay within bfloat16's rounding of the float32 products', each row the same bits alone or in a batch; a
     decode step's rows still take the float32 kernels."""
-    from infinigen_kv.model import backend, ops
+    import dataclasses
+
+    from infinigen_kv.model import ops
 
     model = from_hf(tiny_hf("llama-gqa"), weights)
     calls = []
     monkeypatch.setattr(ops, "bf16_linear", lambda *a, f=ops.bf16_linear: calls.append(1) or f(*a))
     ids = torch.randint(3, 256, (2, 40))
-    monkeypatch.setattr(backend, "_chosen", {})
-    monkeypatch.setenv("INFINIGEN_BF16_PRODUCTS", "0")
+    model.backend = dataclasses.replace(model.backend, bf16_products=False)
     exact = model(ids, use_cache=False).logits
     assert not calls
-    monkeypatch.setattr(backend, "_chosen", {})
-    monkeypatch.setattr(backend, "native_bf16", lambda: True)  # (oneDNN emulates it where the CPU has no BF16)
+    model.backend = dataclasses.replace(model.backend, bf16_products=True)  # (emulated where the CPU has no BF16)
     products = model(ids, use_cache=False).logits
     assert calls
     alone = model(ids[1:], use_cache=False).logits

@@ -9,7 +9,7 @@ import torch
 
 from infinigen_kv.model import attention, kernels
 
-K = kernels.cpu()
+K = kernels.library()
 pytestmark = pytest.mark.skipif(K is None or not K.bf16_dots_native(),
                                 reason="no CPU kernels with AVX-512 BF16 here (PyTorch's attention serves)")
 
@@ -58,13 +58,12 @@ def test_a_left_padded_batch_over_a_long_past_row_by_row(monkeypatch):
     mask = (torch.arange(S)[None] <= torch.arange(T)[:, None] + past)[None, None].repeat(B, 1, 1, 1)
     mask[1, ..., :30] = False  # the second row left-padded
     monkeypatch.setattr(attention, "LONG_PAST", 10**9)
-    want = attention._prefill_by_row(q, k, v, mask, d**-0.5, None)
+    want = attention._prefill_by_row(q, k, v, mask, d**-0.5, None, None)
     calls = []
     monkeypatch.setattr(attention, "LONG_PAST", 32)
     real = K.prefill_attend
     ops = type("Ops", (), {"prefill_attend": staticmethod(lambda *a: calls.append(a[1].shape) or real(*a))})()
-    monkeypatch.setattr(attention.backends, "cpu", lambda: types.SimpleNamespace(bf16_attention=True, ops=ops))
-    got = attention._prefill_by_row(q, k, v, mask, d**-0.5, None)
+    got = attention._prefill_by_row(q, k, v, mask, d**-0.5, None, types.SimpleNamespace(bf16_attention=True, ops=ops))
     assert calls == [(G, S, d), (G, S - 30, d)]  # both rows: the second over its keys after the padding
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
@@ -82,8 +81,8 @@ def test_bfloat16_rows_are_read_as_stored(monkeypatch):
     seen = []
     real = K.prefill_attend
     ops = type("Ops", (), {"prefill_attend": staticmethod(lambda *a: seen.append(a[1].dtype) or real(*a))})()
-    monkeypatch.setattr(attention.backends, "cpu", lambda: types.SimpleNamespace(bf16_attention=True, ops=ops))
-    got, _ = attention.attend(q, attention.KVView(k, v), mask, d**-0.5)
-    want, _ = attention.attend(q, attention.KVView(k.float(), v.float()), mask, d**-0.5)
+    kernel = types.SimpleNamespace(bf16_attention=True, ops=ops)  # a backend whose prefill_attend is watched
+    got, _ = attention.attend(q, attention.KVView(k, v), mask, d**-0.5, kernel)
+    want, _ = attention.attend(q, attention.KVView(k.float(), v.float()), mask, d**-0.5, kernel)
     assert seen == [torch.bfloat16, torch.float32]
     assert torch.equal(got, want)

@@ -7,7 +7,7 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch, on_fake_cuda
-from infinigen_kv.model import kernels
+from infinigen_kv.model import backend
 from infinigen_kv.model.static import StaticDecoder, StaticError
 from infinigen_kv.runtime.generation import prefill
 from infinigen_kv.testing.steptrace import StepTrace, first_difference, held
@@ -44,8 +44,8 @@ def static_run(model, method, ids, mask, trace=False, fake_cuda=False, **options
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "qwen3", "opt"])
 def test_static_steps_give_the_eager_tokens(tiny_models, kind, monkeypatch):
-    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend: what a GPU runs
     model = tiny_models[kind]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     eager = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
     tokens, traces, cache = static_run(model, "full", ids, mask, trace=True)
@@ -66,8 +66,8 @@ def test_static_infinigen_steps_choose_as_the_eager_ones(tiny_models, kind, fake
     (gathered on its side stream into each layer's own working set), speculating from the previous layer's input or
     each layer's own: the eager steps' tokens and fetched shares, the same ops every step, and on the CUDA path at
     most 12 ops a speculated layer over full's."""
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models[kind]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     opts = dict(budget=budget, min_budget=0, speculate_from=source)
     eager_cache = ig.make_cache("infinigen", model, **opts)
@@ -91,8 +91,8 @@ def test_static_offload_steps(tiny_models, fake_cuda, monkeypatch):
     """Offload in static steps: each layer's whole pool, up to the reserved tokens, into the working set of its
     parity (the columns past the step's masked): the eager steps' tokens and fetched shares, the same ops every
     step."""
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(40, 33))
     eager_cache = ig.make_cache("offload", model)
     if fake_cuda:
@@ -114,8 +114,8 @@ def test_static_steps_over_int8_rows(tiny_models, method, fake_cuda, budget, mon
     fixed number of slots under a mask, the eager one over exactly the chosen rows, so their float32 sums differ in
     the last bit from the first speculated layer on; int8 rows can turn such a bit into a whole quantization step of
     the next layer's K/V, which moves near-tie selections of these random models.)"""
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     opts = dict(kv_dtype="int8", **(dict(budget=budget, min_budget=0) if method == "infinigen" else {}))
     eager_cache = ig.make_cache(method, model, **opts)
@@ -134,8 +134,8 @@ def test_nothing_is_allocated_after_the_first_step(tiny_models, method, monkeypa
     """After its first step (a graph's warm-up), a static step keeps no memory it did not hold before: every tensor
     reachable from the cache and the decoder (buffers, working sets, masks, accumulators) is the same storage after
     each later step; a step's own tensors do not outlive it (in a CUDA graph they are the graph's memory)."""
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     cache = ig.make_cache(method, model, **({"budget": 0.2, "min_budget": 0} if method == "infinigen" else {}))
     if method != "full":
@@ -184,7 +184,7 @@ def test_generate_runs_static_steps_where_graphs_are_on(tiny_models, monkeypatch
     ids, mask = left_padded_batch(lengths=(30, 22))
     eager = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
     steps = []
-    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)
+    monkeypatch.setattr(static, "graphs_on", lambda model, device, flag=None: flag is not False)
     monkeypatch.setattr(static.StaticDecoder, "forward",
                         lambda self, f=static.StaticDecoder.forward: steps.append(1) or f(self))
     got = ig.generate(model, ids, mask, cache=ig.make_cache("full", model), max_new_tokens=NEW, stop_at_eos=False)
@@ -199,9 +199,9 @@ def test_a_new_budget_between_runs_of_static_steps(tiny_models, monkeypatch):
     cap's per-slot accumulators are folded into the counts, and the fetched share covers both runs."""
     from infinigen_kv.model import static
 
-    monkeypatch.setattr(kernels, "_enabled", False)
-    monkeypatch.setattr(static, "graphs_on", lambda device, flag=None: flag is not False)
+    monkeypatch.setattr(static, "graphs_on", lambda model, device, flag=None: flag is not False)
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids = torch.randint(3, 200, (1, 300 + NEW), generator=torch.Generator().manual_seed(0))
     cache = ig.make_cache("infinigen", model, budget=0.4, min_budget=0)
     cache.reserve(300 + 2 * NEW)
@@ -237,8 +237,8 @@ def test_a_capture_that_fails_decodes_eagerly(tiny_models):
 def test_a_replayed_steps_counts(tiny_models, monkeypatch):
     """What a graph's owner does with the cache's counts (a replay runs no Python): back to where they were before
     the capture's warm-up, device accumulators in place, then one step's host counts added per replay."""
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0)
     tok = prefill(model, ids, mask, cache, NEW).argmax(-1)
@@ -265,12 +265,12 @@ def test_the_partial_channels_reach_the_device_at_prefill(tiny_models, monkeypat
     in: a decode step copies nothing from the host (on a GPU such a copy waits for the device)."""
     from infinigen_kv.methods.infinigen.partial import PartialQuery
 
-    monkeypatch.setattr(kernels, "_enabled", False)
     made = []
     channels_on = PartialQuery.channels_on
     monkeypatch.setattr(PartialQuery, "channels_on",
                         lambda self, device: made.append(device) or channels_on(self, device))
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40))
     cache = ig.make_cache("infinigen", model, budget=0.2, min_budget=0)
     prefill(model, ids, mask, cache, 2)

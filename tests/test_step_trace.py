@@ -6,7 +6,7 @@ import torch
 
 import infinigen_kv as ig
 from conftest import left_padded_batch
-from infinigen_kv.model import kernels
+from infinigen_kv.model import backend
 from infinigen_kv.runtime.generation import prefill
 from infinigen_kv.testing.steptrace import StepTrace, first_difference
 
@@ -34,8 +34,8 @@ def test_the_trace_sees_host_reads_views_and_buffers():
 def test_a_decode_step_reads_nothing_back(tiny_models, method, monkeypatch):
     """A host read (`.item()`, `.tolist()`, `bool(t)`) inside a step is a sync on a GPU, and a step that has one
     cannot be captured: none in a left-padded batch's decode steps."""
-    monkeypatch.setattr(kernels, "_enabled", False)  # the reference backend: what a GPU runs
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
     cache = ig.make_cache(method, model, **({"budget": 0.2, "min_budget": 0} if method == "infinigen" else {}))
     tok = prefill(model, ids, mask, cache, 4).argmax(-1)
@@ -54,8 +54,8 @@ def test_kernels_per_layer_on_the_gpu_path(tiny_models, monkeypatch):
     only comes down: each op is a launch on a GPU, where the eager step is bound by launches)."""
     from conftest import on_fake_cuda
 
-    monkeypatch.setattr(kernels, "_enabled", False)
     model = tiny_models["llama-gqa"]
+    monkeypatch.setattr(model, "backend", backend.reference())  # the reference backend: what a GPU runs
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
     per_layer = {}
     for method in ("full", "offload", "infinigen"):

@@ -50,10 +50,10 @@ def recall(model, arch, prompts, AP, budget):
         k = math.ceil(budget * n)
         for l in range(1, arch.num_layers):
             src = 1 if l == 1 else l - 1  # as the cache: layer 1 from its own input, others one layer ahead
-            K = arch.key(l, X[l], R[l])[0]  # (G, n, d)
-            q = arch.query(l, X[l][:, -1:], last(R[l]))[0].view(G, r, d)
+            K = arch.key(l, X[l], R[l], model.backend)[0]  # (G, n, d)
+            q = arch.query(l, X[l][:, -1:], last(R[l]), model.backend)[0].view(G, r, d)
             p = ((q @ K.transpose(-1, -2)) * arch.score_scale).softmax(-1)  # (G, r, n)
-            qs = arch.query(l, X[src][:, -1:], last(R[src]))[0].view(G, r, d)
+            qs = arch.query(l, X[src][:, -1:], last(R[src]), model.backend)[0].view(G, r, d)
             s = (qs @ AP[l]) @ (K @ AP[l]).transpose(-1, -2)
             rel = (s - s.amax(-1, keepdim=True)).amax(1)  # (G, n)
             idx = rel.topk(k, -1).indices

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from infinigen_kv.methods import h2o
+from infinigen_kv.model import backend
 
 SHAPES = {"gemma3-270m": (4, 1, 256), "qwen2.5-0.5b": (14, 2, 64)}  # query heads, KV heads, head dim
 
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    BACKEND = backend.build("cpu")
     torch.manual_seed(0)
     T, long_past = args.chunk, h2o.LONG_PAST
     for name, (H, G, d) in SHAPES.items():
@@ -43,7 +45,7 @@ def main() -> None:
                 h2o.LONG_PAST = long_past if kernel else n  # the float32 path where the past is "short"
                 layer = h2o.H2OLayer.__new__(h2o.H2OLayer)
                 layer.window, layer.score = None, SimpleNamespace(data=torch.zeros(1, G, n, 1))
-                layer.add_prefill_scores(q, k, None, d**-0.5)
+                layer.add_prefill_scores(q, k, None, d**-0.5, BACKEND)
                 sums[kernel] = layer.score.data[0, :, :, 0]
 
             slow, fast = best(lambda: run(False), args.repeats), best(lambda: run(True), args.repeats)

@@ -117,10 +117,9 @@ def dense_attend_ab(old, new, args, layers: int = 24):
     q = torch.randn(B, G, r, d, generator=g)
 
     def step(kern):
-        return [kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32) for K, V in pools]
+        # (pairs_upto 0: the widened rows' float32 products, whatever the machine's bfloat16 pairs would serve)
+        return [kern.attend(q, K, V, None, None, None, -1, None, n, d**-0.5, torch.float32, 0) for K, V in pools]
 
-    for kern in (old, new):  # the widened rows' float32 products, whatever the machine's bfloat16 pairs would serve
-        kern.set_attend_pairs_upto(0)
     med = alternated([lambda: step(old), lambda: step(new)], args.rounds)
     close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(step(old), step(new)))
     report(f"attend, B{B} x {n}, the whole past (bfloat16 rows, 2 x 7 heads)", args.rev, med,

@@ -103,7 +103,7 @@ def main():
         torch.set_num_threads(args.threads)
     if not set(args.kv_dtype.split(",")) <= {"float32", "bfloat16"}:
         ap.error(f"--kv-dtype: float32 and/or bfloat16, got {args.kv_dtype!r}")
-    kern = kernels.cpu()
+    kern = kernels.library()
     if kern is None:
         raise SystemExit("kernel_bench: the CPU kernels are not built here")
     shape = f"{args.batch} row(s)" if args.kernel == "linear" else f"B{args.batch} x {args.prompt_len}"

@@ -10,7 +10,7 @@ from torch.utils.cpp_extension import load
 from infinigen_kv.model import int4_rows, int5_rows, kernels
 from infinigen_kv.model.kernels import _FLAGS, _SOURCES
 
-native = kernels.cpu()
+native = kernels.library()
 torch.manual_seed(0)
 cases = []
 for out, inn in [(37, 576), (48, 64), (1152, 896), (5, 96)]:

@@ -28,10 +28,10 @@ def main() -> None:
     model, tok = load_model(args.model, weights=args.weights)
     text = open(args.data, encoding="utf-8").read()[: 200 * args.window * args.windows]
     ids = torch.tensor(tok(text)["input_ids"])
-    base = backend.cpu()
+    base = model.backend
     results: dict = {}
     for on in (False, True, False, True):
-        backend._chosen[("cpu", True)] = dataclasses.replace(base, bf16_products=on)
+        model.backend = dataclasses.replace(base, bf16_products=on)
         ppl, seconds = window_perplexity(model, ids, args.window, args.windows)
         results.setdefault(on, []).append((ppl, args.windows * args.window / seconds))
     for on, runs in results.items():

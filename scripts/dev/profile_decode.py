@@ -66,7 +66,7 @@ def main():
     timed(cache_mod.InfiniGenCache, "partial_query", "  partial query")
     timed(selection_mod, "approx_scores", "  approximate scores (PyTorch path)")
     timed(selection_mod, "select", "  selection (PyTorch path)")
-    kern = kernels.cpu()
+    kern = kernels.library()
     if kern is not None:  # the compiled module's functions, wrapped on a stand-in object
         kernels._module = types.SimpleNamespace(**{k: getattr(kern, k) for k in dir(kern) if not k.startswith("_")})
         timed(kernels._module, "speculate", "  speculate kernel (scores, count, selection)")

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from infinigen_kv.model import ops
+from infinigen_kv.model import backend, ops
 
 SHAPES = {"0.5b": (24, 896, 128, 4864), "1.5b": (28, 1536, 256, 8960)}  # layers, hidden, K+V out, intermediate
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,6 +31,7 @@ nbytes = {k: layers[0][k].numel() * layers[0][k].element_size() * L for k in sha
 nbytes["head"] = head.numel() * head.element_size()
 x = torch.randn(args.rows, H)
 xf = torch.randn(args.rows, F)
+BACKEND = backend.build("cpu")  # the machine's kernels and products
 times = {k: [] for k in nbytes}
 totals = []
 for s in range(args.steps + 2):
@@ -39,10 +40,10 @@ for s in range(args.steps + 2):
     for l in range(L):
         for k in shapes:
             a = time.perf_counter()
-            ops.linear(xf if k == "down" else x, layers[l][k])
+            ops.linear(xf if k == "down" else x, layers[l][k], None, BACKEND)
             t[k] += time.perf_counter() - a
     a = time.perf_counter()
-    ops.linear(x, head, bf16=False)
+    ops.linear(x, head, None, BACKEND, bf16=False)
     t["head"] += time.perf_counter() - a
     totals.append(time.perf_counter() - t0)
     if s >= 2:

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from infinigen_kv.model import kernels
+from infinigen_kv.model import backend
 from infinigen_kv.testing import tiny_model
 from infinigen_kv.testing.steptrace import run, run_static
 
@@ -30,8 +30,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.1)
     args = ap.parse_args()
 
-    kernels._enabled = False  # the reference backend: the PyTorch code a GPU runs
-    model = tiny_model(args.model)
+    model = tiny_model(args.model, backend=backend.reference())  # the PyTorch code a GPU runs
     ids = torch.randint(3, 200, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     rows = {m: run(model, m, ids, args.budget) for m in ("full", "offload", "infinigen")}
     for m in ("full", "offload", "infinigen"):

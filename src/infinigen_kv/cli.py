@@ -78,7 +78,7 @@ def _add_model_args(p):
                    "see the README, 'CPU decode path')")
     p.add_argument("--device-map", default=None, help="auto: the layers placed across the GPUs, layer by layer (default: none, one device)")
     p.add_argument("--no-cuda-graph", action="store_true",
-                   help="CUDA: decode eagerly, not as one replayed CUDA graph a step (the same as INFINIGEN_CUDA_GRAPH=0)")
+                   help="CUDA: decode eagerly, not as one replayed CUDA graph a step")
 
 
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):
@@ -377,8 +377,6 @@ def main(argv=None) -> int:
     else:
         handler = handlers[args.command]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if getattr(args, "no_cuda_graph", False):
-        os.environ["INFINIGEN_CUDA_GRAPH"] = "0"  # every decode loop of this process (generate, bench, serve)
     _quiet_transformers()
     try:
         result = handler(args)

@@ -35,12 +35,11 @@ def _load(args, say: bool = True):
     """The model and tokenizer the arguments name; say: one line on stderr when loaded, with how its weights are held
     (after any one-time conversion's, before any calibration's)."""
     from .model.load import held_summary, load_model
-    from .runtime.threads import set_threads
 
-    set_threads(getattr(args, "threads", None))
     start = time.perf_counter()
     model, tok = load_model(args.model, args.device, args.dtype, getattr(args, "device_map", None),
-                            weights=getattr(args, "weights", None))
+                            weights=getattr(args, "weights", None), threads=getattr(args, "threads", None),
+                            cuda_graph=not getattr(args, "no_cuda_graph", False))
     if say:
         print(f"infinigen: loaded {args.model or DEFAULT_MODEL} in {time.perf_counter() - start:.2f} s "
               f"({held_summary(model)})", file=sys.stderr, flush=True)
@@ -186,12 +185,10 @@ def cmd_bench_accuracy(args) -> dict:
 def cmd_bench_speed(args) -> dict:
     from .bench.speed import machine_info, run_speed
     from .model.load import resolve_device
-    from .runtime.threads import set_threads
 
     methods = _methods(args)
     if args.data is not None and not Path(args.data).exists():
         raise CLIError(f"--data path not found: {args.data}")
-    set_threads(args.threads)
     machine = machine_info(resolve_device(args.device))  # before the model: its probe buffer is not in the peak RSS
     model, tok = _load(args, say=False)
     return run_speed(model, tok, methods, args.batch, args.prompt_len, args.new_tokens, args.repeats,
@@ -253,7 +250,7 @@ def _serve_ray(args, model_id: str, aliases: tuple, options: dict, engine_args: 
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     app = ray_app.application(
         args.replicas, {"name": args.model, "device": args.device, "dtype": args.dtype, "device_map": args.device_map,
-                        "weights": args.weights},
+                        "weights": args.weights, "cuda_graph": not args.no_cuda_graph},
         args.method, options, engine_args,
         {"model_id": model_id, "aliases": aliases, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
          "max_tokens_limit": args.max_tokens_limit},

@@ -39,7 +39,7 @@ class TeeLayer(LogicalLayer):
         view = min(views, key=lambda v: v.offset)
         return dataclasses.replace(view, scores=self if self.needs_probs else None)
 
-    def add_prefill_scores(self, query, key, attention_mask, scaling) -> None:
+    def add_prefill_scores(self, query, key, attention_mask, scaling, backend) -> None:
         """Each scoring cache's column sums, computed once a kind of layer (H2O at three budgets scores the same
         prompt with the same keys and mask: one scoring, not three)."""
         sums = {}
@@ -47,7 +47,7 @@ class TeeLayer(LogicalLayer):
             if layer.needs_probs:
                 kind = type(layer)
                 if kind not in sums:
-                    sums[kind] = layer.prefill_column_sums(query, key, attention_mask, scaling)
+                    sums[kind] = layer.prefill_column_sums(query, key, attention_mask, scaling, backend)
                 layer.add_column_sums(sums[kind])
 
     def get_seq_length(self) -> int:

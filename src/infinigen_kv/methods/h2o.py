@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET
-from ..model import backend as backends
 from ..model.attention import LONG_PAST
 from .evicting import EvictingCache, EvictingLayer
 
@@ -25,22 +24,22 @@ class H2OLayer(EvictingLayer):
         return scores.masked_fill(is_recent, float("inf"))  # recent first, then heavy hitters
 
     @torch.no_grad()
-    def add_prefill_scores(self, query, key, attention_mask, scaling) -> None:
+    def add_prefill_scores(self, query, key, attention_mask, scaling, backend) -> None:
         """Accumulated attention of every prefill query (B, H, T, d) on every key (B, G, n, d)."""
-        self.add_column_sums(self.prefill_column_sums(query, key, attention_mask, scaling))
+        self.add_column_sums(self.prefill_column_sums(query, key, attention_mask, scaling, backend))
 
     def add_column_sums(self, sums) -> None:
         """sums (B, G, n): attention the first n keys received (a TeeCache computes them once for every H2O cache
         in it: the same prompt, keys and mask at every budget)."""
         self.score.data[:, :, : sums.shape[-1], 0] += sums
 
-    def prefill_column_sums(self, query, key, attention_mask, scaling) -> torch.Tensor:
+    def prefill_column_sums(self, query, key, attention_mask, scaling, backend) -> torch.Tensor:
         """The attention each key received from the chunk's queries, summed over a group's heads (B, G, n): a
         chunk of queries at a time, each over the keys it may see (causal: those up to its last query, half the
         work of all n; on a sliding-window layer only those from its first query's window on)."""
         B, H, T, d = query.shape
         G, n = key.shape[1], key.shape[2]
-        if (sums := self._kernel_sums(query, key, attention_mask, scaling)) is not None:
+        if (sums := self._kernel_sums(query, key, attention_mask, scaling, backend)) is not None:
             return sums
         r = H // G
         q = (query.float() * scaling).reshape(B, G, r, T, d)
@@ -62,7 +61,7 @@ class H2OLayer(EvictingLayer):
             total[..., lo:end] += p.sum(dim=(2, 3))
         return total
 
-    def _kernel_sums(self, query, key, attention_mask, scaling):
+    def _kernel_sums(self, query, key, attention_mask, scaling, backend):
         """The column sums (B, G, n) by the CPU kernel (kernels/prefill.cpp: two passes of bfloat16 products, 2-3x
         the float32 path at 8k-32k) where the layer's attention runs in those same products: a chunk over a past
         of LONG_PAST keys or more, causal (no window, and the mask, the model's for a chunk over a past, has the
@@ -72,8 +71,7 @@ class H2OLayer(EvictingLayer):
             return None
         if attention_mask is not None and not bool(attention_mask[:, :, -1, :n].all()):
             return None
-        backend = backends.cpu()
-        if not backend.bf16_attention or query.dtype != torch.float32:
+        if backend is None or not backend.bf16_attention or query.dtype != torch.float32:
             return None
         ops = backend.ops
         return torch.stack([ops.prefill_column_sums(query[b].transpose(0, 1), key[b].contiguous(), float(scaling))

@@ -48,13 +48,13 @@ class Arch:
         """r: query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
-    def query(self, layer: int, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+    def query(self, layer: int, x: torch.Tensor, rope: tuple | None, backend) -> torch.Tensor:
         """Queries of `layer` for inputs x (B, T, D), exactly as attention gets them: (B, H, T, d)."""
-        return self.attns[layer].query(x, rope)
+        return self.attns[layer].query(x, rope, backend)
 
-    def key(self, layer: int, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+    def key(self, layer: int, x: torch.Tensor, rope: tuple | None, backend) -> torch.Tensor:
         """Keys of `layer` for inputs x (B, T, D), as the cache stores them (after RoPE): (B, G, T, d)."""
-        return self.attns[layer].key(x, rope)
+        return self.attns[layer].key(x, rope, backend)
 
 
 _ARCHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its Arch, made once

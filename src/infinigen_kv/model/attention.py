@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import backend as backends
 from .decode_attention import decode_attention
 from .kv import KVView, from_rows
 
@@ -24,29 +23,31 @@ GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 LONG_PAST = 1024  # keys before a prompt chunk from which a CPU row attends in bfloat16 products (_over_long_past)
 
 
-def attend_layer(cache, i: int, q, k, v, mask, scaling: float, window, fetch, at=None) -> torch.Tensor:
+def attend_layer(cache, i: int, q, k, v, mask, scaling: float, window, fetch, backend, at=None) -> torch.Tensor:
     """Layer i's new q (B, H, T, d), k, v (B, G, T, d) through the cache: its layer's view (which stores k, v;
     fetch: what an earlier layer's before_attention started for it; at: a static step's device column), attention
-    over it, and the recall diagnostic where the cache tracks it. -> (B, T, H, d)"""
+    over it (backend: the step's), and the recall diagnostic where the cache tracks it. -> (B, T, H, d)"""
     layer = cache.layers[i]
     view = layer.view(k, v, fetch) if at is None else layer.view(k, v, fetch, at)
-    out, _ = attend(q, view, mask, scaling, window)
+    out, _ = attend(q, view, mask, scaling, backend, window)
     if view.selected and cache.track_recall:
         B, H, _, d = q.shape
         cache.record_recall(i, q.reshape(B, view.keys.shape[1], -1, d), view, mask, scaling)
     return out
 
 
-def attend(query, view: KVView, attention_mask, scaling, window=None):
+def attend(query, view: KVView, attention_mask, scaling, backend, window=None):
     """query (B, H, q, d) over a cache layer's view, under the layer's mask (B, 1, q, k) bool or None (causal);
-    window: the layer's sliding window. Returns (B, q, H, d) and no weights."""
+    backend: what runs it (model/backend.py; None: PyTorch's ops); window: the layer's sliding window. Returns
+    (B, q, H, d) and no weights."""
     if query.is_cuda:
         with sdpa_kernel(GPU_SDPA):
-            return _attention(query, view, attention_mask, scaling, window)
-    return _attention(query, view, attention_mask, scaling, window)
+            return _attention(query, view, attention_mask, scaling, window, None)
+    return _attention(query, view, attention_mask, scaling, window, backend)
 
 
-def _attention(query, view: KVView, attention_mask, scaling, window):
+def _attention(query, view: KVView, attention_mask, scaling, window, backend):
+    kern = backend.ops if backend is not None else None  # (None on a GPU)
     key, value = view.keys, view.values
     B, H, T, d = query.shape
     G = key.shape[1]
@@ -54,7 +55,7 @@ def _attention(query, view: KVView, attention_mask, scaling, window):
         if view.offset and attention_mask is not None:  # a sliding window's buffers begin at that position
             attention_mask = attention_mask[..., view.offset : view.offset + key.shape[2]]
         if T == 1 and view.buffers is not None:
-            out = _dense_kernel(view, query, attention_mask, scaling)
+            out = _dense_kernel(view, query, attention_mask, scaling, backend)
             if out is not None:
                 return out, None
         if T == 1 and split_decode(query):  # split over the keys
@@ -63,23 +64,23 @@ def _attention(query, view: KVView, attention_mask, scaling, window):
             return out.reshape(B, 1, H, d), None
         if view.scores is not None and T > 1:  # H2O scores the prefill (bfloat16 rows read as they are)
             view.scores.add_prefill_scores(query, key if key.dtype != torch.int8 else from_rows(key, query.dtype),
-                                           attention_mask, scaling)
+                                           attention_mask, scaling, backend)
         reach = T + (window or key.shape[2]) - 1
         if T > 1 and key.shape[2] > reach:  # a window layer's prompt chunk over a past: the keys in its reach, the
             key, value = key[:, :, -reach:], value[:, :, -reach:]  # same whatever the cache keeps (a tee's first)
             attention_mask = attention_mask[..., -reach:] if attention_mask is not None else None
         # the stored rows as they are: a chunk over a long past is read by the CPU kernel without a float32 copy
         # of the whole past (2 KB a token a layer on Gemma 3, 1 KB on the 0.5B: a 32k prefill's peak memory)
-        if T > 1 and (out := _prefill_by_row(query, key, value, attention_mask, scaling, window)) is not None:
+        if T > 1 and (out := _prefill_by_row(query, key, value, attention_mask, scaling, window, backend)) is not None:
             return out, None
         key, value = _computed(query, key, value)
         return sdpa(query, key, value, attention_mask, scaling), None
     q = query.reshape(B, G, H // G, d)  # one decode token: the r heads of a group act as r queries
     if view.chosen is not None:  # the chosen rows, read where they lie in the pool (CPU kernel)
         idx, count, new = view.chosen
-        out = backends.for_device(key.device).ops.attend(q.float().contiguous(), key, value, idx, count,
-                                   new if isinstance(new, torch.Tensor) else None,
-                                   new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype)
+        out = kern.attend(q.float().contiguous(), key, value, idx, count, new if isinstance(new, torch.Tensor) else None,
+                          new if isinstance(new, int) else -1, None, 0, _scale(scaling, d), query.dtype,
+                          backend.attend_pairs_upto)
     elif view.scores is not None:  # H2O accumulates the weights: explicit softmax
         key, value = _computed(query, key, value)
         s = torch.matmul(q, key.transpose(-1, -2)) * scaling  # (B, G, r, m)
@@ -88,13 +89,13 @@ def _attention(query, view: KVView, attention_mask, scaling, window):
         return torch.matmul(p.to(value.dtype), value).reshape(B, 1, H, d), None
     elif split_decode(query):  # int8 rows crossed to the device as they are stored, and are read where they lie
         out = decode_attention(q, key, value, view.mask, _scale(scaling, d))  # (B, G, r, d)
-    elif (kern := backends.for_device(key.device).ops) is not None and key.is_contiguous() and value.is_contiguous():
+    elif kern is not None and key.is_cpu and key.is_contiguous() and value.is_contiguous():
         # a gathered working set (B, G, m, d) on CPU: the kernel's dense pass, as over a whole cache (offload's,
         # whose rows lie in the full cache's order, then gets the full cache's bits)
         m = key.shape[2]
         keep = None if view.mask is None else view.mask.reshape(B, -1, m).contiguous()
         out = kern.attend(q.float().contiguous(), key, value, None, None, None, -1, keep, m, _scale(scaling, d),
-                          query.dtype)
+                          query.dtype, backend.attend_pairs_upto)
     else:
         key, value = _computed(query, key, value)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=view.mask, scale=scaling)  # (B, G, r, d)
@@ -144,7 +145,7 @@ def _scale(scaling, d: int) -> float:
     return float(scaling) if scaling is not None else d**-0.5
 
 
-def _dense_kernel(view: KVView, query, attention_mask, scaling):
+def _dense_kernel(view: KVView, query, attention_mask, scaling, backend):
     """A decode query over a whole CPU cache (full, InfiniGen's dense layer 0) with the CPU kernel, reading the
     view's buffers in place; None when the kernel does not apply (other device, no kernel, keys not a prefix of
     the buffers)."""
@@ -154,7 +155,7 @@ def _dense_kernel(view: KVView, query, attention_mask, scaling):
     if (query.device.type != "cpu" or buf_k.device.type != "cpu" or key.data_ptr() != buf_k.data_ptr()
             or key.stride() != buf_k.stride() or not buf_k.is_contiguous()):
         return None
-    kern = backends.for_device(query.device).ops
+    kern = backend.ops if backend is not None else None
     if kern is None:
         return None
     B, H, _, d = query.shape
@@ -164,11 +165,12 @@ def _dense_kernel(view: KVView, query, attention_mask, scaling):
         m = attention_mask[:, :, -1:, :n]  # (B, 1, 1, n)
         keep = (m if m.dtype == torch.bool else m == 0).reshape(B, 1, n).contiguous()
     q = query.reshape(B, G, H // G, d).float().contiguous()
-    out = kern.attend(q, buf_k, buf_v, None, None, None, -1, keep, n, _scale(scaling, d), query.dtype)
+    out = kern.attend(q, buf_k, buf_v, None, None, None, -1, keep, n, _scale(scaling, d), query.dtype,
+                      backend.attend_pairs_upto)
     return out.reshape(B, 1, H, d)
 
 
-def _prefill_by_row(query, key, value, attention_mask, scaling, window):
+def _prefill_by_row(query, key, value, attention_mask, scaling, window, backend):
     """A prompt chunk of a left-padded batch, row by row over each row's own tokens, exactly as the row alone is
     computed: SDPA's blocking follows the padded length, so a row's numbers (and near-tie selections) would depend
     on its batch-mates. Without a past, a row longer than the layer's sliding window attends inside it block by
@@ -191,7 +193,7 @@ def _prefill_by_row(query, key, value, attention_mask, scaling, window):
         if s == T:  # all padding (a chunk before the row's first token)
             continue
         row = [query[b : b + 1, :, s:].contiguous()] + [t[b : b + 1, :, k0:] for t in (key, value)]
-        if k0 < past + s and (long := _over_long_past(*row, scaling)) is not None:  # the row's own past: its keys
+        if k0 < past + s and (long := _over_long_past(*row, scaling, backend)) is not None:  # the row's own past: its keys
             out[b, s:] = long  # under the model's mask, as the row alone has them (in bfloat16 products)
             continue
         row[1:] = [t.contiguous() for t in _computed(query, *row[1:])]
@@ -204,7 +206,7 @@ def _prefill_by_row(query, key, value, attention_mask, scaling, window):
     return out
 
 
-def _over_long_past(query, key, value, scaling):
+def _over_long_past(query, key, value, scaling, backend):
     """One row's chunk query (1, H, T, d) over its keys (1, G, S, d) (float32 or bfloat16 rows), the last T its own
     (causal: the model's mask of a left-padded row once its padding is cut), in the CPU kernel of bfloat16 products
     (kernels/prefill.cpp) where the past is long (LONG_PAST keys or more: there it is most of a prefill's arithmetic;
@@ -214,8 +216,7 @@ def _over_long_past(query, key, value, scaling):
     if (query.is_cuda or key.shape[2] - T < LONG_PAST or d % 64 or query.dtype != torch.float32
             or key.dtype not in (torch.float32, torch.bfloat16)):
         return None
-    backend = backends.cpu()
-    if not backend.bf16_attention:
+    if backend is None or not backend.bf16_attention:
         return None
     return backend.ops.prefill_attend(query[0].transpose(0, 1), key[0].contiguous(), value[0].contiguous(),
                                       _scale(scaling, d))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backend as backends
+from .kernels import library
 
 GROUP = 32
 TILE = 16  # rows a tile
@@ -128,7 +128,7 @@ def unpacked(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     kernel where built, for float32 and bfloat16: the same bits)."""
     *lead, w = rows.shape
     n = dim(w)
-    if dtype in (torch.float32, torch.bfloat16) and (kern := backends.for_device(rows.device).ops) is not None:
+    if dtype in (torch.float32, torch.bfloat16) and (kern := library() if rows.is_cpu else None) is not None:
         return kern.dequantize_q4_rows(rows.contiguous(), n, dtype == torch.bfloat16)
     return reference_unpacked(rows, dtype)
 

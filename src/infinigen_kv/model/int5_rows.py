@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from . import backend as backends
+from .kernels import library
 from . import int4_rows
 
 GROUP = int4_rows.GROUP
@@ -109,7 +109,7 @@ def unpacked(held: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     """The held form (..., width(in)) -> the values it holds (..., in) in `dtype` (the CPU kernel where built, for
     float32 and bfloat16: the same bits)."""
     n = dim(held.shape[-1])
-    if dtype in (torch.float32, torch.bfloat16) and (kern := backends.for_device(held.device).ops) is not None:
+    if dtype in (torch.float32, torch.bfloat16) and (kern := library() if held.is_cpu else None) is not None:
         return kern.dequantize_q5_tiles(held.contiguous(), n, dtype == torch.bfloat16)
     return reference_unpacked(held, dtype)
 

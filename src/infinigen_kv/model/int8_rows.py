@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backend as backends
+from .kernels import library
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +28,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(x: torch.Tensor) -> torch.Tensor:
     """Rows x (..., w) -> stored rows (..., w + 4) int8 (the CPU kernel where it serves, else PyTorch)."""
     x = x.float()
-    kern = backends.for_device(x.device).ops
+    kern = library() if x.is_cpu else None  # (the same bits either way)
     if kern is not None:
         return kern.quantize_rows(x.contiguous())
     values, scale = quantize(x)
@@ -62,7 +62,7 @@ def kv_dim(width: int) -> int:
 def pack_kv(x: torch.Tensor) -> torch.Tensor:
     """K/V values x (..., d) -> stored rows (..., kv_width(d)) int8 (the CPU kernel where it serves, else PyTorch)."""
     x = x.float()
-    kern = backends.for_device(x.device).ops
+    kern = library() if x.is_cpu else None  # (the same bits either way)
     if kern is not None:
         return kern.quantize_kv_rows(x.contiguous())
     *lead, d = x.shape
@@ -78,7 +78,7 @@ def unpacked_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored K/V rows (..., kv_width(d)) int8 -> the values they hold (..., d) in `dtype`."""
     *lead, w = rows.shape
     d = kv_dim(w)
-    kern = backends.for_device(rows.device).ops
+    kern = library() if rows.is_cpu else None  # (the same bits either way)
     if kern is not None:  # (float32 values, then rounded to dtype: the PyTorch path's bits)
         out = kern.dequantize_kv_rows(rows.contiguous(), d)
         return out if dtype == torch.float32 else out.to(dtype)

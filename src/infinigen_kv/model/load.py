@@ -72,14 +72,14 @@ def resolve_device(device: str | None) -> torch.device:
 BF16_WEIGHTS = "bf16-weights"  # float32 compute, linear and embedding weights held in bfloat16 (CPU)
 
 
-def bf16_weights(dtype: str | torch.dtype | None, device: torch.device) -> bool:
+def bf16_weights(dtype: str | torch.dtype | None, backend) -> bool:
     """Whether the model runs with weight-only bfloat16 (BF16_WEIGHTS): asked for, or the CPU default where
-    the kernels that read the bfloat16 copy are available. On the dev machine it decodes 1.2x faster than
+    the kernels that read the bfloat16 copy run (backend.kernels). On the dev machine it decodes 1.2x faster than
     float32 at batch 4 and moves decode-mode perplexity by 0.02% (docs/BENCHMARKS.md); `dtype="float32"`
     keeps everything in float32."""
     if dtype == BF16_WEIGHTS:
         return True
-    return dtype in (None, "", "auto") and backends.for_device(device).name == "cpu-kernels"
+    return dtype in (None, "", "auto") and backend.device_type == "cpu" and backend.kernels
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -185,7 +185,8 @@ def held_summary(model) -> str:
 
 
 def load_model(name: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-               device_map: str | dict | None = None, weights: str | None = None):
+               device_map: str | dict | None = None, weights: str | None = None, *, threads: int | None = None,
+               cuda_graph: bool = True, kernels: bool | None = None, backend: backends.Backend | None = None):
     """(model, tokenizer): our model (transformer.Transformer) of a checkpoint. On CPU: a GGUF's weights held at the
     file's precision (each tensor as from_gguf says: Q4 as int4 rows, Q5 as int5 rows, Q6_K and Q8_0 as int8 rows,
     float ones in bfloat16), a checkpoint directory's in bfloat16 (BF16_WEIGHTS), float32 compute; on CUDA everything
@@ -194,12 +195,22 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     int4). Each tensor is read from the checkpoint into its held form, and the held form mapped from the user cache
     at later loads. `device_map` ("auto", or {layer name: device}) places the layers across GPUs
     (transformer.place); the InfiniGen cache then keeps each layer's partial keys and working set on that layer's
-    device. What loading frees goes back to the OS at once (heap.mapped)."""
+    device. What loading frees goes back to the OS at once (heap.mapped).
+
+    The model's backend (model.backend: what runs its operations, passed down in every step) is built here once:
+    `backend` as given, else backend.build for the device from threads (a fixed count; None: decode steps follow the
+    machine's load), cuda_graph (CUDA: one graph a decode step) and kernels (CPU: the compiled kernels; None: where
+    built, unless INFINIGEN_KERNELS=0)."""
+    dev = resolve_device(device)
+    if backend is None:
+        backend = backends.build(dev, kernels=kernels, threads=threads, cuda_graph=cuda_graph)
     with heap.mapped():
-        return _load(name, device, dtype, device_map, weights)
+        model, tokenizer = _load(name, dev, dtype, device_map, weights, backend)
+    model.backend = backend
+    return model, tokenizer
 
 
-def _held(dev, dtype, device_map, weights, gguf: bool = False) -> tuple:
+def _held(dev, dtype, device_map, weights, backend, gguf: bool = False) -> tuple:
     """(how the weights are held: None, "file" (a GGUF's own precision), "bfloat16", "int8", "int5" or "int4"; the
     compute dtype) for the options given."""
     if weights not in (None, *WEIGHTS):
@@ -211,19 +222,18 @@ def _held(dev, dtype, device_map, weights, gguf: bool = False) -> tuple:
             raise ModelLoadError(f"{weights} weights run on CPU, in float32 compute: drop --device, --device-map and "
                                  "--dtype")
         return weights, torch.float32
-    if dev.type == "cpu" and device_map is None and (bf16_weights(dtype, dev) or weights == "bfloat16"):
+    if dev.type == "cpu" and device_map is None and (bf16_weights(dtype, backend) or weights == "bfloat16"):
         if gguf and weights is None and dtype in (None, "", "auto"):
             return "file", torch.float32
         return "bfloat16", torch.float32
     return None, resolve_dtype(dtype, dev)
 
 
-def _load(name, device, dtype, device_map, weights):
-    dev = resolve_device(device)
+def _load(name, dev, dtype, device_map, weights, backend):
     source = resolve_source(name)
     if source.endswith(".gguf"):
-        return _load_gguf(name, Path(source), dev, dtype, device_map, weights)
-    held, dt = _held(dev, dtype, device_map, weights)
+        return _load_gguf(name, Path(source), dev, dtype, device_map, weights, backend)
+    held, dt = _held(dev, dtype, device_map, weights, backend)
     local = local_checkpoint(source)
     if local is None and hub_reachable():
         local = download(source)
@@ -245,7 +255,7 @@ def _load(name, device, dtype, device_map, weights):
     try:
         tokenizer = load_tokenizer(local)
         with torch.device(dev if device_map is None else "cpu"):
-            model = Transformer(args, held, dt, source=str(local), checkpoint=checkpoint_id(files))
+            model = Transformer(args, held, dt, source=str(local), checkpoint=checkpoint_id(files), backend=backend)
         load_files(model, files)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
@@ -254,13 +264,13 @@ def _load(name, device, dtype, device_map, weights):
     return model.eval(), tokenizer
 
 
-def _load_gguf(name, path: Path, dev, dtype, device_map, weights):
+def _load_gguf(name, path: Path, dev, dtype, device_map, weights, backend):
     """A GGUF read as it lies (from_gguf.py): held at its own precision on CPU by default."""
     from . import from_gguf
     from .gguf import GGUFError
     from .gguf_tokenizer import GGUFTokenizerError
 
-    held, dt = _held(dev, dtype, device_map, weights, gguf=True)
+    held, dt = _held(dev, dtype, device_map, weights, backend, gguf=True)
     try:
         model, folder = from_gguf.load(path, dev if device_map is None else torch.device("cpu"),
                                        None if held == "file" else held, dt, held is not None)

@@ -1,6 +1,7 @@
 """The operations our model classes (transformer.py) run, on weights as they are held: float32, bfloat16 (weight-only,
 float32 compute on CPU) or int8 rows (model/int8_rows.py, llama.cpp's q8_0 layout). The path is chosen per call from
-the input's shape and the weight's dtype, never from state set elsewhere:
+the input's shape, the weight's dtype and the backend passed in (model/backend.py; None: PyTorch's ops), never from
+state set elsewhere:
 
 - a few rows (a decode step of a batch) on CPU: the `linear` kernel, one streamed read of each weight row for every
   row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH); a
@@ -16,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import backend as backends
 from . import int4_rows, int5_rows, int8_rows
 
 PREFILL_ROWS = 128  # a prompt chunk's rows a CPU GEMM call: MKL's sgemm picks its blocking by the row count (at 1,536
@@ -25,16 +25,6 @@ PREFILL_ROWS = 128  # a prompt chunk's rows a CPU GEMM call: MKL's sgemm picks i
 SMALL_BATCH = 32  # rows up to which W x^T beats x W^T (measured: batch 2-32), and the kernel a held weight
 KERNEL_ROWS = 8  # rows up to which the `linear` kernel beats the BLAS on float32 weights
 CONVERT_ELEMENTS = 1 << 22  # most weight elements converted to float32 at once: 16 MB, under the heap's mapping threshold (heap.py: larger temporaries are mapped and faulted in afresh at every call)
-
-
-_CPU = []  # the CPU kernels module (or None), asked once: linear and rms_norm run ~180 times a decode step
-
-
-def cpu_kernels():
-    """The compiled CPU kernels, or None (model/backend.py chooses once per process)."""
-    if not _CPU:
-        _CPU.append(backends.cpu().ops)
-    return _CPU[0]
 
 
 def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,7 +62,7 @@ def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, bf16: bool = True) -> torch.Tensor:
+def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, backend, bf16: bool = True) -> torch.Tensor:
     """x2 (rows, in) of a prompt chunk by the BLAS, on CPU in GEMM calls of exactly PREFILL_ROWS rows (the last
     padded with zeros): the BLAS chooses its blocking (and so a row's bits) by the rows of a call, so a prompt alone
     and in a batch, or cut in other chunks, would differ. A weight held in bfloat16 or int8 rows multiplies in
@@ -83,8 +73,8 @@ def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, bf16: bool = True) 
     if rows % PREFILL_ROWS:
         padded = x2.new_zeros(-(-rows // PREFILL_ROWS) * PREFILL_ROWS, x2.shape[1])
         padded[:rows] = x2
-        return _prefill_linear(padded, w, bias, bf16)[:rows]
-    if bf16 and w.dtype != x2.dtype and x2.dtype == torch.float32 and backends.cpu().bf16_products:
+        return _prefill_linear(padded, w, bias, backend, bf16)[:rows]
+    if bf16 and w.dtype != x2.dtype and x2.dtype == torch.float32 and backend is not None and backend.bf16_products:
         return bf16_linear(x2, w, bias)
     return converted_linear(x2, w, bias, PREFILL_ROWS)
 
@@ -97,10 +87,10 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
     return y + bias if bias is not None else y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, prefill: bool = False,
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, backend, prefill: bool = False,
            residual: torch.Tensor | None = None, bf16: bool = True) -> torch.Tensor:
     """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16 or int8
-    rows). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
+    rows); backend: the model's (None: PyTorch's ops). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
     the kernel where it reads the weight faster than the BLAS. Runs ~120 times a decode step: the kernel's case
     is checked first, with as few tensor calls as it needs. A weight held in bfloat16 multiplies x rounded to
     bfloat16 where the CPU does so natively (backend.bf16_products), a prompt chunk's and a decode step's alike;
@@ -108,17 +98,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
     if not prefill and x.is_cpu and x.dtype == torch.float32:
         shape = x.shape
         rows = x.numel() // shape[-1]
-        kern = cpu_kernels()
+        kern = backend.ops if backend is not None else None
         if kern is not None and 0 < rows <= (SMALL_BATCH if w.dtype != torch.float32 else KERNEL_ROWS):
             x2 = x.view(rows, shape[-1]) if x.is_contiguous() else x.reshape(rows, shape[-1]).contiguous()
-            products = bf16 and backends.cpu().bf16_products  # (a bfloat16 weight's only)
+            products = bf16 and backend.bf16_products  # (a bfloat16 weight's only)
             if residual is None:
                 return kern.linear(x2, w, bias, None, products).view(*shape[:-1], -1)
             return kern.linear(x2, w, bias, residual.view(rows, -1), products).view(*shape[:-1], -1)
-    return _linear(x, w, bias, prefill, residual, bf16)
+    return _linear(x, w, bias, backend, prefill, residual, bf16)
 
 
-def _linear(x, w, bias, prefill, residual, bf16=True) -> torch.Tensor:
+def _linear(x, w, bias, backend, prefill, residual, bf16=True) -> torch.Tensor:
     """linear's BLAS paths: a prompt chunk (in blocks of PREFILL_ROWS rows), W x^T for a few rows of float32 weights,
     or the weight converted for the call."""
     shape = x.shape[:-1]
@@ -127,7 +117,7 @@ def _linear(x, w, bias, prefill, residual, bf16=True) -> torch.Tensor:
         return x.new_empty(*shape, w.shape[0])
     x2 = x.reshape(rows, x.shape[-1])
     if prefill:
-        y = _prefill_linear(x2, w, bias, bf16)
+        y = _prefill_linear(x2, w, bias, backend, bf16)
     elif x.is_cpu and 2 <= rows <= SMALL_BATCH and w.dtype == x.dtype:
         y = torch.mm(w, x2.t()).t()
         y = y + bias if bias is not None else y
@@ -137,11 +127,12 @@ def _linear(x, w, bias, prefill, residual, bf16=True) -> torch.Tensor:
     return y + residual if residual is not None else y
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, backend, plus_one: bool = False) -> torch.Tensor:
     """x / rms(x) * w over the last dim in float32 (plus_one: * (1 + w), Gemma), in x's dtype. A float32 x on CPU
-    (Llama's form) is one kernel call, the same bits."""
-    if not plus_one and x.dtype == torch.float32 and x.is_cpu and (kern := cpu_kernels()) is not None:
-        return kern.rms_norm(x.contiguous(), w, eps)
+    (Llama's form) is one kernel call where the backend has the kernels, the same bits."""
+    if (not plus_one and x.dtype == torch.float32 and backend is not None and backend.ops is not None
+            and x.is_cpu):
+        return backend.ops.rms_norm(x.contiguous(), w, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if plus_one:

@@ -7,13 +7,13 @@ whole buffers under the valid mask. Two steps then run the same ops on the same 
 (`cache.advanced`). Caches that decode so declare `static` (model/kv.StepCache).
 
 On CUDA the step is captured once as a CUDA graph (after a warm-up on a side stream) and replayed at every step:
-one launch a step where eager mode launches hundreds of kernels. On by default; `INFINIGEN_CUDA_GRAPH=0` (or
-`cuda_graph=False`, the CLI's `--no-cuda-graph`) keeps the eager step, the reference.
+one launch a step where eager mode launches hundreds of kernels. On by default; the model's backend built with
+`cuda_graph=False` (`load_model(..., cuda_graph=False)`, the CLI's `--no-cuda-graph`) keeps the eager step, the
+reference.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -27,12 +27,12 @@ class StaticError(ValueError):
     """A model or cache a static step does not serve, or a step past the capacity."""
 
 
-def graphs_on(device, cuda_graph: bool | None = None) -> bool:
-    """Whether decode steps on `device` replay a CUDA graph: on CUDA unless turned off (cuda_graph=False, or
-    INFINIGEN_CUDA_GRAPH=0 when cuda_graph is None)."""
+def graphs_on(model, device, cuda_graph: bool | None = None) -> bool:
+    """Whether decode steps on `device` replay a CUDA graph: on CUDA unless turned off (cuda_graph=False; None: the
+    model's backend says)."""
     if torch.device(device).type != "cuda":
         return False
-    return cuda_graph if cuda_graph is not None else os.environ.get("INFINIGEN_CUDA_GRAPH", "1") != "0"
+    return cuda_graph if cuda_graph is not None else model.backend.cuda_graph
 
 
 def serves(model, cache) -> bool:
@@ -84,7 +84,7 @@ class StaticDecoder:
                 self._captured = self._capture()
             except Exception as e:  # a step that cannot be captured still decodes, eagerly
                 warnings.warn(f"infinigen: CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); decoding "
-                              "eagerly (INFINIGEN_CUDA_GRAPH=0 skips the attempt)", stacklevel=3)
+                              "eagerly (--no-cuda-graph, or load_model(..., cuda_graph=False), skips the attempt)", stacklevel=3)
                 self.graph = False
                 return self.forward()
         graph, logits, before, after = self._captured

@@ -1,6 +1,6 @@
 """What one forward computes once for all layers and passes down as a value (gpt-fast's mask and freqs_cis, vLLM's
-per-step metadata): the `Step` (positions, each layer kind's mask and RoPE, a static step's column, a memo for what
-a cache derives once a step), and the mask of a layer kind (`window_mask`). `Transformer.step_inputs` builds it.
+per-step metadata): the `Step` (positions, each layer kind's mask and RoPE, the backend, a static step's column, a
+memo for what a cache derives once a step), and the mask of a layer kind (`window_mask`). `Transformer.step_inputs` builds it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class Step:
     ropes: dict  # RoPE key -> (cos, sin) (B, T, d) in the compute dtype; empty without RoPE
     rope_types: tuple  # each layer's RoPE key
     windows: tuple  # each layer's window
+    backend: object  # the model's backend (model/backend.py): what runs each operation
     column: torch.Tensor | None = None  # a static step's device column (1,) (model/static.py)
     memo: dict = field(default_factory=dict)  # what a cache derives once for all layers of this step
 
@@ -32,7 +33,7 @@ class Step:
             return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
         return Step(moved(self.positions), moved(self.mask), {w: moved(m) for w, m in self.masks.items()},
                     {k: tuple(moved(t) for t in r) for k, r in self.ropes.items()}, self.rope_types, self.windows,
-                    moved(self.column), self.memo)
+                    self.backend.on(torch.device(device).type), moved(self.column), self.memo)
 
     def layer_mask(self, layer: int):
         return self.masks[self.windows[layer]]

@@ -52,8 +52,8 @@ class Proj:
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, prefill=x.numel() // x.shape[-1] > ops.SMALL_BATCH)
+    def __call__(self, x: torch.Tensor, backend) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, backend, prefill=x.numel() // x.shape[-1] > ops.SMALL_BATCH)
 
 
 class Linear(nn.Module):
@@ -65,9 +65,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.in_features, self.out_features = in_features, out_features
 
-    def forward(self, x: torch.Tensor, prefill: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prefill: bool, backend, residual: torch.Tensor | None = None) -> torch.Tensor:
         p = self._parameters  # (not self.weight: nn.Module's attribute lookup, ~120 times a decode step)
-        return ops.linear(x, p["weight"], p.get("bias"), prefill, residual)
+        return ops.linear(x, p["weight"], p.get("bias"), backend, prefill, residual)
 
 
 class Norm(nn.Module):
@@ -77,11 +77,11 @@ class Norm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False) if kind == "layer" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
         p = self._parameters
         if self.kind == "layer":
             return F.layer_norm(x, (x.shape[-1],), p["weight"], p.get("bias"), self.eps)
-        return ops.rms_norm(x, p["weight"], self.eps, plus_one=self.kind == "rms1p")
+        return ops.rms_norm(x, p["weight"], self.eps, backend, plus_one=self.kind == "rms1p")
 
 
 class Attention(nn.Module):
@@ -110,27 +110,27 @@ class Attention(nn.Module):
     def k_proj(self) -> Proj:
         return self._proj(self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim)
 
-    def query(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def query(self, x: torch.Tensor, rope, backend) -> torch.Tensor:
         """Queries for inputs x (B, T, D) as attention gets them: (B, H, T, d) (OPT's pre-scaling included)."""
         B, T, _ = x.shape
-        q = self.q_proj(x) * self.q_scale if self.q_scale != 1.0 else self.q_proj(x)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        q = (self.q_norm(q) if self.q_norm is not None else q).transpose(1, 2)
+        q = self.q_proj(x, backend)
+        q = (q * self.q_scale if self.q_scale != 1.0 else q).view(B, T, self.n_heads, self.head_dim)
+        q = (self.q_norm(q, backend) if self.q_norm is not None else q).transpose(1, 2)
         return apply_rope(q, rope) if self.rope else q
 
-    def key(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def key(self, x: torch.Tensor, rope, backend) -> torch.Tensor:
         """Keys for inputs x (B, T, D) as the cache stores them (after RoPE): (B, G, T, d)."""
         B, T, _ = x.shape
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        k = (self.k_norm(k) if self.k_norm is not None else k).transpose(1, 2)
+        k = self.k_proj(x, backend).view(B, T, self.n_kv_heads, self.head_dim)
+        k = (self.k_norm(k, backend) if self.k_norm is not None else k).transpose(1, 2)
         return apply_rope(k, rope) if self.rope else k
 
-    def qkv(self, h: torch.Tensor, rope, prefill: bool) -> tuple:
+    def qkv(self, h: torch.Tensor, rope, prefill: bool, backend) -> tuple:
         """q (B, H, T, d), k, v (B, G, T, d) of the normed input h (B, T, D), RoPE applied."""
         B, T, _ = h.shape
         H, G, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self._modules["wqkv"].forward(h, prefill)  # (B, T, (H + 2G) d)
-        kern = ops.cpu_kernels() if h.is_cpu and h.dtype == torch.float32 else None
+        qkv = self._modules["wqkv"].forward(h, prefill, backend)  # (B, T, (H + 2G) d)
+        kern = backend.ops if h.is_cpu and h.dtype == torch.float32 else None
         if T == 1 and self.rope and self.q_norm is None and kern is not None:  # q and k rotated in place, one call
             qkv = qkv.view(B, -1)
             kern.rope_(qkv, rope[0], rope[1], H + G)
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:  # OPT scales q before the scores
             q = q * self.q_scale
         if self.q_norm is not None:
-            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+            q, k = self.q_norm.forward(q, backend), self.k_norm.forward(k, backend)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -150,15 +150,17 @@ class Attention(nn.Module):
         """h (B, T, D) normed -> (residual +) the output projection of attention over the cache's view."""
         B, T, _ = h.shape
         prefill = T > 1
-        q, k, v = self.qkv(h, step.rope(self.layer), prefill)
+        backend = step.backend
+        q, k, v = self.qkv(h, step.rope(self.layer), prefill, backend)
         mask = step.layer_mask(self.layer)
         if cache is not None and fetch is None and not prefill:
             fetch = cache.after_query(self.layer, q, step)
         if cache is None:
-            out, _ = attend(q, KVView(k, v), mask, self.scaling, window=self.window)
+            out, _ = attend(q, KVView(k, v), mask, self.scaling, backend, window=self.window)
         else:
-            out = attend_layer(cache, self.layer, q, k, v, mask, self.scaling, self.window, fetch, step.column)
-        return self._modules["wo"].forward(out.reshape(B, T, -1).contiguous(), prefill, residual)  # (B, T, D)
+            out = attend_layer(cache, self.layer, q, k, v, mask, self.scaling, self.window, fetch, backend,
+                               step.column)
+        return self._modules["wo"].forward(out.reshape(B, T, -1).contiguous(), prefill, backend, residual)
 
 
 class MLP(nn.Module):
@@ -172,14 +174,13 @@ class MLP(nn.Module):
             self.w1 = Linear(args.dim, 2 * args.intermediate, args.mlp_bias, w1, dtype)
         self.w2 = Linear(args.intermediate, args.dim, args.mlp_bias, w2, dtype)
 
-    def forward(self, h: torch.Tensor, prefill: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, prefill: bool, backend, residual: torch.Tensor | None) -> torch.Tensor:
         m = self._modules  # (nn.Module's attribute lookup is the slow path: ~120 times a decode step)
-        a = m["w1"].forward(h, prefill)
+        a = m["w1"].forward(h, prefill, backend)
         if self.act == "relu":
             a = F.relu(a)
         elif self.act == "silu":
-            backend = backends.cpu() if a.is_cpu and a.dtype == torch.float32 else None  # (silu_mul's lanes)
-            if not prefill and backend is not None and backend.silu_lanes is not None:
+            if not prefill and backend.silu_lanes is not None and a.is_cpu and a.dtype == torch.float32:
                 # (contiguous: a GEMM of a few rows may hand back its output transposed)
                 gu = a.reshape(-1, a.shape[-1]).contiguous()
                 a = backend.ops.silu_mul(gu, backend.silu_lanes).view(*a.shape[:-1], -1)
@@ -187,7 +188,7 @@ class MLP(nn.Module):
                 a = F.silu(a[..., : self.hidden].contiguous(), inplace=True).mul_(a[..., self.hidden :])
         else:
             a = F.gelu(a[..., : self.hidden], approximate="tanh") * a[..., self.hidden :]
-        return m["w2"].forward(a, prefill, residual)
+        return m["w2"].forward(a, prefill, backend, residual)
 
 
 class Block(nn.Module):
@@ -208,21 +209,21 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache, fetches: dict) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D); fetches: what earlier layers started for later ones (updated, this layer's taken)."""
-        prefill = x.shape[1] > 1
+        prefill, b = x.shape[1] > 1, step.backend
         m = self._modules  # (nn.Module's attribute lookup is the slow path: ~200 times a decode step)
-        h = m["attn_norm"].forward(x) if self.pre_norm else x
+        h = m["attn_norm"].forward(x, b) if self.pre_norm else x
         if cache is not None:
             fetches.update(cache.before_attention(self.layer, h, step))
         fetch = fetches.pop(self.layer, None)
         if self.sandwich:
-            x = x + m["attn_post_norm"].forward(m["attn"].forward(h, step, cache, fetch, None))
-            return x + m["mlp_post_norm"].forward(m["mlp"].forward(m["mlp_norm"].forward(x), prefill, None))
+            x = x + m["attn_post_norm"].forward(m["attn"].forward(h, step, cache, fetch, None), b)
+            return x + m["mlp_post_norm"].forward(m["mlp"].forward(m["mlp_norm"].forward(x, b), prefill, b, None), b)
         x = m["attn"].forward(h, step, cache, fetch, x)  # x + attention
         if not self.pre_norm:
-            x = m["attn_norm"].forward(x)
-        h = m["mlp_norm"].forward(x) if self.pre_norm else x
-        x = m["mlp"].forward(h, prefill, x)  # x + mlp
-        return x if self.pre_norm else m["mlp_norm"].forward(x)
+            x = m["attn_norm"].forward(x, b)
+        h = m["mlp_norm"].forward(x, b) if self.pre_norm else x
+        x = m["mlp"].forward(h, prefill, b, x)  # x + mlp
+        return x if self.pre_norm else m["mlp_norm"].forward(x, b)
 
 
 class Transformer(nn.Module):
@@ -231,11 +232,14 @@ class Transformer(nn.Module):
     on CPU, dtype float32; the embedding and LM head as EMBED_HELD says), or "file" (a GGUF at its own precision).
     plan: {weight's name ("layers.3.attn.wqkv", "embed", "lm_head"): form} where forms differ from weight to weight
     (gguf_model.plan); it overrides `weights`' forms. checkpoint: what names the checkpoint it was read from,
-    whatever the form (calibrations are kept per checkpoint)."""
+    whatever the form (calibrations are kept per checkpoint). backend: what runs its operations (model/backend.py;
+    load_model builds it from its arguments; None: `backend.build` for its device at its first forward)."""
 
     def __init__(self, args: ModelArgs, weights: str | None = None, dtype: torch.dtype = torch.float32,
-                 source: str | None = None, checkpoint: str | None = None, plan: dict | None = None):
+                 source: str | None = None, checkpoint: str | None = None, plan: dict | None = None,
+                 backend: backends.Backend | None = None):
         super().__init__()
+        self._backend = backend
         self.plan = dict(plan) if plan is not None else None
         self.args, self.weights, self.dtype = args, weights, dtype
         weights = self.plan if self.plan is not None else weights
@@ -277,6 +281,20 @@ class Transformer(nn.Module):
         return self.embed.device
 
     @property
+    def backend(self) -> backends.Backend:
+        """The backend its forwards run on (passed down in each Step): the one it was given, for its device."""
+        kind = self.embed.device.type
+        if self._backend is None:
+            self._backend = backends.build(kind)
+        elif self._backend.device_type != kind:
+            self._backend = self._backend.on(kind)
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: backends.Backend) -> None:
+        self._backend = backend
+
+    @property
     def config(self) -> ModelArgs:
         return self.args
 
@@ -295,7 +313,7 @@ class Transformer(nn.Module):
             masks = {None: mask[:, None, None, :].bool()}
         else:
             masks = {w: window_mask(mask, B, T, past, w, positions.device) for w in dict.fromkeys(a.windows)}
-        return Step(positions, mask, masks, ropes, a.rope_types, a.windows, column)
+        return Step(positions, mask, masks, ropes, a.rope_types, a.windows, self.backend, column)
 
     # --- the forward --------------------------------------------------------------------------------------------
 
@@ -336,7 +354,7 @@ class Transformer(nn.Module):
         if self.args.embed_scale is not None:
             x = x * torch.tensor(self.args.embed_scale, dtype=compute)
         if self.project_in is not None:
-            x = self.project_in(x, ids.shape[1] > 1)
+            x = self.project_in(x, ids.shape[1] > 1, self.backend)
         if self.positions is not None:
             x = x + F.embedding(positions + self.args.position_offset, self.positions)
         return x
@@ -348,12 +366,13 @@ class Transformer(nn.Module):
         rows = x.numel() // x.shape[-1]
         if rows == 0:
             return x.new_empty(*x.shape[:-1], self.args.vocab_size)
+        backend = self.backend
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.norm(x, backend)
         if self.project_out is not None:
-            x = self.project_out(x, rows > 1)
+            x = self.project_out(x, rows > 1, backend)
         held = self.lm_head.dtype != x.dtype
-        logits = ops.linear(x, self.lm_head, None, prefill=not (held and rows <= ops.SMALL_BATCH) and rows > 1,
+        logits = ops.linear(x, self.lm_head, None, backend, prefill=not (held and rows <= ops.SMALL_BATCH) and rows > 1,
                             bf16=False)  # (float32 products: logits a client scores, as echo's logprobs)
         cap = self.args.logit_softcap
         return torch.tanh(logits / cap) * cap if cap is not None else logits

@@ -1,31 +1,50 @@
-"""A Triton kernel with a PyTorch twin: on a GPU the kernel, tried once; where Triton is missing or the kernel does
-not build here, one warning and the PyTorch ops from then on (the reference, which the tests compare the kernel
-against on CPU through TRITON_INTERPRET=1). Its module is imported at the first call: PyTorch's CUDA wheels bring
-Triton, a CPU install may not have it."""
+"""A Triton kernel with a PyTorch twin: on a GPU the kernel where Triton is installed (PyTorch's CUDA wheels bring
+it), the PyTorch ops where it is not (the reference, which the tests compare the kernel against on CPU through
+TRITON_INTERPRET=1). Which one runs is a fact of the install, the same at every call: a kernel that fails raises
+(naming itself), rather than switching the process to other arithmetic from then on."""
 
 from __future__ import annotations
 
+import functools
 import importlib
-import warnings
+import importlib.util
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonError(RuntimeError):
+    """A Triton kernel that cannot load or run here."""
 
 
 class TritonKernel:
-    """`module:function` (a module of infinigen_kv), run in place of a reference; `what` names it in the warning."""
+    """`module:function` (a module of infinigen_kv), run in place of a reference; `what` names it in errors;
+    installed: whether Triton is there (None: look)."""
 
-    def __init__(self, target: str, what: str):
-        self.target, self.what = target, what
-        self.ok = True  # False once the kernel failed here: the reference from then on
+    def __init__(self, target: str, what: str, installed: bool | None = None):
+        self.target, self.what, self.installed = target, what, installed
         self._fn = None
 
-    def __call__(self, reference, *args):
-        if self.ok:
+    def function(self):
+        """The kernel's function, imported once (its module imports Triton)."""
+        if self._fn is None:
+            module, name = self.target.split(":")
             try:
-                if self._fn is None:
-                    module, name = self.target.split(":")
-                    self._fn = getattr(importlib.import_module(f"infinigen_kv.{module}"), name)
-                return self._fn(*args)
-            except Exception as e:  # no Triton, or one that cannot build it here: the same result in PyTorch ops
-                self.ok = False
-                warnings.warn(f"infinigen: the Triton {self.what} failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "using PyTorch ops", stacklevel=3)
-        return reference(*args)
+                self._fn = getattr(importlib.import_module(f"infinigen_kv.{module}"), name)
+            except (ImportError, AttributeError) as e:
+                raise TritonError(f"infinigen: the Triton {self.what} cannot be loaded ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from e
+        return self._fn
+
+    def __call__(self, reference, *args):
+        if not (self.installed if self.installed is not None else triton_installed()):
+            return reference(*args)
+        fn = self.function()
+        try:
+            return fn(*args)
+        except TritonError:
+            raise
+        except Exception as e:  # a kernel Triton cannot build or run here: said, not hidden
+            raise TritonError(f"infinigen: the Triton {self.what} failed ({type(e).__name__}: {str(e)[:200]})") from e

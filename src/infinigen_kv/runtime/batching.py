@@ -256,7 +256,7 @@ class RunningBatch:
         if self.static is not None or self.stable < self.STABLE:
             return self.static
         self.static = False
-        if not (static.graphs_on(self.device) and static.serves(self.model, self.cache)):
+        if not (static.graphs_on(self.model, self.device) and static.serves(self.model, self.cache)):
             return False
         B, rows = len(self), bucket(len(self))
         if rows > B:

@@ -80,7 +80,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         ).logits[:, -1]
         if progress is not None:
             progress(end)
-        threads.decode_step(input_ids.device)  # a long prefill follows the machine's load chunk by chunk
+        threads.decode_step(model.backend)  # a long prefill follows the machine's load chunk by chunk
         heap.trim()  # what the chunk freed (its activations) back to the OS before the next (heap.py)
     return logits
 
@@ -132,7 +132,7 @@ def _decoder(model, cache, attention_mask, mask, unpadded: bool, positions, max_
     """The run's decode step, (ids (B,), step i) -> the next logits (B, V), from positions (B, 1) of the first: static
     steps (one CUDA graph a step on CUDA) where graphs are on and the model, cache and run allow them (the run's
     tokens fit the cache's buffers), else the eager step over the run's mask (B, n + new)."""
-    if max_new_tokens > 1 and static.graphs_on(positions.device, cuda_graph) and static.serves(model, cache):
+    if max_new_tokens > 1 and static.graphs_on(model, positions.device, cuda_graph) and static.serves(model, cache):
         fixed = static.StaticDecoder(model, cache, None if unpadded else attention_mask, positions,
                                      graph=positions.device.type == "cuda")
         if fixed.n + max_new_tokens - 1 <= fixed.capacity:
@@ -217,8 +217,8 @@ def generate(
     max_new_tokens). prefilled: the prefill's last logits (B, V) when `cache` already holds input_ids (a `fork`
     of a cache prefilled by `prefill`): decoding starts from them. prefix: a PrefixStore (runtime/prefix.py) for a
     batch of one: the prompt's longest stored prefix is restored, not prefilled (`cached_tokens`; prefill_prefix).
-    cuda_graph: on CUDA, one CUDA graph a step where model and cache allow it (model/static.py; None: on, unless
-    INFINIGEN_CUDA_GRAPH=0)."""
+    cuda_graph: on CUDA, one CUDA graph a step where model and cache allow it (model/static.py; None: as the model's
+    backend says)."""
     device, B = input_ids.device, input_ids.shape[0]
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     mask, positions, unpadded = _run_mask(attention_mask, max_new_tokens)
@@ -233,7 +233,7 @@ def generate(
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     # a bar only when asked for and on a terminal (disable=None: tqdm's own TTY check)
     bar = tqdm(total=max_new_tokens, desc=progress, leave=False, disable=True if progress is None else None)
-    threads.before_prefill(device)  # its thread count from the machine's load now (threads.py)
+    threads.before_prefill(model.backend)  # its thread count from the machine's load now (threads.py)
     _sync(device)
     t0 = time.perf_counter()
     logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix, progress)
@@ -254,7 +254,7 @@ def generate(
             out = out[:, : i + 1]
             break
         logits = decode(ids, i)
-        threads.decode_step(device)  # on CPU: the thread count of the next steps, from the machine's load
+        threads.decode_step(model.backend)  # on CPU: the thread count of the next steps, from the machine's load
         steps += 1
     _sync(device)
     t2 = time.perf_counter()

@@ -13,9 +13,11 @@ and `Tuner` runs the next steps on the cores left, at least one, at most the cou
 look costs a few microseconds and never runs a slow trial step; a competitor that comes or goes is followed
 within half a second. Without `/proc/stat` (macOS, Windows) the count stays PyTorch's default.
 
-The kernels give the same bits with any thread count (each output is computed by one thread in a fixed order);
-PyTorch's own ops (matmuls, the quantized baseline) may differ in the last bit, so for bit-for-bit repeatable
-runs fix the count: `set_threads(n)` (`--threads N`) does, and turns the tuning off.
+The thread policy is the model's backend's (model/backend.py: `threads`, from `--threads N` or
+`load_model(threads=N)`): None follows the load as above; a count fixes every step to it. The calls below take the
+backend they run for. The kernels give the same bits with any thread count (each output is computed by one thread
+in a fixed order), and so do the prompt's products (the BLAS in fixed blocks of rows, ops.PREFILL_ROWS): a busy
+machine changes the count, never the answer (tests/test_load.py runs generate beside busy processes).
 """
 
 from __future__ import annotations
@@ -73,32 +75,39 @@ class Load:
 
 class Tuner:
     """Sets the thread count of decode steps from the load of other processes (one per process: the count is
-    process-wide). Call `step(device)` after every decode step; `watch()` before a prefill starts the first look
-    early, so the first decode step already runs on the right count."""
+    process-wide). Call `step(backend)` after every decode step; `watch(backend)` before a prefill starts the first
+    look early, so the first decode step already runs on the right count."""
 
     def __init__(self, load: Load | None = None, interval: float = INTERVAL):
         self.load = load if load is not None else Load()
         self.interval = interval
-        self.fixed = None  # a count set by set_threads: no tuning
         self.enabled = True
         self.most = None  # the count the process started with (PyTorch's default: the cores), the ceiling
         self.others = 0.0  # cores other processes kept busy over the last interval
         self._last = None
 
-    def watch(self, device: torch.device | None = None) -> None:
-        if self._active(device):
+    def watch(self, backend) -> None:
+        if self._active(backend):
             self._last = self.load.sample()
 
-    def _active(self, device) -> bool:
-        if self.fixed is not None or not self.enabled or (device is not None and torch.device(device).type != "cpu"):
+    def _active(self, backend) -> bool:
+        """Whether the count follows the load for work on `backend` (a CPU's, without a fixed count); a fixed count
+        is set here."""
+        if backend.device_type != "cpu":
+            return False
+        if backend.threads is not None:
+            if torch.get_num_threads() != backend.threads:
+                torch.set_num_threads(backend.threads)
+            return False
+        if not self.enabled:
             return False
         if self.most is None:
             self.most = torch.get_num_threads()
         return True
 
-    def step(self, device: torch.device | None = None) -> None:
+    def step(self, backend) -> None:
         """After a decode step (or a prefill chunk): every `interval` seconds, choose the count of the next ones."""
-        if not self._active(device):
+        if not self._active(backend):
             return
         if self._last is None:
             self._last = self.load.sample()
@@ -107,11 +116,11 @@ class Tuner:
             return  # (a sample reads /proc/stat: ~0.2 ms, once an interval, not every step)
         self._choose()
 
-    def before_prefill(self, device: torch.device | None = None) -> None:
+    def before_prefill(self, backend) -> None:
         """Before a prefill: choose the count it runs on now, from the last look if it is recent, else from a look
         of `FIRST_LOOK` seconds taken here (the process idle meanwhile: what it sees is the others' load). A
         prefill on every core beside a busy machine stalls at each of its parallel regions as a decode step does."""
-        if not self._active(device):
+        if not self._active(backend):
             return
         if self._last is None or self.load.now() - self._last[0] > 4 * self.interval:
             self._last = self.load.sample()
@@ -134,39 +143,25 @@ class Tuner:
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
-    @property
-    def threads(self) -> int:
-        return self.fixed if self.fixed is not None else torch.get_num_threads()
 
 
 TUNER = Tuner()
 
 
-def set_threads(n: int | None) -> None:
-    """Fix the thread count of everything (prefill, decode, calibration) to n and stop tuning; None: tune."""
-    if n is None:
-        TUNER.fixed = None
-        return
-    if n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    torch.set_num_threads(n)
-    TUNER.fixed = n
-
-
-def watch(device: torch.device | None = None) -> None:
+def watch(backend) -> None:
     """Called before other work whose decode steps follow (the server's engine): the first look spans it."""
-    TUNER.watch(device)
+    TUNER.watch(backend)
 
 
-def before_prefill(device: torch.device | None = None) -> None:
+def before_prefill(backend) -> None:
     """Called before a prefill (generation.generate): the count it runs on, from the machine's load now."""
-    TUNER.before_prefill(device)
+    TUNER.before_prefill(backend)
 
 
-def decode_step(device: torch.device | None = None) -> None:
+def decode_step(backend) -> None:
     """Called by the decode loops after each step and by a prefill after each chunk (generation, the server's
     engine)."""
-    TUNER.step(device)
+    TUNER.step(backend)
 
 
 def on_own_thread(build, run, name: str):

@@ -234,7 +234,7 @@ class Engine:
         try:
             self._fit_prefix(need)
             if not self.rows:  # after idle time: the thread count's look at the machine's load starts now, not at the
-                threads.watch(self.device)  # last step (other work in between would count against the next steps)
+                threads.watch(self.model.backend)  # last step (other work in between would count against the next steps)
             cache = make_cache(self.method, self.model, **self.options)
             p = Prefill(self.model, cache, job.prompt_ids, self.prefill_chunk, job.prompt_logprobs, self.prefix,
                         reserve=len(job.prompt_ids) + job.max_tokens)
@@ -303,7 +303,7 @@ class Engine:
             self.rows = [rows[b] for b in order]
             if self.rows:
                 self.batch.forward(ids[order])
-                threads.decode_step(self.device)  # on CPU: the next steps' thread count, from the machine's load
+                threads.decode_step(self.model.backend)  # on CPU: the next steps' thread count, from the machine's load
                 self._window[1] += len(live)
         except Exception as e:
             self._fail_batch(e)

@@ -37,12 +37,11 @@ class Replica:
         import torch
 
         from ..model.load import load_model
-        from ..runtime.threads import set_threads
         from .app import create_app
         from .engine import Engine
 
         if fixed_threads:
-            set_threads(fixed_threads)  # --threads N
+            load = {**load, "threads": fixed_threads}  # --threads N: the backend's fixed count
         elif threads:
             torch.set_num_threads(threads)  # replicas on one machine share its cores (fewer while busy: threads.py)
         self.engine = Engine.on_one_thread(lambda: load_model(**load), method, options, **engine)

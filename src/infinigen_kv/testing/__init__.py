@@ -10,12 +10,16 @@ import contextlib
 import torch
 
 
-def tiny_model(kind: str, seed: int = 0, weights: str | None = None):
+def tiny_model(kind: str, seed: int = 0, weights: str | None = None, backend=None):
     """Our model (transformer.Transformer) of `tiny_hf(kind, seed)`: the same weights; weights "bfloat16" or "int8"
-    hold them so (float32 compute)."""
+    hold them so (float32 compute); backend: what runs it (model/backend.py; None: the machine's, built at its
+    first forward)."""
     from infinigen_kv.model.weights import from_hf
 
-    return from_hf(tiny_hf(kind, seed), weights)
+    model = from_hf(tiny_hf(kind, seed), weights)
+    if backend is not None:
+        model.backend = backend
+    return model
 
 
 def tiny_hf(kind: str, seed: int = 0):

@@ -41,21 +41,26 @@ from .stats import Counters
 from .transfer import DirectTransfer
 
 
-def make_transfer(device: torch.device) -> Transfer:
-    """The transfer engine of a compute device: direct on CPU, a side stream and pinned staging on a GPU."""
-    return CudaTransfer(device) if torch.device(device).type == "cuda" else DirectTransfer()
+def make_transfer(device: torch.device, backend) -> Transfer:
+    """The transfer engine of a compute device: direct on CPU, a side stream and pinned staging on a GPU (the chosen
+    rows gathered through a device view of the pinned pool, or by a host worker where the backend's cuda_fetch says
+    "worker")."""
+    if torch.device(device).type != "cuda":
+        return DirectTransfer()
+    return CudaTransfer(device, uva=False if backend.cuda_fetch == "worker" else None)
 
 
 class Transfers:
     """The transfer engine of each compute device (one side stream per GPU), made when first asked."""
 
-    def __init__(self):
+    def __init__(self, backend):
+        self.backend = backend
         self.by_device: dict[torch.device, Transfer] = {}
 
     def for_device(self, device) -> Transfer:
         device = torch.device(device)
         if device not in self.by_device:
-            self.by_device[device] = make_transfer(device)
+            self.by_device[device] = make_transfer(device, self.backend)
         return self.by_device[device]
 
 
@@ -96,14 +101,15 @@ class InfiniGenCache(Rebatch):
         self._budgets = layer_budgets(self.config.budget, self.budget_scale)
         self.skew_partial = calibration.skew_partial if calibration is not None else None  # (L, G, d, p)
         device, dtype = next(model.parameters()).device, compute_dtype(model)
-        self._compute = (dtype, device)  # the first layer's: the partial key cache's storage follows (prefix_facts)
+        self.backend = model.backend  # what runs its layers' operations (model/backend.py)
+        self._compute = (dtype, device, self.backend)  # the first layer's: the partial key cache's storage follows
         self.speculate_from = speculation_source(self.config.speculate_from, device.type)  # "previous" or "own"
         self.pq = PartialQuery(self.arch, calibration, dtype) if calibration is not None else None
         # a pool with a capacity: a prompt larger than it keeps what its last query would fetch
         self.limited = self.selection.calibrated and (self.config.capacity is not None
                                                       or self.config.capacity_bytes is not None)
         self.weight_bytes = step_weight_bytes(model)  # what a decode step reads besides the K/V (_attends_densely)
-        self.transfers = Transfers()
+        self.transfers = Transfers(self.backend)
         self.transfer = self.transfers.for_device(device)  # the first device's (one per device with device_map)
         L = self.arch.num_layers
         self.counters = Counters(L, device)
@@ -116,7 +122,8 @@ class InfiniGenCache(Rebatch):
         """Layer i by its storage: on the device (the selection attends it whole), in the pool, or in a pool with a
         capacity."""
         cal, s = self.calibration, self.selection
-        spec = LayerConfig(i, self.config, self.transfers, self.counters, self.arch.windows[i], whole=s.whole,
+        spec = LayerConfig(i, self.config, self.transfers, self.counters, self.arch.windows[i], self.backend,
+                           whole=s.whole,
                            in_place=s.in_place, pq=self.pq, score_scale=self.arch.score_scale,
                            skew_p=self.skew_partial[i] if cal is not None else None,
                            key_channels=cal.channels[i] if cal is not None and cal.unskewed else None)
@@ -157,7 +164,7 @@ class InfiniGenCache(Rebatch):
             if obj is not None:
                 memo[id(obj)] = obj
         for device, transfer in self.transfers.by_device.items():
-            memo[id(transfer)] = make_transfer(device)
+            memo[id(transfer)] = make_transfer(device, self.backend)
         return memo
 
     def prefix_facts(self, model) -> dict | None:
@@ -173,7 +180,8 @@ class InfiniGenCache(Rebatch):
 
     def partial_query(self, layer: int, x: torch.Tensor, rope, memo: dict, scale: float = 1.0) -> torch.Tensor:
         """Skewed partial query of `layer` from x (B, 1, D), times scale: (B, G, r, p) (partial.py)."""
-        return self.pq(layer, x, rope, self.layers[layer].skew_p, memo, scale)
+        target = self.layers[layer]
+        return self.pq(layer, x, rope, target.skew_p, memo, target.backend, scale)
 
     @torch.no_grad()
     def before_attention(self, layer_idx: int, x: torch.Tensor, step) -> list:

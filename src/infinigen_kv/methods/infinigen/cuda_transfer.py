@@ -12,7 +12,6 @@ chunks is read back from a device mirror, not from the pool (once per prompt, no
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -43,8 +42,8 @@ class CudaTransfer:
         self.device, self.pin = torch.device(device), pin
         # uva: the side stream gathers the chosen rows from the pinned pool itself, through a device view of it
         # (zero-copy; no worker, no staging, no host in the loop); else the worker gathers on the host
-        if uva is None:  # INFINIGEN_CUDA_FETCH=worker forces the worker (a GPU or driver without mapped memory)
-            uva = os.environ.get("INFINIGEN_CUDA_FETCH", "uva") != "worker" and (not pin or uva_works(self.device))
+        if uva is None:  # (uva=False, the backend's cuda_fetch "worker": a GPU or driver without mapped memory)
+            uva = not pin or uva_works(self.device)
         self.uva = uva
         self.views = {}  # (layer index, "k" / "v") -> (store pointer, its device view (B * G * capacity, width))
         self.stream = self.cuda.Stream(device=self.device)

@@ -74,7 +74,7 @@ class EvictingPoolLayer(PoolLayer):
         tokens the first decode steps will fetch; attention sinks among them). k (B, G, T, d) -> positions
         (B, G, n), ascending."""
         s = self.spec
-        q = s.pq(self.layer_idx, query.x, query.rope, self.skew_p, {})  # (B, G, r, p)
+        q = s.pq(self.layer_idx, query.x, query.rope, self.skew_p, {}, self.backend)  # (B, G, r, p)
         kp = self.partial_rows(k)  # as the partial key cache would store them
         scores = approx_scores(q, kp, s.score_scale)  # (B, G, r, T)
         rel = relative(scores, query.keep, s.config.gqa_combine)  # (B, G, T), padding at -inf

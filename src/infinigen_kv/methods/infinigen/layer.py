@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from ...config import InfiniGenConfig
-from ...model import backend as backends
 from ...model import int8_rows
 from ...model.kv import KVView, kv_storage, row_width
 from ..base import LogicalLayer
@@ -37,6 +36,7 @@ class LayerConfig:
     transfers: object  # cache.Transfers: the transfer engine of each compute device
     counters: Counters  # the cache's fetch statistics
     window: int | None  # the layer's attention window (None: global)
+    backend: object = None  # the model's backend (model/backend.py): what runs the layer's operations
     whole: bool = False  # the selection fetches whole pasts (offload), not chosen rows
     in_place: bool = False  # on CPU, attention may read the chosen rows where they lie in the pool
     skew_p: torch.Tensor | None = None  # (G, d, p) A_P of a calibrated layer
@@ -45,7 +45,7 @@ class LayerConfig:
     score_scale: float = 1.0
 
 
-def partial_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def partial_dtype(option: str, dtype: torch.dtype, device: torch.device, backend) -> torch.dtype:
     """Storage of the partial key cache for a model computing in `dtype` on `device` (config.partial_dtype):
     "auto" stores int8 rows where the CPU kernel scores them (integer dot products, scores in float32), bfloat16 on
     a GPU (half float32's device memory; one kernel widens each key as it reads it: partial_scores.py), and float32
@@ -58,7 +58,7 @@ def partial_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torc
         return torch.bfloat16
     if option == "float32":
         return torch.float32
-    if dtype == torch.float32 and backends.for_device(device).kernels:
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and backend.kernels:
         return torch.int8
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
@@ -77,6 +77,7 @@ class DeviceLayer(LogicalLayer):
         self.reserved = 0  # rows the buffers are made with (InfiniGenCache.reserve)
         self.mirror = None  # (k, v) RowBuffers on the device of a prompt being prefilled in chunks (CudaTransfer)
         self.transfer: Transfer | None = None
+        self.backend = spec.backend  # the model's; for the device this layer computes on once it is made
         self._static_mask = None  # (B, G, 1, m + 1) bool: a static step's working-set mask (PoolLayer.static_mask)
         # A dense layer with a sliding window (Gemma's local layers) keeps only the window (LogicalLayer.slide).
         self.window = spec.window if self.dense else None
@@ -88,7 +89,7 @@ class DeviceLayer(LogicalLayer):
         B, G, _, d = key_states.shape
         dev, dtype = key_states.device, key_states.dtype
         self.device = dev  # this layer's compute device (layers may sit on different GPUs: device_map)
-        self.backend = backends.for_device(dev)  # the operations that run there
+        self.backend = self.spec.backend.on(dev.type)  # the model's, for the device this layer computes on
         self.transfer = self.spec.transfers.for_device(dev)
         pool_dev = self.pool_device(dev)
         pin = pool_dev.type == "cpu" and dev.type == "cuda"
@@ -211,7 +212,7 @@ class PoolLayer(DeviceLayer):
         self.skew_p = s.skew_p.to(dev, dtype)  # (G, d, p)
         if s.key_channels is not None:
             self.key_channels = s.key_channels.to(dev).contiguous()  # (G, p)
-        pdt = partial_dtype(s.config.partial_dtype, dtype, dev)
+        pdt = partial_dtype(s.config.partial_dtype, dtype, dev, self.backend)
         width = self.skew_p.shape[-1] + (4 if pdt == torch.int8 else 0)  # int8 rows end with their scale
         self.partial = RowBuffer(B, G, width, pdt, dev, max_rows=max_rows)
         if s.pq.rows is not None and not self.backend.kernels:

@@ -81,9 +81,9 @@ class _Recorder(StepCache):
     def before_attention(self, l: int, x: torch.Tensor, step) -> list:
         heap.trim()  # what the last layer freed back to the OS (its activations): a first use peaks as a later one
         arch, rope = self.arch, step.rope(l)
-        q = arch.query(l, x, rope) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
+        q = arch.query(l, x, rope, step.backend) / arch.q_scale  # undo OPT's pre-scaling: A does not depend on it
         q = q.transpose(0, 1).flatten(1, 2).float().cpu()  # (H, B*T, d)
-        k = arch.key(l, x, rope).transpose(0, 1).flatten(1, 2).float().cpu()  # (G, B*T, d)
+        k = arch.key(l, x, rope, step.backend).transpose(0, 1).flatten(1, 2).float().cpu()  # (G, B*T, d)
         if l == 0:
             self.n += q.shape[1]
         if self.rows:

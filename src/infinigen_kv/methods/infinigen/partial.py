@@ -14,7 +14,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ...model import backend as backends
 from ...model import int8_rows
 from ...model.ops import dense, held, tiled
 from .calibration import partial_query_weights
@@ -71,14 +70,14 @@ class PartialQuery:
         self._bytes = {}  # layer -> weight_bytes
         self._channels_all = None  # (P (L, G, p), rotate-half sign (L, G, p)) on the device (_step_rope_channels)
 
-    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None, memo: dict,
+    def __call__(self, layer: int, x: torch.Tensor, rope, skew_p: torch.Tensor | None, memo: dict, backend,
                  scale: float = 1.0) -> torch.Tensor:
         """Skewed partial query of `layer` from x (B, 1, D), times `scale` (the scores' scale, folded in where the
         path allows: no op of its own): (B, G, r, p); skew_p (G, d, p): the layer's A_P; memo: the step's
-        (step.Step.memo), where what every layer of a step shares is made once."""
+        (step.Step.memo), where what every layer of a step shares is made once; backend: the layer's."""
         a = self.arch
         B = x.shape[0]
-        kern = backends.for_device(x.device).ops if x.dtype == torch.float32 else None
+        kern = backend.ops if x.dtype == torch.float32 and x.is_cpu else None
         if self.weight is not None:  # no RoPE: A_P folded into the partial query weights
             if kern is not None:
                 q = kern.linear(x.reshape(B, -1), self.weight[layer], self.bias[layer])
@@ -94,7 +93,7 @@ class PartialQuery:
             x = x.contiguous()
             return _times(kern.partial_query(x.reshape(B, -1), self.gathered(layer), proj.bias, self.rows[layer],
                                              self.channels[layer], cos, sin, a.group, a.head_dim), scale)
-        q = a.query(layer, x, rope).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
+        q = a.query(layer, x, rope, backend).view(B, a.num_kv_heads, a.group, a.head_dim)  # (B, G, r, d)
         return _times(torch.matmul(q, skew_p.unsqueeze(0)), scale)  # (B, G, r, p)
 
     @staticmethod

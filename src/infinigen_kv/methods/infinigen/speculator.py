@@ -88,14 +88,12 @@ BYTES_PER_NS = 30.0  # the rate at which the costs above are counted as bytes
 
 
 def head_cost(cache) -> float:
-    """A (past token, query head)'s attention arithmetic as the bytes read in its time: the kernels' measured wall time
-    at 64 channels (kernels.attend_head_ns, once per machine) x the head size / 64 at BYTES_PER_NS; 0 without the
-    kernels. Each query head scores and weighs every row it attends (7 a KV head on Qwen2.5), so a row read costs its
-    bytes and r x this: on a 2-core Xeon dense attention at 4 x 4k takes ~2x its bytes' time."""
-    from ...model import kernels
-
-    ns = kernels.attend_head_ns() if kernels.enabled() else None
-    return 0.0 if ns is None else ns * BYTES_PER_NS * cache.arch.head_dim / 64
+    """A (past token, query head)'s attention arithmetic as the bytes read in its time: the backend's constant for its
+    kernel path (backend.head_ns: wall ns at 64 channels, measured once on a quiet machine and kept in the code, so
+    that no timing moves what is computed) x the head size / 64 at BYTES_PER_NS; 0 without the kernels. Each query
+    head scores and weighs every row it attends (7 a KV head on Qwen2.5), so a row read costs its bytes and r x this:
+    on a 2-core Xeon dense attention at 4 x 4k takes ~2x its bytes' time."""
+    return cache.backend.head_ns * BYTES_PER_NS * cache.arch.head_dim / 64
 
 
 def layer_saving(cache, layer_idx: int, rows: int, n: int, row: int, partial_row: int,

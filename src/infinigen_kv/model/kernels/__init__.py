@@ -2,11 +2,11 @@
 compiled for the machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the
 install did not.
 
-`cpu()` returns the compiled module, or None where it cannot be built (no C++ compiler) or is switched
-off with INFINIGEN_KERNELS=0 (read once, at the first call: `cpu()` runs hundreds of times a step);
-callers then take the plain-PyTorch path, which computes the same thing.
-The build is cached by torch under ~/.cache/torch_extensions, keyed by the CPU's instruction set (the
-code is compiled for the machine it runs on), so it happens once per machine and source (~60 s on 2 cores).
+`library()` returns the compiled module, or None where it cannot be built (no C++ compiler). It is a library,
+loaded once; whether a model runs it, and how, is its backend's (model/backend.py: built at load and passed down),
+never a setting kept here. The build is cached by torch under ~/.cache/torch_extensions, keyed by the CPU's
+instruction set (the code is compiled for the machine it runs on), so it happens once per machine and source (~60 s
+on 2 cores).
 """
 
 from __future__ import annotations
@@ -23,143 +23,41 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-fno-trapping-math", "-fopenmp"]
 _module = None
 _tried = False
-_enabled = None  # INFINIGEN_KERNELS != "0", read at the first call
-_silu_exact = None  # silu_mul_exact(), checked once
 
 
 def _cpu_key() -> str:
     """A short hash of the CPU's feature flags, the compiler flags and the source: a build for one instruction set (or
     another source) is never loaded for another."""
+    text = "".join(p.read_text() for p in _SOURCES + _HEADERS)
+    return hashlib.sha1((cpu_flags_line() + " ".join(_FLAGS) + text).encode()).hexdigest()[:10]
+
+
+def cpu_flags_line() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("" where it is not there)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = ""
-    text = "".join(p.read_text() for p in _SOURCES + _HEADERS)
-    return hashlib.sha1((flags + " ".join(_FLAGS) + text).encode()).hexdigest()[:10]
+        return ""
 
 
-def enabled() -> bool:
-    global _enabled
-    if _enabled is None:
-        _enabled = os.environ.get("INFINIGEN_KERNELS", "1") != "0"
-    return _enabled
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD"; "" where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
 
 
-def cpu():
-    """The compiled kernels (speculate, attend, linear), or None."""
+def library():
+    """The compiled kernels (built here the first time where the install did not), or None: no compiler."""
     global _module, _tried
-    if not enabled():
-        return None
     if not _tried:
         _tried = True
         _module = _build()
-        if _module is not None:
-            _module.set_attend_pairs_upto(attend_pairs_upto(_module))
     return _module
-
-
-def attend_pairs_upto(module) -> int:
-    """Up to how many query heads a KV head attend multiplies long bfloat16 K/V rows in bfloat16 pairs (vdpbf16ps,
-    bf16_dots.h) rather than in float32 products of the rows widened once for all those heads (attend512.h): 0 where
-    the CPU has no AVX-512 BF16. INFINIGEN_ATTEND_PAIRS_UPTO sets it; otherwise it is measured once per machine and
-    build (the two alternated on a decode-shaped call at 1, 2, 4 and 8 heads; pairs where >= 5% faster) and kept beside
-    the build, so that a machine's choice, and its bits, stay the same."""
-    if not module.bf16_dots_native():
-        return 0
-    given = os.environ.get("INFINIGEN_ATTEND_PAIRS_UPTO")
-    if given is not None:
-        if given.strip().lstrip("-").isdigit():
-            return int(given)
-        warnings.warn(f"infinigen: INFINIGEN_ATTEND_PAIRS_UPTO must be a whole number of query heads, not {given!r}; "
-                      "using this machine's measured choice", stacklevel=3)
-    path = _build_root() / f"infinigen_cpu_{_cpu_key()}" / "attend_pairs_upto"
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        pass
-    upto = _measure_attend_pairs(module)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{upto}\n")
-    except OSError:
-        pass
-    return upto
-
-
-def attend_head_ns() -> float | None:
-    """Wall nanoseconds a decode step's dense attention spends per (past token, query head) at 64 channels over
-    bfloat16 rows, from the caches (its arithmetic, with this machine's products and torch's threads); None without the
-    kernels. Measured once per machine, build and thread count (4 x 2 rows of 4,096 tokens, 8 query heads a KV head,
-    median of 9) and kept beside the build, so that what it decides (InfiniGen's dense-or-speculate rule) stays the
-    same from run to run."""
-    module = cpu()
-    if module is None:
-        return None
-    import torch
-
-    threads = torch.get_num_threads()
-    if threads not in _head_ns:
-        path = _build_root() / f"infinigen_cpu_{_cpu_key()}" / f"attend_head_ns_t{threads}"
-        try:
-            _head_ns[threads] = float(path.read_text())
-        except (OSError, ValueError):
-            _head_ns[threads] = _measure_head_ns(module)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"{_head_ns[threads]:.4f}\n")
-            except OSError:
-                pass
-    return _head_ns[threads]
-
-
-_head_ns: dict = {}
-
-
-def _measure_head_ns(module) -> float:
-    import time
-
-    import torch
-
-    B, G, r, n = 4, 2, 8, 4096
-    g = torch.Generator().manual_seed(0)
-    K, V = (torch.randn(B, G, n, 64, generator=g).bfloat16() for _ in range(2))
-    q = torch.randn(B, G, r, 64, generator=g)
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        module.attend(q, K, V, None, None, None, -1, None, n, 0.125, torch.float32)
-        times.append(time.perf_counter() - t)
-    return sorted(times[1:])[4] * 1e9 / (B * G * r * n)
-
-
-def _measure_attend_pairs(module) -> int:
-    """The most heads (of 1, 2, 4, 8) at which pairs beat widened rows by >= 5%, testing from 1 up (their edge falls
-    with the heads); over 4 x 2 rows of 8,192 tokens of 64 channels, median of 11 alternations each. ~0.2 s."""
-    import time
-
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    K, V = (torch.randn(4, 2, 8192, 64, generator=g).bfloat16() for _ in range(2))
-    upto = 0
-    try:
-        for r in (1, 2, 4, 8):
-            q = torch.randn(4, 2, r, 64, generator=g)
-            times = {0: [], r: []}
-            for _ in range(12):
-                for setting in times:
-                    module.set_attend_pairs_upto(setting)
-                    t = time.perf_counter()
-                    module.attend(q, K, V, None, None, None, -1, None, 8192, 0.125, torch.float32)
-                    times[setting].append(time.perf_counter() - t)
-            widened, pairs = (sorted(times[k][1:])[5] for k in (0, r))  # (the first of each: a warm-up)
-            if pairs >= 0.95 * widened:
-                break
-            upto = r
-    finally:
-        module.set_attend_pairs_upto(0)
-    return upto
 
 
 def silu_lanes() -> int:
@@ -170,19 +68,15 @@ def silu_lanes() -> int:
     return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
-def silu_mul_exact() -> bool:
-    """Whether the `silu_mul` kernel gives F.silu(gate) * up's bits on this machine (checked once, on values that
-    take every path: vectors, the scalar tail, large and tiny magnitudes); callers use PyTorch's ops otherwise."""
-    global _silu_exact
-    if _silu_exact is None:
-        import torch
+def silu_mul_exact(module) -> bool:
+    """Whether the `silu_mul` kernel gives F.silu(gate) * up's bits on this machine (on values that take every path:
+    vectors, the scalar tail, large and tiny magnitudes): a fact of the machine and build, the same at every check."""
+    import torch
 
-        kern, g = cpu(), torch.Generator().manual_seed(0)
-        gu = torch.randn(3, 2 * 1000 + 2 * 13, generator=g) * torch.logspace(-3, 2, 2026)  # (3, 2F), F = 1013
-        F = gu.shape[1] // 2
-        _silu_exact = kern is not None and torch.equal(
-            kern.silu_mul(gu, silu_lanes()), torch.nn.functional.silu(gu[:, :F].contiguous()) * gu[:, F:])
-    return _silu_exact
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randn(3, 2 * 1000 + 2 * 13, generator=g) * torch.logspace(-3, 2, 2026)  # (3, 2F), F = 1013
+    F = gu.shape[1] // 2
+    return torch.equal(module.silu_mul(gu, silu_lanes()), torch.nn.functional.silu(gu[:, :F].contiguous()) * gu[:, F:])
 
 
 def build() -> dict:
@@ -196,12 +90,12 @@ def build() -> dict:
     if is_built():
         return {"kernels": "already built", "seconds": 0.0, "path": str(path),
                 "line": f"infinigen: CPU kernels already built for this machine ({path})"}
-    module = cpu()
+    module = library()
     seconds = round(time.perf_counter() - t0, 1)
     if module is None:
-        why = "switched off (INFINIGEN_KERNELS=0)" if not enabled() else "not built (no C++ compiler or ninja)"
         return {"kernels": "unavailable", "seconds": seconds, "path": None,
-                "line": f"infinigen: CPU kernels {why}: the PyTorch path serves, the same results, slower"}
+                "line": "infinigen: CPU kernels not built (no C++ compiler or ninja): the PyTorch path serves, the "
+                        "same results, slower"}
     return {"kernels": "built", "seconds": seconds, "path": str(path),
             "line": f"infinigen: CPU kernels built in {seconds:.0f} s ({path})"}
 

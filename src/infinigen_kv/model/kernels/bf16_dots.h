@@ -9,7 +9,7 @@
 // Attention: the r query heads of a KV head each score and weigh every row (r = 7 on Qwen2.5: 7 x 128 multiply-adds a
 // row of 64 channels). Here a row's scores are 16 tokens of one head at a time (their sums reduced together, no
 // horizontal sum a token) and the values two tokens at a time (the pair interleaved once for up to 4 heads). Used for
-// rows of LONG_ROWS tokens or more for the query heads a KV head where the machine measured pairs faster (attend_pairs_upto): where
+// rows of LONG_ROWS tokens or more for up to the backend's attend_pairs_upto query heads a KV head (model/backend.py): where
 // vdpbf16ps is slow (one a two cycles on the Xeons measured) attend512.h's float32 products of widened rows serve.
 //
 // Linears: from two rows on, float32 FMAs of widened weights are the decode step's bound (the 0.5B at B4: ~58 GFLOP/s,

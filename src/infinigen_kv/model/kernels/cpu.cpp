@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1583,24 +1582,19 @@ std::tuple<at::Tensor, at::Tensor, int64_t> speculate(at::Tensor q, at::Tensor k
   return {idx, count, std::accumulate(cp, cp + B * G, int64_t(0))};
 }
 
-// Whether attend multiplies long bfloat16 rows in bfloat16 pairs (bf16_dots.h) rather than float32 products of the
-// widened rows (attend512.h): the faster on the machine, measured once and set at load (kernels/__init__.py).
-// The choice follows r, the query heads a KV head (the widened rows serve all r): pairs up to pairs_upto heads.
-std::atomic<int64_t> pairs_upto{0};
-
-void set_attend_pairs_upto(int64_t heads) {
-#ifndef IG_BF16_DOTS
-  TORCH_CHECK(heads == 0, "this build has no bfloat16 products (AVX-512 BF16)");
-#endif
-  pairs_upto = heads;
-}
-
 // q (B, G, r, d) float32; K, V (B, G, cap, d) pool storage, or (B, G, cap, kv_width(d)) int8 rows; idx (B, G, m)
 // slots or None (slots 0..n-1, masked by keep (B, 1 or G, n)); count (B, G) or None (all m); the new token's slot
-// first: new_rows (B, G) or new_row (>= 0; -1 for none). Returns (B, G, r, d) in out_dtype.
+// first: new_rows (B, G) or new_row (>= 0; -1 for none). pairs_upto: long bfloat16 rows are multiplied in bfloat16
+// pairs (bf16_dots.h) for up to this many query heads a KV head, else in float32 products of the rows widened once for
+// all r heads (attend512.h): the backend's constant for the machine's kernel path (model/backend.py). Returns
+// (B, G, r, d) in out_dtype.
 at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Tensor> idx,
                   c10::optional<at::Tensor> count, c10::optional<at::Tensor> new_rows, int64_t new_row,
-                  c10::optional<at::Tensor> keep, int64_t n, double scale, at::ScalarType out_dtype) {
+                  c10::optional<at::Tensor> keep, int64_t n, double scale, at::ScalarType out_dtype,
+                  int64_t pairs_upto) {
+#ifndef IG_BF16_DOTS
+  pairs_upto = 0;  // this build has no bfloat16 products (AVX-512 BF16)
+#endif
   check_cpu_contig(q, "q");
   check_cpu_contig(K, "K");
   check_cpu_contig(V, "V");
@@ -1644,7 +1638,7 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
       dispatch_size(d, [&](auto size) {
       attend_impl<T, O, decltype(size)::value>(q.data_ptr<float>(), reinterpret_cast<const T*>(K.data_ptr()),
                         reinterpret_cast<const T*>(V.data_ptr()), idx_p, m, count_p, new_p, new_row, keep_p,
-                        keep_heads, n, B, G, r, d, cap, float(scale), r <= pairs_upto.load(),
+                        keep_heads, n, B, G, r, d, cap, float(scale), r <= pairs_upto,
                         reinterpret_cast<O*>(out.data_ptr()));
       });
     });
@@ -2082,10 +2076,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("dequantize_q5_tiles", &dequantize_q5_tiles, "int5 weight tiles' values in float32 or bfloat16");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
-  mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place");
-  mod.def("set_attend_pairs_upto", &set_attend_pairs_upto,
-          "attend multiplies long bfloat16 rows in bfloat16 pairs for up to this many query heads a KV head (else float32)");
-  mod.def("attend_pairs_upto", [] { return pairs_upto.load(); }, "the query heads a KV head up to which pairs serve");
+  mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place", py::arg("q"), py::arg("K"),
+          py::arg("V"), py::arg("idx"), py::arg("count"), py::arg("new_rows"), py::arg("new_row"), py::arg("keep"),
+          py::arg("n"), py::arg("scale"), py::arg("out_dtype"), py::arg("pairs_upto") = 0);
   mod.def("bf16_dots_native", &bf16_dots_native, "whether this build multiplies bfloat16 pairs (AVX-512 BF16)");
 #ifdef IG_BF16_DOTS
   mod.attr("BF16_ATTEND_ROWS") = bf16dots::LONG_ROWS;  // rows from which bfloat16 pairs serve (attend_pairs_upto)
