@@ -1,4 +1,4 @@
-"""infinigen-kv: InfiniGen's speculative KV-cache selection over a host KV pool, for transformers models.
+"""infinigen-kv: InfiniGen's speculative KV-cache selection over a host KV pool, and the methods it is compared with.
 
 The layout, in the order of the data path (load -> calibrate -> prefill -> speculate -> prefetch -> attend):
   config.py   options and defaults        model/     load, per-architecture facts, what is installed, kernels
@@ -19,7 +19,8 @@ from importlib.util import spec_from_loader
 __version__ = "0.1.0"
 
 _WHERE = {
-    "METHODS": ".methods.registry", "make_cache": ".methods.registry", "InfiniGenCache": ".methods.infinigen",
+    "METHODS": ".methods.registry", "make_cache": ".methods.registry", "register_method": ".methods.registry",
+    "Method": ".methods.registry", "method_names": ".methods.registry", "InfiniGenCache": ".methods.infinigen",
     "Calibration": ".methods.infinigen", "CalibrationError": ".methods.infinigen", "calibrate": ".methods.infinigen",
     "ConfigError": ".config", "InfiniGenConfig": ".config", "generate": ".runtime.generation",
     "load_model": ".model.load", "PrefixStore": ".runtime.prefix", "from_hf": ".model.weights",
@@ -28,10 +29,13 @@ _WHERE = {
 __all__ = list(_WHERE)
 
 
+_NAMED = {"method_names": "names"}  # exported under another name than the module's
+
+
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_WHERE[name], __name__), name)
+    value = getattr(import_module(_WHERE[name], __name__), _NAMED.get(name, name))
     globals()[name] = value  # once
     return value
 

@@ -22,7 +22,7 @@ from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
 from .commands import (CLIError, RunError, _summary, cmd_bench_accuracy, cmd_bench_busy, cmd_bench_speed,
                        cmd_build_kernels, cmd_calibrate, cmd_generate, cmd_serve)
-from .methods.registry import METHODS
+from .methods import registry
 
 
 class Help(argparse.HelpFormatter):
@@ -84,8 +84,8 @@ def _add_model_args(p):
 def _add_method_args(p, single_method=True, budget_list=False, serving=False):
     """serving: the server's subset (every method; no --capacity: --max-pool-bytes bounds it)."""
     if single_method:
-        names = [m.name for m in METHODS.values() if not serving or m.batches]
-        p.add_argument("--method", default=DEFAULT_METHOD, choices=names, help=f"KV-cache method (default: {DEFAULT_METHOD})")
+        p.add_argument("--method", default=DEFAULT_METHOD, choices=registry.names(serving),
+                       help=f"KV-cache method: built in or installed (default: {DEFAULT_METHOD})")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
     p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .config import DEFAULT_MODEL, InfiniGenConfig
-from .methods.registry import METHODS
+from .methods import registry
 
 
 class CLIError(Exception):
@@ -139,9 +139,15 @@ def cmd_calibrate(args) -> dict:
 
 def _methods(args) -> list[str]:
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    known = registry.names()
+    unknown = [m for m in methods if m not in known]
     if unknown or not methods:
-        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+        raise CLIError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    for m in methods:  # an installed method's module imported now: a broken one is one line, before any model
+        try:
+            registry.method(m)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
     return methods
 
 

@@ -29,7 +29,8 @@ import torch
 
 from ..config import DEFAULT_MODEL
 from ..methods.base import Rebatch, cache_stats
-from ..methods.registry import METHODS, REFERENCE, make_cache
+from ..methods.registry import REFERENCE, make_cache
+from ..methods.registry import method as traits
 from ..runtime.generation import generate, prefill
 from .tee import TeeCache
 from . import ruler
@@ -162,8 +163,8 @@ class SampleLog:
 def _groups(methods) -> list[list[str]]:
     """Methods that can share a prefill (TeeCache: those whose prefill attends over the prompt itself), then
     each other one alone (quant attends over its dequantized entries)."""
-    shared = [m for m in methods if METHODS[m].shares_prefill]
-    return ([shared] if shared else []) + [[m] for m in methods if not METHODS[m].shares_prefill]
+    shared = [m for m in methods if traits(m).shares_prefill]
+    return ([shared] if shared else []) + [[m] for m in methods if not traits(m).shares_prefill]
 
 
 def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, samples, seed, essay, log, batch=4):
@@ -179,14 +180,14 @@ def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, s
         for length in lengths:
             for task in tasks:
                 todo = {(m, b): [s for s in seeds if (task, length, s, m, b) not in log.done]
-                        for m in methods for b in (budgets if METHODS[m].takes_budget else [None])}
+                        for m in methods for b in (budgets if traits(m).takes_budget else [None])}
                 needed = sorted({s for got in todo.values() for s in got})
                 prompts = {s: make_prompt(tokenizer, task, length, s, essay) for s in needed}
                 for group in _groups([m for m in methods if any(todo[k] for k in todo if k[0] == m)]):
                     wanted = sorted({s for (m, _), got in todo.items() if m in group for s in got})
                     rows = _prefill_rows(model, tokenizer, group, {s: prompts[s] for s in wanted}, options)
                     for method in group:
-                        runs = [b for b in (budgets if METHODS[method].takes_budget else [None]) if todo[(method, b)]]
+                        runs = [b for b in (budgets if traits(method).takes_budget else [None]) if todo[(method, b)]]
                         for j, budget in enumerate(runs):
                             got = todo[(method, budget)]
                             caches = [_for_budget(rows[s][1][method], budget, last=j == len(runs) - 1) for s in got]
@@ -346,7 +347,7 @@ def run_accuracy(model, tokenizer, methods, tasks, budgets, samples, seed, optio
 
     for task in tasks:
         for method in methods:
-            for budget in (budgets if METHODS[method].takes_budget else [None]):
+            for budget in (budgets if traits(method).takes_budget else [None]):
                 if task == "ppl":
                     ppl, f = run_ppl(model, text_ids, method, budget, options, window, prefix, windows or samples)
                     row("ppl", method, budget, "perplexity", ppl, windows or samples, f)

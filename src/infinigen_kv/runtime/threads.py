@@ -17,7 +17,7 @@ The thread policy is the model's backend's (model/backend.py: `threads`, from `-
 `load_model(threads=N)`): None follows the load as above; a count fixes every step to it. The calls below take the
 backend they run for. The kernels give the same bits with any thread count (each output is computed by one thread
 in a fixed order), and so do the prompt's products (the BLAS in fixed blocks of rows, ops.PREFILL_ROWS): a busy
-machine changes the count, never the answer (tests/test_load.py runs generate beside busy processes).
+machine changes the count, never the answer (tests/test_default_model.py generates beside busy processes).
 """
 
 from __future__ import annotations

@@ -61,6 +61,8 @@ class Engine:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         if (options or {}).get("capacity") is not None or (options or {}).get("capacity_bytes") is not None:
             raise ValueError("the server bounds the pool with --max-pool-bytes; --capacity is for generate and bench")
+        if not method_traits(method).batches:  # (an installed method declares it; the built-in ones all batch)
+            raise ValueError(f"the server runs methods that batch continuously; {method} does not (batches=False)")
         self.model, self.tokenizer, self.method = model, tokenizer, method
         self.options = {**(options or {}), "tokenizer": tokenizer}
         self.max_batch, self.queue_size, self.batching, self.prefill_chunk = max_batch, queue_size, batching, prefill_chunk
