@@ -635,12 +635,12 @@ def test_the_machine_load_is_read_from_proc_stat():
     first = load.sample()
     if first is None:
         pytest.skip("no /proc/stat")
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:
+    cpu = time.process_time() + 0.3  # 0.3 s of our own CPU time, however busy the machine is
+    while time.process_time() < cpu:
         pass
     second = load.sample()
     wall, busy, own = (b - a for a, b in zip(first, second))
-    assert wall >= 0.3 and own >= 0.2 and busy >= 0.2 and load.cores >= 1
+    assert wall >= 0.3 and own >= 0.25 and busy >= 0.25 and load.cores >= 1  # (clock ticks: 10 ms steps)
 
 
 def test_rms_norm_kernel_gives_pytorchs_values():

@@ -279,7 +279,7 @@ def test_a_request_joins_the_running_batch(server, client):
         lines = r.iter_lines()
         assert next(lines).startswith(b"data: ")
         assert chat(client, max_tokens=3).usage.completion_tokens == 3
-        deadline = time.time() + 5  # the gauge follows at the end of the worker's step
+        deadline = time.time() + 60  # the gauge follows at the end of the worker's step
         while server.metric("infinigen_running_requests") != 1 and time.time() < deadline:
             time.sleep(0.01)
         assert server.metric("infinigen_running_requests") == 1  # the long one goes on
@@ -292,6 +292,7 @@ def test_a_request_joins_the_running_batch(server, client):
 def test_disconnect_of_a_plain_request_frees_the_place(server):
     """A non-streaming client that leaves is cancelled at once (it ran to max_tokens)."""
     before = server.metric("infinigen_cancelled_requests_total")
+    steps = server.metric("infinigen_decode_steps_total")
     body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 900, "temperature": 0})
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -300,11 +301,11 @@ def test_disconnect_of_a_plain_request_frees_the_place(server):
         while server.metric("infinigen_queue_depth") == 0 and time.time() < deadline:  # wait until it runs
             time.sleep(0.01)
     t0 = time.time()
-    while server.metric("infinigen_queue_depth") > 0 and time.time() < t0 + 20:
+    while server.metric("infinigen_queue_depth") > 0 and time.time() < t0 + 60:
         time.sleep(0.01)
-    freed = time.time() - t0
     assert server.metric("infinigen_cancelled_requests_total") == before + 1
-    assert freed < 1.0, freed  # 900 tokens take seconds
+    ran = server.metric("infinigen_decode_steps_total") - steps
+    assert ran < 450, ran  # stopped when the client left, not at its 900 tokens (counted in steps: any machine speed)
 
 
 def test_logprobs_chat_and_completions(client, server):
@@ -372,7 +373,8 @@ def test_the_server_answers_to_its_id_and_the_path_it_was_given(tmp_path):
         assert "'qwen2.5-coder-0.5b-instruct-q8_0'" in r.json()["error"]["message"]
 
 
-def test_metrics(server):
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=4)  # (whatever ran before)
     text = requests.get(server.url + "/metrics").text
     for name in ("infinigen_requests_total", "infinigen_prompt_tokens_total", "infinigen_completion_tokens_total",
                  "infinigen_decode_tokens_per_second", "infinigen_fetched_fraction", "infinigen_queue_depth",

@@ -65,6 +65,7 @@ METHODS = {m.name: m for m in (
     Method("h2o", "h2o:H2OCache", _EVICTING | {"recent_ratio"}, takes_budget=True, shares_prefill=True),
     Method("quest", "quest:QuestCache", _EVICTING | {"page_size", "dense_layers"}, takes_budget=True,
            pool_on_host=True, shares_prefill=True),
+    Method("snapkv", "snapkv:SnapKVCache", _EVICTING | {"window", "kernel"}, takes_budget=True, shares_prefill=True),
 )}
 METHOD_NAMES = tuple(METHODS)  # the built-in ones
 REFERENCE = "full"  # the method every other is measured against (exact attention over every entry)

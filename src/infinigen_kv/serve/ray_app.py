@@ -115,6 +115,11 @@ def run(application_, host: str, port: int, address: str | None = None) -> None:
     SIGINT, then shut Serve down (each replica drains for the deployment's graceful_shutdown_timeout_s)."""
     import ray
 
+    # Ray Serve kills an HTTP proxy that misses three 5-10 s checks; a machine busy with other work (or a replica's
+    # model loading on every core) delays them that long, and the proxy then dies before it serves: 60 s each,
+    # unless the environment says otherwise (read by Ray's processes, which inherit it).
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "60")
     serve = import_serve()
     ray.init(address=address, include_dashboard=False, log_to_driver=True,
              **({} if address else {"num_cpus": os.cpu_count()}))
