@@ -24,6 +24,7 @@ import torch
 from ..model import static
 from ..model.kv import StepCache
 from .prefix import WINDOW
+from . import threads
 from .sampling import Sampler, SamplingParams, token_logprobs
 
 
@@ -69,6 +70,7 @@ class Prefill:
     @torch.inference_mode()
     def step(self) -> bool:
         """Run the next chunk; True once the whole prompt is in."""
+        threads.prefill_chunk(self.model.backend)  # every core: a prompt's bits must not follow the load
         end = min(self.done + self.chunk, self.length)
         if self.k is not None:
             keep = 0  # every position's logits

@@ -74,6 +74,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         bounds = chunks(n, PREFILL_CHUNK if input_ids.device.type == "cpu" else GPU_PREFILL_CHUNK)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)  # (B, n): left padding aware
     for start, end in bounds:
+        threads.prefill_chunk(model.backend)  # every core: a prompt's bits must not follow the load
         logits = model(
             input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
             position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
@@ -238,6 +239,7 @@ def generate(
     t0 = time.perf_counter()
     logits, cached = _first_logits(model, input_ids, attention_mask, cache, max_new_tokens, prefilled, prefix, progress)
     decode = _decoder(model, cache, attention_mask, mask, unpadded, positions[:, -1:] + 1, max_new_tokens, cuda_graph)
+    threads.decode(model.backend)  # the decode steps on the cores the load leaves (their bits do not follow it)
     _sync(device)
     t1 = time.perf_counter()
     steps = 0

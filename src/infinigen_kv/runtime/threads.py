@@ -15,9 +15,12 @@ within half a second. Without `/proc/stat` (macOS, Windows) the count stays PyTo
 
 The thread policy is the model's backend's (model/backend.py: `threads`, from `--threads N` or
 `load_model(threads=N)`): None follows the load as above; a count fixes every step to it. The calls below take the
-backend they run for. The kernels give the same bits with any thread count (each output is computed by one thread
-in a fixed order), and so do the prompt's products (the BLAS in fixed blocks of rows, ops.PREFILL_ROWS): a busy
-machine changes the count, never the answer (tests/test_default_model.py generates beside busy processes).
+backend they run for. Only decode steps follow the load: their kernels give the same bits with any thread count
+(each output is computed by one thread in a fixed order). A prompt's chunks always run on the count the process
+started with (`prefill_chunk`), because the BLAS sums a long row (the MLP's down projection, 1,536 inputs on the
+default model) in another order on one thread than on two: a prompt read on fewer threads beside other work had
+other K/V bits, and a speculating decode other choices. So a busy machine changes the speed, never the answer
+(tests/test_default_model.py generates beside busy processes at 2k and at a speculating length).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Tuner:
         self.load = load if load is not None else Load()
         self.interval = interval
         self.enabled = True
+        self.count = None  # the decode steps' count, last chosen
         self.most = None  # the count the process started with (PyTorch's default: the cores), the ceiling
         self.others = 0.0  # cores other processes kept busy over the last interval
         self._last = None
@@ -117,9 +121,9 @@ class Tuner:
         self._choose()
 
     def before_prefill(self, backend) -> None:
-        """Before a prefill: choose the count it runs on now, from the last look if it is recent, else from a look
-        of `FIRST_LOOK` seconds taken here (the process idle meanwhile: what it sees is the others' load). A
-        prefill on every core beside a busy machine stalls at each of its parallel regions as a decode step does."""
+        """Before a prefill: choose the count its decode steps will run on, from the last look if it is recent, else
+        from a look of `FIRST_LOOK` seconds taken here (the process idle meanwhile: what it sees is the others' load).
+        The prompt's chunks themselves run on every core (prefill_chunk), slower beside other work, the same bits."""
         if not self._active(backend):
             return
         if self._last is None or self.load.now() - self._last[0] > 4 * self.interval:
@@ -140,8 +144,19 @@ class Tuner:
         self._last = now
         self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         n = max(1, min(self.most, self.load.cores - round(self.others)))
+        self.count = n
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
+
+    def prefill_chunk(self, backend) -> None:
+        """Before a prompt chunk: every core the process started with (the BLAS's bits follow the count)."""
+        if self._active(backend) and torch.get_num_threads() != self.most:
+            torch.set_num_threads(self.most)
+
+    def decode(self, backend) -> None:
+        """Before decode steps that follow a prompt: the count the load left them."""
+        if self._active(backend) and self.count is not None and torch.get_num_threads() != self.count:
+            torch.set_num_threads(self.count)
 
 
 
@@ -156,6 +171,16 @@ def watch(backend) -> None:
 def before_prefill(backend) -> None:
     """Called before a prefill (generation.generate): the count it runs on, from the machine's load now."""
     TUNER.before_prefill(backend)
+
+
+def prefill_chunk(backend) -> None:
+    """Called before each chunk of a prompt (generation.prefill, the server's Prefill): the process's whole count."""
+    TUNER.prefill_chunk(backend)
+
+
+def decode(backend) -> None:
+    """Called after a prompt, before its decode steps: the count the load leaves them."""
+    TUNER.decode(backend)
 
 
 def decode_step(backend) -> None:

@@ -304,6 +304,7 @@ class Engine:
                 self._fit_prefix()
             self.rows = [rows[b] for b in order]
             if self.rows:
+                threads.decode(self.model.backend)  # (after a prompt chunk, which ran on every core)
                 self.batch.forward(ids[order])
                 threads.decode_step(self.model.backend)  # on CPU: the next steps' thread count, from the machine's load
                 self._window[1] += len(live)
