@@ -640,7 +640,8 @@ def test_the_machine_load_is_read_from_proc_stat():
         pass
     second = load.sample()
     wall, busy, own = (b - a for a, b in zip(first, second))
-    assert wall >= 0.3 and own >= 0.25 and busy >= 0.25 and load.cores >= 1  # (clock ticks: 10 ms steps)
+    # (wall may be under 0.3 s: the CPU time counts every thread of the process, idle OpenMP workers spinning too)
+    assert wall > 0 and own >= 0.25 and busy >= 0.25 and load.cores >= 1  # (clock ticks: 10 ms steps)
 
 
 def test_rms_norm_kernel_gives_pytorchs_values():
