@@ -15,7 +15,9 @@ from infinigen_kv.runtime.sampling import SamplingParams
 # (name, method, options): exact at full budget for every method; infinigen also at its default budget
 METHODS = [("full", "full", {}), ("infinigen-1.0", "infinigen", {"budget": 1.0}),
            ("infinigen-0.1", "infinigen", {}), ("offload", "offload", {}), ("quant", "quant", {}),
-           ("h2o", "h2o", {"budget": 0.3, "min_budget": 0}), ("streaming", "streaming", {"budget": 0.3, "min_budget": 0})]
+           ("h2o", "h2o", {"budget": 0.3, "min_budget": 0}), ("streaming", "streaming", {"budget": 0.3, "min_budget": 0}),
+           ("quest-1.0", "quest", {"budget": 1.0}), ("snapkv-1.0", "snapkv", {"budget": 1.0}),
+           ("shadowkv-1.0", "shadowkv", {"budget": 1.0, "rank": 4})]
 
 
 @pytest.mark.parametrize("name,method,options", METHODS, ids=[m[0] for m in METHODS])
@@ -278,3 +280,11 @@ def test_static_steps_once_the_rows_stay(tiny_models, method, options, monkeypat
     # three rows in a bucket of 4; "d" joins in place; "c" leaves, "d" moves into its place; "d" leaves: a bucket
     # of 2, static again
     assert calls == ["__init__", "place", "move_rows", "__init__"], calls
+
+
+@pytest.mark.parametrize("method", ["quest", "snapkv", "shadowkv"])
+def test_selection_methods_decode_under_a_binding_budget_in_a_changing_batch(tiny_models, method):
+    """Rows join (left-padded) and leave a running batch while each step attends a budget's share of the past."""
+    plan = {"a": (0, prompt(120, 1), 14, None), "long": (3, prompt(150, 2), 6, None), "short": (5, prompt(60, 3), 12, None)}
+    out = run_plan(tiny_models["qwen2"], method, {"budget": 0.3, "min_budget": 0, "rank": 4}, plan)
+    assert {k: len(v) for k, v in out.items()} == {"a": 14, "long": 6, "short": 12}

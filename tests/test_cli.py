@@ -96,6 +96,9 @@ def one_line_error(r, text):
     (["serve", "--capacity", "0.5"], "unrecognized arguments: --capacity 0.5 (see infinigen serve --help)"),
     (["bench", "speed", "--bogus"], "unrecognized arguments: --bogus (see infinigen bench speed --help)"),
     (["generate", "--prompt", "hi", "--top-p", "nope"], "top-p must be a number"),
+    (["generate", "--prompt", "hi", "--method", "quest", "--option", "rank=4"], "--option rank: no method of quest"),
+    (["generate", "--prompt", "hi", "--option", "page_size"], "expected KEY=VALUE"),
+    (["bench", "speed", "--methods", "full,nope", "--option", "rank=4"], "unknown method 'nope'"),
 ])
 def test_bad_input_exits_with_one_line(args, text):
     one_line_error(cli(*args, ok=False), text)
@@ -275,6 +278,20 @@ def test_layer_budget_reaches_the_cache_options():
     assert _method_options(p.parse_args(["serve", "--layer-budget", "recall"]))["layer_budget"] == "recall"
     assert _method_options(p.parse_args(["generate", "--prompt", "x"]))["layer_budget"] is None
     one_line_error(cli("generate", "--prompt", "x", "--layer-budget", "more", ok=False), "--layer-budget")
+
+
+def test_method_options_reach_the_methods_that_take_them():
+    """--option KEY=VALUE, repeatable, typed from its text; make_cache hands each to the methods that name it."""
+    from infinigen_kv.cli import _method_options, build_parser
+    from infinigen_kv.methods.registry import method
+
+    p = build_parser()
+    args = p.parse_args(["bench", "accuracy", "--methods", "quest,shadowkv", "--option", "page_size=8",
+                         "--option", "outliers=0.1", "--option", "flag=true", "--option", "name=x"])
+    options = _method_options(args)
+    assert (options["page_size"], options["outliers"], options["flag"], options["name"]) == (8, 0.1, True, "x")
+    assert method("quest").takes("page_size") and not method("quest").takes("rank")
+    assert method("shadowkv").takes("rank") and not method("full").takes("page_size")
 
 
 def test_gemma3_alias_without_its_package_is_one_clear_error(monkeypatch):

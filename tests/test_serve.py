@@ -708,3 +708,34 @@ def test_completions_refuse_what_they_cannot_do(server):
             assert r.status_code == 200 and len(r.json()["choices"]) == 2
         else:
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("method", ["quest", "snapkv", "shadowkv"])
+def test_selection_methods_are_served_in_one_batch(model_dir, method):
+    """The engine serves today's selection methods at a binding budget: concurrent requests, each to its length."""
+    import asyncio
+
+    import infinigen_kv as ig
+    from infinigen_kv.serve import engine as engine_mod
+
+    model, tok = ig.load_model(model_dir)
+    eng = engine_mod.Engine(model, tok, method=method, options={"budget": 0.3, "min_budget": 0}, max_batch=4)
+
+    async def collect(job):
+        out = []
+        while not out or out[-1][0] not in ("done", "error"):
+            out.append(await asyncio.wait_for(job.events.get(), 60))
+        return out
+
+    async def main():
+        jobs = [engine_mod.Job([5 + (i * 7 + j) % 200 for j in range(90 + 20 * i)], max_tokens=6) for i in range(3)]
+        for j in jobs:
+            eng.submit(j)
+        return jobs, await asyncio.gather(*(collect(j) for j in jobs))
+
+    try:
+        jobs, results = asyncio.run(main())
+    finally:
+        eng.close()
+    assert [r[-1][:2] for r in results] == [("done", "length")] * 3
+    assert [j.completion_tokens for j in jobs] == [6, 6, 6]

@@ -125,6 +125,10 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                    help="InfiniGen calibration: a text file to calibrate on (default: the package's own ~2,000-token "
                    "text of prose, code, dialogue and numbers)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=None, help="bits of the quant method (default: 4)")
+    p.add_argument("--option", action="append", type=_method_option, default=None, metavar="KEY=VALUE",
+                   help="a method's own option, repeatable, given to the methods that take it: quest page_size=16, "
+                   "dense_layers=2; snapkv window=32, kernel=5; shadowkv chunk=8, rank=160, local=32, outliers=0.156, "
+                   "dense_layers=0; h2o recent_ratio=0.5; streaming sink_tokens=4; an installed method's keywords")
     if not serving:
         p.add_argument("--capacity", type=_capacity, default=None,
                        help="InfiniGen pool limit per layer and sequence: a fraction of the tokens seen, or bytes "
@@ -323,6 +327,19 @@ def _add_serve(sub) -> None:
                    help="on SIGTERM/SIGINT: time given to requests in flight before they end with an error event")
 
 
+def _method_option(text: str) -> tuple:
+    """KEY=VALUE -> (key, value): an integer, a number, true/false, or the text as it is."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (page_size=16), got {text!r}")
+    for kind in (int, float):
+        try:
+            return key.strip(), kind(value)
+        except ValueError:
+            pass
+    return key.strip(), {"true": True, "false": False}.get(value.lower(), value)
+
+
 def _check_inputs(args) -> None:
     """What can be checked without torch, checked first: a missing or empty prompt file, a model path that does not
     exist or is no model, are one line at once, not after torch has loaded."""
@@ -347,6 +364,15 @@ def _check_inputs(args) -> None:
             raise CLIError("the prompt is empty")
     if args.command == "calibrate" and args.text_file is not None and not Path(args.text_file).is_file():
         raise CLIError(f"calibration text file not found: {args.text_file}")
+    if getattr(args, "option", None):
+        one = vars(args).get("method")  # (generate, serve: one method; bench: --methods)
+        methods = [one] if one is not None else [m for m in args.methods.split(",") if m]
+        try:
+            for key, _ in args.option:
+                if not any(registry.method(m).takes(key) for m in methods):
+                    raise CLIError(f"--option {key}: no method of {', '.join(methods)} takes it")
+        except ValueError as e:  # an unknown or broken method: named by the command, as without options
+            raise CLIError(str(e)) from None
 
 def _quiet_transformers() -> None:
     """Where a command brings transformers in (a checkpoint without tokenizer.json, lm-eval), its warnings and loading

@@ -28,7 +28,8 @@ def _method_options(args) -> dict:
             "speculate_from": args.speculate_from,
             "channel_rule": args.channel_rule, "skew": args.skew, "calibration_text": args.calibration_text,
             "partial_dtype": getattr(args, "partial_dtype", None), "kv_dtype": getattr(args, "kv_dtype", None),
-            "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None}
+            "capacity": value if kind == "fraction" else None, "capacity_bytes": value if kind == "bytes" else None,
+            **dict(getattr(args, "option", None) or ())}
 
 
 def _load(args, say: bool = True):

@@ -34,11 +34,20 @@ class Method:
     shares_prefill: bool = False  # its prefill is the full cache's: a bench prefills once and forks the cache
     batches: bool = True  # continuous batching (joins and retires between steps): the server can serve it
 
-    def make(self, model, **options) -> Any:
+    def takes(self, option: str) -> bool:
+        """Whether make() hands `option` to the factory (a factory named by its module is imported to read it)."""
+        taken = self.options if self.options is not None else _keywords(self._factory())
+        return taken is None or option in taken
+
+    def _factory(self) -> Callable:
         factory = self.factory
         if isinstance(factory, str):
             module, attr = factory.split(":")
             factory = getattr(import_module(module if "." in module else f"{__package__}.{module}"), attr)
+        return factory
+
+    def make(self, model, **options) -> Any:
+        factory = self._factory()
         taken = self.options if self.options is not None else _keywords(factory)
         return factory(model, **{k: v for k, v in options.items() if v is not None and (taken is None or k in taken)})
 
@@ -66,6 +75,8 @@ METHODS = {m.name: m for m in (
     Method("quest", "quest:QuestCache", _EVICTING | {"page_size", "dense_layers"}, takes_budget=True,
            pool_on_host=True, shares_prefill=True),
     Method("snapkv", "snapkv:SnapKVCache", _EVICTING | {"window", "kernel"}, takes_budget=True, shares_prefill=True),
+    Method("shadowkv", "shadowkv:ShadowKVCache", _EVICTING | {"chunk", "rank", "local", "outliers", "dense_layers"},
+           takes_budget=True, pool_on_host=True, shares_prefill=True),
 )}
 METHOD_NAMES = tuple(METHODS)  # the built-in ones
 REFERENCE = "full"  # the method every other is measured against (exact attention over every entry)

@@ -257,6 +257,8 @@ class CudaTransfer:
             return dk, dv, (self._positions(m + 1) <= fetch.count.unsqueeze(-1)).unsqueeze(2)
         K = torch.cat([to_rows(k_new, dk.dtype), dk], dim=2)  # [new token, fetched rows]: the slot is free once
         V = torch.cat([to_rows(v_new, dv.dtype), dv], dim=2)  # this is done
+        if fetch.keys is not None:  # the first slots' keys made by the selection (ShadowKV's rebuilt keys)
+            K[:, :, 1 : 1 + fetch.keys.shape[2]] = to_rows(fetch.keys, K.dtype)
         self.ring.release(slot, self.compute_stream())
         fetch.rows = None
         m = dk.shape[2]

@@ -19,14 +19,17 @@ class Fetch:
     are real, or the first count (B, G) of each row, or all when both are None; `whole`: idx is 0..m-1 in
     every row (a transfer may copy the rows as they lie); `keep` (B, 1, n): the past positions the step may
     attend (None: all), `scored`: bytes of partial key read per slot to choose them; `total`: the sum of count where
-    the host knows it (the CPU kernel's); `rows` once in flight; `fixed`: a static step's."""
+    the host knows it (the CPU kernel's); `rows` once in flight; `fixed`: a static step's; `keys` (B, G, c, d): the
+    keys of the first c slots, made by the selection (their key rows are not read: ShadowKV's rebuilt keys);
+    `meta`: bytes a (sequence, KV head) reads besides the rows and partial keys to choose and rebuild them."""
 
-    __slots__ = ("idx", "real", "count", "whole", "keep", "scored", "total", "rows", "fixed")
+    __slots__ = ("idx", "real", "count", "whole", "keep", "scored", "total", "rows", "fixed", "keys", "meta")
 
     def __init__(self, idx: torch.Tensor, real: torch.Tensor | None = None, count: torch.Tensor | None = None,
                  whole: bool = False, keep: torch.Tensor | None = None, scored: int = 0, total: int | None = None,
-                 fixed: bool = False):
+                 fixed: bool = False, keys: torch.Tensor | None = None, meta: int = 0):
         self.idx, self.real, self.count, self.whole, self.rows = idx, real, count, whole, None
+        self.keys, self.meta = keys, meta
         self.keep, self.scored, self.total = keep, scored, total
         self.fixed = fixed  # a static step's (model/static.py): its shapes span the pool's capacity
 

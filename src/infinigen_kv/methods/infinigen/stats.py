@@ -56,7 +56,9 @@ class Counters:
         self.steps[nxt] += 1
         self.rows_moved += idx.numel()
         row = (target.k.width + target.v.width) * target.k.data.element_size()
-        self.kv_bytes += B * G * (n * fetch.scored + (m + 1) * row)
+        self.kv_bytes += B * G * (n * fetch.scored + (m + 1) * row + fetch.meta)
+        if fetch.keys is not None:  # rebuilt keys: their rows' keys are not read (meta counts what is)
+            self.kv_bytes -= B * G * fetch.keys.shape[2] * target.k.width * target.k.data.element_size()
         if fetch.fixed and fetch.count is None and keep is not None:
             self.count_fixed(nxt, fetch.real, keep, G)
             return

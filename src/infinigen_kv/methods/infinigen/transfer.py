@@ -75,7 +75,12 @@ class DirectTransfer:
             torch.cat([layer.v.gather(fetch.idx), to_rows(v_new, V.dtype)], dim=2, out=V)
             real = fetch.real_mask()
             return K, V, None if real is None else torch.cat([real, real.new_ones(B, G, 1)], -1).unsqueeze(2)
-        torch.cat([to_rows(k_new, K.dtype), layer.k.gather(fetch.idx)], dim=2, out=K)
+        if fetch.keys is not None:  # the first c slots' keys made by the selection, the rest's read
+            c = fetch.keys.shape[2]
+            torch.cat([to_rows(k_new, K.dtype), to_rows(fetch.keys, K.dtype), layer.k.gather(fetch.idx[..., c:])],
+                      dim=2, out=K)
+        else:
+            torch.cat([to_rows(k_new, K.dtype), layer.k.gather(fetch.idx)], dim=2, out=K)
         torch.cat([to_rows(v_new, V.dtype), layer.v.gather(fetch.idx)], dim=2, out=V)
         return K, V, work_mask(fetch.real_mask())
 
