@@ -22,6 +22,7 @@ import torch
 import infinigen_kv as ig
 from infinigen_kv.bench.speed import prompts
 from infinigen_kv.bench.tee import TeeCache
+from infinigen_kv.methods.base import cache_stats
 from infinigen_kv.methods.registry import METHODS
 from infinigen_kv.runtime.generation import prefill
 
@@ -84,13 +85,17 @@ def main() -> int:
             times[c].append(time.perf_counter() - t)
     first = statistics.median(times[configs[0]])
     print(f"B={B} n={n}, median of {args.steps} steps, alternated step by step")
-    print("| config | K/V bytes per token per sequence | step ms | tok/s | step vs first |")
-    print("|---|---|---|---|---|")
+    print("| config | K/V bytes per token per sequence | step ms | tok/s | step vs first | fetched | K/V MB read/step |")
+    print("|---|---|---|---|---|---|---|")
     for c in configs:
         layers = caches[c].layers
         per_token = sum(b.heads * b.width * b.data.element_size() for layer in layers for b in (layer.k, layer.v))
         step = statistics.median(times[c])
-        print(f"| {c} | {per_token} | {step * 1e3:.2f} | {B / step:.1f} | {step / first:.3f}x |")
+        stats = cache_stats(caches[c])
+        fetched = stats.get("fetched_fraction")
+        read = stats.get("kv_bytes_per_step")
+        print(f"| {c} | {per_token} | {step * 1e3:.2f} | {B / step:.1f} | {step / first:.3f}x | "
+              f"{'' if fetched is None else f'{fetched:.3f}'} | {'' if read is None else f'{read / 1e6:.1f}'} |")
     return 0
 
 
