@@ -131,3 +131,29 @@ def test_shadowkv_generates_under_its_budget_and_counts_its_bytes(tiny_models):
         read[method] = cache.stats
     assert 0.2 < read["shadowkv"]["fetched_fraction"] <= 0.25 + 1 / 200
     assert read["shadowkv"]["kv_bytes_per_step"] < 0.5 * read["full"]["kv_bytes_per_step"]
+
+
+def test_shadowkv_at_the_keys_width_reads_the_same_rows_in_place(tiny_models, monkeypatch):
+    """rank >= G d: nothing rebuilt, the chosen rows read where they lie (counted, real first); the rows are those a
+    low rank chooses (landmarks and outliers come from the keys after RoPE), at the first decode step."""
+    model = tiny_models["llama-gqa"]
+    ids, mask = left_padded_batch(lengths=(90, 70))
+    real, seen = ShadowKVSelect.choose_at_query, {}
+
+    def spy(self, c, layer, q, step):
+        fetch = real(self, c, layer, q, step)
+        seen.setdefault((self.rank, layer), fetch)
+        return fetch
+
+    monkeypatch.setattr(ShadowKVSelect, "choose_at_query", spy)
+    for rank in (4, 160):
+        cache = ig.make_cache("shadowkv", model, budget=0.3, min_budget=0, rank=rank, chunk=4, local=8)
+        assert cache.selection.in_place == (rank == 160)
+        step_logits(model, cache, ids, mask, steps=1)
+    for layer in range(len(model.layers)):
+        low, wide = seen[(4, layer)], seen[(160, layer)]
+        assert wide.keys is None and wide.count is not None and low.keys is not None
+        for b in range(2):
+            for g in range(low.idx.shape[1]):
+                assert (sorted(wide.idx[b, g, : wide.count[b, g]].tolist())
+                        == sorted(low.idx[b, g][low.real[b, g]].tolist()))

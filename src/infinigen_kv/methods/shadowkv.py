@@ -12,9 +12,9 @@ own query. Everything a step attends counts in the budget: the cap of a (sequenc
 decoded rows, `outliers` of it in outlier chunks (the paper's 384 outlier rows of 2,464 attended at 128k), the rest
 in chosen chunks. The factors, landmarks and outliers are made from the pool's rows at a layer's first decode step
 after a prompt (its K/V as the prefill stored them); again when a batch changes, and when the exact rows past them
-(decoded tokens, a later prompt) pass half the cap. Where `rank` is at
-least G d the keys are their own factors: the exact rows are read (the same keys). Exact at budget 1.0: a cap that
-leaves nothing out attends the whole past, as full does.
+(decoded tokens, a later prompt) pass half the cap. Where `rank` is at least G d the keys are their own factors:
+the chosen rows are read where they lie in the pool (the same keys). Exact at budget 1.0: a cap that leaves nothing
+out attends the whole past, as full does.
 
 Shapes: B sequences, G KV heads, r query heads each (q_per), d head size, n past tokens, n0 the prompt's, C chunks,
 k chosen rows, R the rank.
@@ -85,7 +85,6 @@ def low_rank(flat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 
 class ShadowKVSelect:
     calibrated = False  # no offline step: the factors and landmarks are made from the prompt's own keys
-    in_place = False  # the rebuilt keys make the working set (it is not read where it lies in the pool)
     whole = False
     static = False  # its fetch follows the past: eager steps (no CUDA graph)
 
@@ -96,6 +95,10 @@ class ShadowKVSelect:
                              f">= 0, got {chunk}, {rank}, {local}, {outliers}, {dense_layers}")
         a = model.args
         self.chunk, self.rank, self.local, self.outliers, self.dense_layers = chunk, rank, local, outliers, dense_layers
+        # below the keys' width (G d) the chosen keys are rebuilt into a working set of the step's own; at or
+        # above it the factors are the keys: the chosen rows are read where they lie (the CPU kernel), as quest's
+        self.rebuilds = rank < a.n_kv_heads * a.head_dim
+        self.in_place = not self.rebuilds
         self.freqs = {key: inv_freq(rope, a.head_dim) for key, rope in a.ropes}  # RoPE key -> (d/2,) float32
         self.rope_types = tuple(a.rope_types)
         self.shadows: dict = {}  # layer -> Shadow
@@ -154,8 +157,11 @@ class ShadowKVSelect:
         if rebuilt is not None:  # the basis, and each rebuilt row's coefficients in place of its key row
             R, el = shadow.coef.shape[-1], shadow.coef.element_size()
             meta += R * shadow.landmarks.shape[-1] * el + rebuilt.shape[2] * R * el
-        return Fetch(idx.contiguous(), real=real, keep=None if keep is None else keep.unsqueeze(1), keys=rebuilt,
-                     meta=meta)
+        keep = None if keep is None else keep.unsqueeze(1)
+        if rebuilt is None:  # the real rows first, counted: read in place
+            order = (~real).to(torch.int8).argsort(dim=-1, stable=True)
+            return Fetch(idx.gather(-1, order).contiguous(), count=real.sum(-1).clamp_(min=1), keep=keep, meta=meta)
+        return Fetch(idx.contiguous(), real=real, keep=keep, keys=rebuilt, meta=meta)
 
     @staticmethod
     def _keep(step, layer_idx: int, n: int) -> torch.Tensor | None:
@@ -201,8 +207,8 @@ class ShadowKVSelect:
         outlier_real = real.gather(-1, out).repeat_interleave(ch, -1)
         positions = row_positions(None if keep is None else valid, step.positions[:, -1].to(dev), n)
         coef = basis = None
-        R = min(self.rank, G * d, n)
-        if R < G * d:  # below the keys' width: held at rank R
+        R = self.rank
+        if self.rebuilds and R < n:  # below the keys' width (and the rows' count): held at rank R
             pre = keys
             if self.freqs:
                 pcos, psin = rope_at(self.freqs[self.rope_types[layer_idx]].to(dev), positions)  # (B, n, d)
