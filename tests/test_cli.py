@@ -96,6 +96,7 @@ def one_line_error(r, text):
     (["serve", "--capacity", "0.5"], "unrecognized arguments: --capacity 0.5 (see infinigen serve --help)"),
     (["bench", "speed", "--bogus"], "unrecognized arguments: --bogus (see infinigen bench speed --help)"),
     (["generate", "--prompt", "hi", "--top-p", "nope"], "top-p must be a number"),
+    (["generate", "--prompt", "hi", "--alpha", "-1"], "alpha must be > 0, got -1"),
     (["generate", "--prompt", "hi", "--method", "quest", "--option", "rank=4"], "--option rank: no method of quest"),
     (["generate", "--prompt", "hi", "--option", "page_size"], "expected KEY=VALUE"),
     (["bench", "speed", "--methods", "full,nope", "--option", "rank=4"], "unknown method 'nope'"),

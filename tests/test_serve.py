@@ -213,9 +213,9 @@ def test_validation_errors_say_what_was_wrong(server):
     url = server.url + "/v1/chat/completions"
     hi = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
-    def message(**kw):
+    def message(url=url, **kw):
         r = requests.post(url, **kw)
-        assert r.status_code == 400, r.text
+        assert r.status_code == 400 and r.json()["error"]["code"], r.text
         return r.json()["error"]["message"]
 
     assert message(json={"model": MODEL, "messages": [{"role": "user", "content": 5}]}) == (
@@ -227,6 +227,14 @@ def test_validation_errors_say_what_was_wrong(server):
         "Invalid type for 'temperature': expected a number, but got a string instead.")
     assert message(json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": 7}]}).startswith(
         "messages[1].role: ")
+    # bounds in a JSON user's words (not pydantic's), every error with a code
+    assert message(json={"model": MODEL, "messages": []}) == "'messages' must have at least 1 item, got 0"
+    assert message(json={**hi, "n": 0}) == "'n' must be >= 1, got 0"
+    assert message(json={"model": MODEL, "prompt": [{"a": 1}]}, url=server.url + "/v1/completions") == (
+        "Invalid type for 'prompt': expected a string or a list of token ids, but got a list holding an object "
+        "instead.")
+    r = requests.post(url, json={**hi, "max_tokens": 10**9})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d without -H
     assert message(data=json.dumps(hi), headers=form) == "send a JSON body with Content-Type: application/json"
     assert message(json=[hi]) == "the body must be a JSON object"

@@ -57,7 +57,7 @@ def main() -> None:
     run.track_recall = True
     got = decode(model, tokenizer, ids, run, logits, max_new, scorer)
     recall = run.stats["recall_per_layer"]
-    speculated = [i for i, layer in enumerate(run.layers) if not layer.dense]  # all but layer 0 and local layers
+    speculated = [i for i, layer in enumerate(run.layers) if recall[i] is not None]  # all but the dense layers
     print(f"{args.task} at {args.length} tokens, seed {args.seed}, answer {answers}")
     for name, (score, out) in (("full", ref), (f"infinigen {args.budget:g}", got)):
         print(f"{name + ':':16s} score {score:.2f} {out[:60]!r}")

@@ -88,7 +88,7 @@ def _add_method_args(p, single_method=True, budget_list=False, serving=False):
                        help=f"KV-cache method: built in or installed (default: {DEFAULT_METHOD})")
     else:
         p.add_argument("--methods", default="full,infinigen", help="comma-separated methods")
-    p.add_argument("--alpha", type=float, default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)
+    p.add_argument("--alpha", type=_number("alpha", lambda v: v > 0, "> 0"), default=None, help="InfiniGen threshold: fetch tokens within alpha of the max score (default: %s)" % InfiniGenConfig.alpha)
     p.add_argument("--partial-ratio", type=_fraction("partial-ratio"), default=None, help="share of head channels used for speculation (default: %s)" % InfiniGenConfig.partial_ratio)
     if budget_list:
         p.add_argument("--budget", type=_budget_list, default=[DEFAULT_BUDGET],

@@ -57,18 +57,19 @@ class Service:
         if refused:
             raise APIError(400, refused[1], refused[0], "unsupported_parameter")
         if not ids:
-            raise APIError(400, "the prompt is empty", field)
+            raise APIError(400, "the prompt is empty", field, "empty_prompt")
         vocab = self.engine.model.config.vocab_size
         if any(not 0 <= t < vocab for t in (req.logit_bias or {})):
-            raise APIError(400, f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
+            raise APIError(400, f"logit_bias: token ids must be in [0, {vocab})", "logit_bias", "invalid_value")
         if req.n > self.engine.max_batch:
-            raise APIError(400, f"n={req.n} is over this server's limit of {self.engine.max_batch} (--max-batch)", "n")
+            raise APIError(400, f"n={req.n} is over this server's limit of {self.engine.max_batch} (--max-batch)", "n",
+                           "invalid_value")
         ctx = self.engine.context
         if max_tokens is None:
             max_tokens = min(self.max_tokens_limit, (ctx - len(ids)) if ctx else self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {self.max_tokens_limit}",
-                           "max_tokens")
+                           "max_tokens", "invalid_value")
         if ctx and len(ids) + max(max_tokens, 1) > ctx:
             raise APIError(400, f"the prompt has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
                                 f"{max_tokens}: more than the "
@@ -215,7 +216,7 @@ async def completions(req: CompletionRequest, request: Request):
     else:
         vocab = engine.model.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt):
-            raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
+            raise APIError(400, f"token ids must be in [0, {vocab})", "prompt", "invalid_value")
         ids = list(req.prompt)
         prompt_text = await run_in_threadpool(engine.decode, ids) if req.echo else ""
     job = svc.make_job(req, ids, "prompt", req.max_tokens, req.logprobs,
@@ -258,12 +259,12 @@ async def chat(req: ChatRequest, request: Request):
     engine, model_id = svc.engine, svc.model_id
     svc.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     messages = [m.plain() for m in req.messages]
     try:
         ids = await run_in_threadpool(engine.chat_ids, messages)
     except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
-        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        raise APIError(400, f"messages: the chat template refused them: {e}", "messages", "invalid_value") from None
     job = svc.make_job(req, ids, "messages", req.max_completion_tokens or req.max_tokens,
                    (req.top_logprobs or 0) if req.logprobs else None)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -29,4 +29,4 @@ def measure_recall(model, cal: Calibration, ids: torch.Tensor, cache_cls, steps:
     row = ids.reshape(1, -1).to(next(model.parameters()).device)
     generate(model, row, cache=cache, max_new_tokens=steps, stop_at_eos=False)
     got = cache.stats["recall_per_layer"]
-    return [None if layer.dense else round(float(got[i]), 4) for i, layer in enumerate(cache.layers)]
+    return [None if layer.dense else round(float(got[i] or 0.0), 4) for i, layer in enumerate(cache.layers)]

@@ -218,7 +218,7 @@ class Counters:
         the head's true top-k it fetched, k = its row's fetched count (topk_recall_per_head); None where a layer
         recorded no step (a dense layer)."""
         steps = self.recall_steps
-        per_layer = [r / max(n, 1) for r, n in zip(self.recall.cpu().tolist(), steps)]
+        per_layer = [r / n if n else None for r, n in zip(self.recall.cpu().tolist(), steps)]
         heads = {"recall_per_head": self.recall_heads, "topk_recall_per_head": self.topk_heads}
         return {"recall_per_layer": per_layer,
                 **{name: [None if t is None or not n else (t[i] / n).tolist() for i, n in enumerate(steps)]
