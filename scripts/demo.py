@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from infinigen_kv.bench.tasks import passkey
+from infinigen_kv.config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET
 from infinigen_kv.model.load import load_model
 
 root = Path(__file__).resolve().parent.parent
@@ -42,6 +43,9 @@ for name, r in results.items():
     ok = "correct" if sample.answer in r["text"] else "WRONG"
     print(f"  {name:10s} {ok:8s} decode {r['decode_tokens_per_s']:6.1f} tok/s  fetched {r['fetched_fraction']:.3f}  "
           f"KV+weights read/step {r['bytes_read_per_step'] / 1e6:.0f} MB")
-print(f"  InfiniGen fetched {ig['fetched_fraction']:.1%} of the past KV entries per layer and step; decode speed "
+print(f"  InfiniGen fetched {ig['fetched_fraction']:.1%} of the past KV entries per layer and step (the budget, "
+      f"{DEFAULT_BUDGET:.0%} of the past but at least {DEFAULT_MIN_BUDGET:,} entries, caps what a speculated layer "
+      f"fetches; layer 0 attends whole, no layer before it to speculate from: the share over all layers is above "
+      f"the budget); decode speed "
       f"{ig['decode_tokens_per_s'] / full['decode_tokens_per_s']:.2f}x the full cache's (batch 1, CPU: the weights "
       f"dominate the bytes here; see docs/BENCHMARKS.md for batch x context where the cache dominates).")

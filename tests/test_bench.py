@@ -59,7 +59,9 @@ def test_bench_accuracy_contract_and_files(tmp_path, capsys):
                  "--tasks", "ppl,passkey,niah,vt,agreement", "--budget", "0.2,32", "--lengths", "160",
                  "--samples", "1", "--window", "64", "--prefix", "24", "--new-tokens", "6", "--data", str(text),
                  "--out", str(out), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "[1/" in captured.err and " left] " in captured.err  # the run's progress: results done of all, time left
     rows = result["rows"]
     for r in rows:
         assert set(r) >= {"task", "method", "budget", "metric", "value", "n"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -117,12 +118,18 @@ def make_prompt(tokenizer, task, length, seed, essay=None):
     return s.prompt, [s.answer], 24 if task == "vt" else 10, lambda out: task_lib.score(task, out, s.answer)
 
 
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
 class SampleLog:
     """Per-sample results, a JSON line each in OUT/samples.jsonl after a header line with the run's settings:
     a run that stops (a long RULER table is hours of CPU) goes on where it stopped with --resume."""
 
     def __init__(self, path: Path | None, header: dict, resume: bool = False):
         self.path, self.done = path, {}
+        self.total, self.got, self.started = 0, 0, time.perf_counter()  # this run's results: expected, come
         if path is None:
             return
         if resume and path.is_file():
@@ -153,7 +160,20 @@ class SampleLog:
     def key(r: dict) -> tuple:
         return r["task"], r["length"], r["seed"], r["method"], r["budget"]
 
+    def expect(self, total: int) -> None:
+        """`total` results to come in this run (the progress lines count them)."""
+        self.total, self.got, self.started = total, 0, time.perf_counter()
+
+    def progress(self) -> str:
+        """[done/total, elapsed, ~left] of this run's results, after the latest."""
+        if not self.total:
+            return ""
+        spent = time.perf_counter() - self.started
+        left = spent / self.got * (self.total - self.got) if self.got else 0.0
+        return f"[{self.got}/{self.total}, {_clock(spent)}, ~{_clock(left)} left]"
+
     def add(self, r: dict) -> None:
+        self.got += 1
         self.done[self.key(r)] = r
         if self.path is not None:
             with self.path.open("a", encoding="utf-8") as f:
@@ -175,6 +195,8 @@ def run_generated(model, tokenizer, tasks, methods, budgets, options, lengths, s
     decode; the last budget takes the caches themselves) join one batch that decodes together (a row's
     tokens do not depend on its batch: tests/test_batching.py). Sample-major: a run cut short has every
     task at about the same count."""
+    log.expect(sum((task, length, s, m, b) not in log.done for s in range(seed, seed + samples) for length in lengths
+                   for task in tasks for m in methods for b in (budgets if traits(m).takes_budget else [None])))
     for start in range(0, samples, batch):
         seeds = range(seed + start, seed + min(samples, start + batch))
         for length in lengths:
@@ -218,8 +240,8 @@ def _record(log, tokenizer, prompt, tokens, **fields) -> None:
     out = tokenizer.decode(tokens, skip_special_tokens=True)
     answers, scorer = prompt[1], prompt[3]
     log.add({**fields, "score": scorer(out), "output": out})
-    print(f"  {fields['task']}-{fields['length']} {fields['method']} budget {fields['budget']} seed {fields['seed']}: "
-          f"{out.strip()[:30]!r} (answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
+    print(f"  {log.progress()} {fields['task']}-{fields['length']} {fields['method']} budget {fields['budget']} "
+          f"seed {fields['seed']}: {out.strip()[:30]!r} (answer {' '.join(answers)[:40]})", file=sys.stderr, flush=True)
 
 
 def _for_budget(cache, budget, last: bool):

@@ -52,13 +52,16 @@ def ruler_summary(result: dict) -> str:
 
 def write_reports(result: dict, out: Path) -> list[Path]:
     """accuracy.json, accuracy.md and PNGs per (task, metric): value vs budget, a line per method, one plot for
-    the fraction budgets and one (`-tokens`) for the token-count budgets."""
+    the fraction budgets and one (`-tokens`) for the token-count budgets; RULER's tasks in one plot of their mean
+    (each task's figures are in the tables)."""
     written, plt = write_tables(result, out, "accuracy", markdown_table(result))
     if plt is None:
         return written
     every = {r["budget"] for r in result["rows"] if r["budget"] is not None}
     kinds = {"": sorted(b for b in every if b <= 1), "-tokens": sorted(b for b in every if b > 1)}
     for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in result["rows"]):
+        if task.rsplit("-", 1)[0] in ruler.TASKS:  # one of RULER's: drawn as part of its mean
+            continue
         for suffix, budgets in kinds.items():
             if not budgets and (suffix or kinds["-tokens"]):  # one plot at least, none of an absent kind
                 continue
