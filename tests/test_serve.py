@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, live on loopback (`infinigen serve` in a subprocess), driven with the real
 openai client and with raw HTTP for bad input, disconnects, the API key, the queue bound and SIGTERM."""
 
+import asyncio
 import json
 import os
 import signal
@@ -559,11 +560,17 @@ def test_per_row_seeds_do_not_depend_on_the_batch():
     assert not torch.equal(both[0], both[1])
 
 
+async def collect(job):
+    """A job's events until its last ("done" or "error")."""
+    out = []
+    while not out or out[-1][0] not in ("done", "error"):
+        out.append(await asyncio.wait_for(job.events.get(), 60))
+    return out
+
+
 def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
     """A request whose prefill raises (here: a stand-in fault on prompts starting with id 99) fails alone; the
     request running with it completes (one bad request must not fail its batch-mates)."""
-    import asyncio
-
     import infinigen_kv as ig
     from infinigen_kv.serve import engine as engine_mod
 
@@ -577,12 +584,6 @@ def test_a_failing_request_fails_only_itself(model_dir, monkeypatch):
     monkeypatch.setattr(engine_mod.Prefill, "step", faulty)
     model, tok = ig.load_model(model_dir)
     eng = engine_mod.Engine(model, tok, method="full", max_batch=4)
-
-    async def collect(job):
-        out = []
-        while not out or out[-1][0] not in ("done", "error"):
-            out.append(await asyncio.wait_for(job.events.get(), 60))
-        return out
 
     async def main():
         ids = tok("hello")["input_ids"]
@@ -721,19 +722,11 @@ def test_completions_refuse_what_they_cannot_do(server):
 @pytest.mark.parametrize("method", ["quest", "snapkv", "shadowkv"])
 def test_selection_methods_are_served_in_one_batch(model_dir, method):
     """The engine serves today's selection methods at a binding budget: concurrent requests, each to its length."""
-    import asyncio
-
     import infinigen_kv as ig
     from infinigen_kv.serve import engine as engine_mod
 
     model, tok = ig.load_model(model_dir)
     eng = engine_mod.Engine(model, tok, method=method, options={"budget": 0.3, "min_budget": 0}, max_batch=4)
-
-    async def collect(job):
-        out = []
-        while not out or out[-1][0] not in ("done", "error"):
-            out.append(await asyncio.wait_for(job.events.get(), 60))
-        return out
 
     async def main():
         jobs = [engine_mod.Job([5 + (i * 7 + j) % 200 for j in range(90 + 20 * i)], max_tokens=6) for i in range(3)]

@@ -157,3 +157,15 @@ def _text_file(text):
         raise argparse.ArgumentTypeError(f"no such file: {text}")
     return text
 
+
+def _method_option(text: str) -> tuple:
+    """KEY=VALUE -> (key, value): an integer, a number, true/false, or the text as it is."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (page_size=16), got {text!r}")
+    for kind in (int, float):
+        try:
+            return key.strip(), kind(value)
+        except ValueError:
+            pass
+    return key.strip(), {"true": True, "false": False}.get(value.lower(), value)

@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .argtypes import (_budget, _budget_list, _capacity, _choices, _device, _fraction, _int_list, _non_negative_int,
-                       _number, _port, _positive_int, _seconds, _shape_list, _size, _size_or_off, _temperature, _text_file)
+from .argtypes import (_budget, _budget_list, _capacity, _choices, _device, _fraction, _int_list, _method_option,
+                       _non_negative_int, _number, _port, _positive_int, _seconds, _shape_list, _size, _size_or_off,
+                       _temperature, _text_file)
 from .config import (DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_MIN_BUDGET, DEFAULT_MODEL, KV_DTYPES, LAYER_BUDGETS, LOCAL_LAYERS,
                      PARTIAL_DTYPES, SPECULATE_FROM, InfiniGenConfig)
 from .commands import _method_options  # noqa: F401 (tests and scripts import it from here)
@@ -325,19 +326,6 @@ def _add_serve(sub) -> None:
                    "(default: start Ray on this machine)")
     v.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: time given to requests in flight before they end with an error event")
-
-
-def _method_option(text: str) -> tuple:
-    """KEY=VALUE -> (key, value): an integer, a number, true/false, or the text as it is."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip().isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (page_size=16), got {text!r}")
-    for kind in (int, float):
-        try:
-            return key.strip(), kind(value)
-        except ValueError:
-            pass
-    return key.strip(), {"true": True, "false": False}.get(value.lower(), value)
 
 
 def _check_inputs(args) -> None:

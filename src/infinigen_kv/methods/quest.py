@@ -16,15 +16,13 @@ Shapes: B sequences, G KV heads, r query heads each, d head size, n past tokens,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, InfiniGenConfig
 from ..model.kv import from_rows
 from .infinigen.cache import InfiniGenCache
+from .at_query import AtQuery
 from .infinigen.fetch import Fetch
-from .infinigen.speculator import fetch_cap
 
 
 def page_bounds(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +38,8 @@ def upper_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.T
     return q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)
 
 
-class QuestSelect:
-    calibrated = False  # no offline step, no partial keys: the pages' bounds are its metadata
+class QuestSelect(AtQuery):
     in_place = True  # on CPU attention reads the chosen pages' rows where they lie in the pool
-    whole = False
-    static = False  # its fetch follows the past's pages: eager steps (no CUDA graph)
 
     def __init__(self, page_size: int = 16, dense_layers: int = 2):
         if page_size < 1 or dense_layers < 0:
@@ -52,34 +47,21 @@ class QuestSelect:
         self.page, self.dense_layers = page_size, dense_layers
         self.bounds: dict = {}  # layer -> (lo, hi) (B, G, P_full, d) of its full pages, on its compute device
 
-    def dense(self, cache, layer_idx: int) -> bool:
-        """The first dense_layers, and a model's sliding-window layers (Gemma 3's local layers: a 512-token window
-        attended whole)."""
-        return layer_idx < self.dense_layers or cache.arch.local(layer_idx)
-
     def reset(self) -> None:
         self.bounds = {}  # (rows moved between sequences: made again from the pool)
-
-    def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
-        return iter(())  # nothing chosen one layer ahead: each layer at its own query
 
     def choose_at_query(self, cache, layer_idx: int, q: torch.Tensor, step) -> Fetch | None:
         """Layer l's pages for its decode query q (B, H, 1, d), RoPE applied; None where its cap leaves none of
         its past out (it attends all of it)."""
-        target = cache.layers[layer_idx]
-        if not target.is_initialized or target.dense:
+        past = self.past(cache, layer_idx)
+        if past is None:
             return None
-        n, c = target.k.length, cache.config
-        cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
-        if cap >= n:
-            return None
+        target, n, cap = past
         B, G, page = target.k.batch, target.k.heads, self.page
         lo, hi = self._bounds(target, layer_idx, n)  # (B, G, P, d)
         P = lo.shape[2]
         s = upper_bounds(q.reshape(B, G, -1, q.shape[-1]).float(), lo, hi)  # (B, G, r, P)
-        keep = self._keep(step, layer_idx, n)  # (B, 1, n) or None: padding
-        if keep is not None:
-            keep = keep[:, 0]
+        keep = self.past_keep(step, layer_idx, n)  # (B, n) or None: padding
         if keep is not None:
             pages_kept = torch.nn.functional.pad(keep, (0, P * page - n)).view(B, 1, 1, P, page).any(-1)
             s = s.masked_fill(~pages_kept, float("-inf"))
@@ -95,16 +77,6 @@ class QuestSelect:
         count = real.sum(-1).clamp_(min=1)  # (B, G)
         scored = 2 * lo.shape[-1] * 4 // page  # bytes of bounds a past token accounts for (float32 min and max)
         return Fetch(idx.contiguous(), count=count, keep=None if keep is None else keep.unsqueeze(1), scored=scored)
-
-    @staticmethod
-    def _keep(step, layer_idx: int, n: int) -> torch.Tensor | None:
-        """(B, 1, n) bool: the past positions the step's query may attend (padding out), once a step (the step's
-        memo); None: all."""
-        key = ("quest-keep", step.windows[layer_idx], n)
-        if key not in step.memo:
-            mask = step.layer_mask(layer_idx)  # (B, 1, 1, n + 1) bool or None
-            step.memo[key] = None if mask is None else mask[:, 0, :, :n].contiguous()
-        return step.memo[key]
 
     def _bounds(self, target, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, hi) (B, G, ceil(n / page), d) of the layer's n stored keys: the full pages' kept (made as they fill),

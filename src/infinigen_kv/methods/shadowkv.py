@@ -22,7 +22,6 @@ k chosen rows, R the rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +29,9 @@ import torch
 from ..config import DEFAULT_BUDGET, DEFAULT_MIN_BUDGET, InfiniGenConfig
 from ..model.kv import from_rows
 from ..model.rope import apply_rope, inv_freq
+from .at_query import AtQuery
 from .infinigen.cache import InfiniGenCache
 from .infinigen.fetch import Fetch
-from .infinigen.speculator import fetch_cap
 
 OUTLIERS = 384 / (2048 + 384 + 32)  # the paper's outlier rows among those a step attends (Llama-3-8B at 128k)
 
@@ -83,11 +82,7 @@ def low_rank(flat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     return flat @ v, v.transpose(1, 2)
 
 
-class ShadowKVSelect:
-    calibrated = False  # no offline step: the factors and landmarks are made from the prompt's own keys
-    whole = False
-    static = False  # its fetch follows the past: eager steps (no CUDA graph)
-
+class ShadowKVSelect(AtQuery):
     def __init__(self, model, chunk: int = 8, rank: int = 160, local: int = 32, outliers: float = OUTLIERS,
                  dense_layers: int = 0):
         if chunk < 1 or rank < 1 or local < 0 or not 0 <= outliers < 1 or dense_layers < 0:
@@ -103,27 +98,17 @@ class ShadowKVSelect:
         self.rope_types = tuple(a.rope_types)
         self.shadows: dict = {}  # layer -> Shadow
 
-    def dense(self, cache, layer_idx: int) -> bool:
-        """The first dense_layers, and a model's sliding-window layers (Gemma 3's local layers)."""
-        return layer_idx < self.dense_layers or cache.arch.local(layer_idx)
-
     def reset(self) -> None:
         self.shadows = {}  # (rows moved between sequences: made again from the pool)
-
-    def choose(self, cache, layer_idx: int, x: torch.Tensor, step) -> Iterator[tuple[int, Fetch]]:
-        return iter(())  # nothing chosen one layer ahead: each layer at its own query
 
     def choose_at_query(self, cache, layer_idx: int, q: torch.Tensor, step) -> Fetch | None:
         """Layer l's rows for its decode query q (B, H, 1, d), RoPE applied; None where its cap leaves none of its
         past out (it attends all of it, exact)."""
-        target = cache.layers[layer_idx]
-        if not target.is_initialized or target.dense:
+        past = self.past(cache, layer_idx)
+        if past is None:
             return None
-        n, c = target.k.length, cache.config
-        cap = fetch_cap(n, cache.budget_of(layer_idx), c.max_num_kv, c.min_budget)
-        if cap >= n:
-            return None
-        keep = self._keep(step, layer_idx, n)  # (B, n) or None: padding
+        target, n, cap = past
+        keep = self.past_keep(step, layer_idx, n)  # (B, n) or None: padding
         shadow = self.shadows.get(layer_idx)
         if (shadow is None or shadow.n0 > n or shadow.landmarks.shape[0] != target.k.batch
                 or n - shadow.n0 > max(cap // 2, self.local)):  # (rows past the shadow: a new prompt's, or many
@@ -162,15 +147,6 @@ class ShadowKVSelect:
             order = (~real).to(torch.int8).argsort(dim=-1, stable=True)
             return Fetch(idx.gather(-1, order).contiguous(), count=real.sum(-1).clamp_(min=1), keep=keep, meta=meta)
         return Fetch(idx.contiguous(), real=real, keep=keep, keys=rebuilt, meta=meta)
-
-    @staticmethod
-    def _keep(step, layer_idx: int, n: int) -> torch.Tensor | None:
-        """(B, n) bool: the past positions the step's query may attend (padding out), once a step; None: all."""
-        key = ("shadowkv-keep", step.windows[layer_idx], n)
-        if key not in step.memo:
-            mask = step.layer_mask(layer_idx)  # (B, 1, 1, n + 1) bool or None
-            step.memo[key] = None if mask is None else mask[:, 0, 0, :n].contiguous()
-        return step.memo[key]
 
     def _rebuild(self, shadow: Shadow, rows: torch.Tensor, layer_idx: int, storage: torch.dtype) -> torch.Tensor:
         """Keys (B, G, k, d) of rows (B, G, k) of the prompt from their low-rank factors, rotated at their
