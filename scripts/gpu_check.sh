@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check in one command, from the repository root: writes results under $OUT (default results/gpu-check).
-#   scripts/gpu_check.sh            on a machine with a CUDA GPU (the bare GPU machine: see README, "On a GPU")
+#   scripts/gpu_check.sh            on a machine with a CUDA GPU (the bare GPU machine: see docs/gpu.md)
 #   scripts/gpu_check.sh --dry-run  every step on CPU at tiny sizes (what tests/test_gpu_check.py runs)
 # A machine without internet gets what it lacks from wheels in .whl/ (scripts/gpu_wheels.sh fetches them here).
 set -euo pipefail

@@ -4,12 +4,14 @@ openai client and with raw HTTP for bad input, disconnects, the API key, the que
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -740,3 +742,11 @@ def test_selection_methods_are_served_in_one_batch(model_dir, method):
         eng.close()
     assert [r[-1][:2] for r in results] == [("done", "length")] * 3
     assert [j.completion_tokens for j in jobs] == [6, 6, 6]
+
+
+def test_the_readme_client_example_runs(server, capsys):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text[text.index("## Server"):], re.S)[0]
+    code = code.replace("http://127.0.0.1:8000", server.url).replace('"SmolLM2-135M-Instruct"', repr(MODEL))
+    exec(code.replace("max_tokens=64", "max_tokens=8"), {})
+    assert capsys.readouterr().out.strip()

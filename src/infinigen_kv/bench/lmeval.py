@@ -3,7 +3,7 @@ decode path (the context is prefilled with full attention; every continuation to
 time through the cache under test, as in decode-mode perplexity).
 
 Needs `pip install lm_eval` (optional) and the task's data locally: point `include_path` at a directory of
-task YAMLs whose `dataset_path`/`data_files` name local files (README, "lm-evaluation-harness tasks").
+task YAMLs whose `dataset_path`/`data_files` name local files (docs/cli.md, "lm-evaluation-harness tasks").
 """
 
 from __future__ import annotations
