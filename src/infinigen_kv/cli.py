@@ -75,8 +75,7 @@ def _add_model_args(p):
                    "float16 scale), int5 rows (32 values a float16 scale and minimum, 6 bits a weight) or int4 rows "
                    "(q4_1, 5 bits a weight); int5 and int4 keep the embedding and LM head as int8 rows (default: auto)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                   help="CPU threads, fixed (default: all cores; decode steps on fewer while other work keeps cores busy; "
-                   "docs/cpu.md, 'Threads')")
+                   help="CPU threads, fixed (default: all cores; decode steps on fewer while other work keeps them busy)")
     p.add_argument("--device-map", default=None, help="auto: the layers placed across the GPUs, layer by layer (default: none, one device)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA: decode eagerly, not as one replayed CUDA graph a step")
