@@ -73,10 +73,27 @@ def test_bench_accuracy_contract_and_files(tmp_path, capsys):
     full_agree = [r["value"] for r in rows if r["task"] == "agreement-160" and r["method"] == "full"]
     assert full_agree == [1.0, 1.0]  # the reference agrees with itself
     assert all(r["value"] > 1 for r in rows if r["metric"] == "perplexity")
-    for name in ("accuracy.json", "accuracy.md", "ppl-perplexity.png", "passkey-160-accuracy.png",
-                 "agreement-160-agreement_prefix.png", "ppl-perplexity-tokens.png"):
+    for name in ("accuracy.json", "accuracy.md"):
         assert (out / name).is_file(), name
+    assert not list(out.glob("*.png"))  # one fraction and one token budget: no line of two points to draw
     assert "| 32 tok |" in (out / "accuracy.md").read_text()
+
+
+def test_accuracy_plots_only_lines_of_two_points(tmp_path):
+    """A (task, metric) is drawn against the fraction budgets where a method has two of them or more, and against
+    the token budgets likewise; a single budget stays a table cell."""
+    pytest.importorskip("matplotlib")
+    from infinigen_kv.bench.accuracy_report import write_reports
+
+    def row(task, method, budget, value):
+        return {"task": task, "method": method, "budget": budget, "metric": "score", "value": value, "n": 1,
+                "fetched_fraction": 1.0}
+
+    rows = [row("passkey-160", "full", None, 1.0), row("passkey-160", "infinigen", 0.1, 1.0),
+            row("passkey-160", "infinigen", 0.2, 1.0), row("passkey-160", "infinigen", 64, 1.0),
+            row("vt-160", "full", None, 1.0), row("vt-160", "h2o", 0.1, 0.5)]
+    written = write_reports({"rows": rows}, tmp_path)
+    assert sorted(p.name for p in written if p.suffix == ".png") == ["passkey-160-score.png"]
 
 
 def main_error(capsys, *args, text: str):

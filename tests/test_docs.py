@@ -49,3 +49,41 @@ def test_the_architecture_page_names_every_module():
     missing = [str(p.relative_to(src)) for p in sorted(src.rglob("*")) if p.suffix in {".py", ".cpp", ".h"}
                and p.name != "__init__.py" and not re.search(rf"`[^`]*\b{re.escape(p.stem)}\b[^`]*`", text)]
     assert not missing, missing
+
+
+def test_the_benchmarks_page_is_a_table_and_a_sentence_or_two_a_topic():
+    page = ROOT / "docs" / "BENCHMARKS.md"
+    lines = page.read_text().splitlines()
+    assert len(lines) <= 600
+    summary = lines[lines.index("## Summary"):]
+    summary = summary[:next(i for i, line in enumerate(summary[1:], 1) if line.startswith("## "))]
+    rows = [line for line in summary if line.startswith("| [")]
+    assert len(rows) >= 10
+    for row in rows:
+        for cell in row.strip("|").split("|"):
+            assert len(cell.strip()) <= 250, cell
+        link = re.search(r"\(#([^)]+)\)", row).group(1)
+        assert link in headings(page), link
+    for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", page.read_text()):
+        assert (page.parent / image).is_file(), image
+
+
+RESULTS = ROOT / "docs" / "results"
+
+
+def test_the_results_scripts_take_their_paths_from_arguments_or_the_environment(tmp_path):
+    """A sitting's script names no path of the machine it ran on, and run with nothing it stops at once with a line
+    saying what to supply, having written nothing."""
+    scripts = sorted(RESULTS.rglob("*.sh"))
+    assert len(scripts) >= 20
+    for path in scripts + sorted(RESULTS.rglob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"(?<![\w.])/(work|root|tmp)/", text), path.relative_to(ROOT)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home")}
+    for i, path in enumerate(scripts):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        r = subprocess.run(["bash", str(path)], cwd=run, env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0, path.relative_to(ROOT)
+        assert re.search(r"usage|set [A-Z_]+ to", r.stderr), (path.relative_to(ROOT), r.stderr)
+        assert not list(run.iterdir()), path.relative_to(ROOT)

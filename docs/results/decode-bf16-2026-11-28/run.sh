@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One sitting on the 0.5B: B4 x 16k in bfloat16 weights against llama.cpp's F16, and int4 weights against its Q4_K_M
 # (the GGUF as given) at B1 x 4k, B4 x 4k, B1 x 16k. Decode tokens/s; ours alternated in one process (options_ab).
-cd /work/main
-M=$(../shared/models/qwen2.5-coder-0.5b.sh)
-B=~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
+M=$(realpath "${QWEN:?set QWEN to the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF}") || exit 2
+B=${LLAMA_BIN:-~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}  # scripts/llama_cpp_bench.sh builds it
 F16=~/.cache/infinigen_kv/llama.cpp/qwen2.5-coder-0.5b-instruct-q4_k_m.F16.gguf
-O=${O:-/work/runs/sit1}
+O=${1:?usage: $0 OUT_DIR}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 PY=.venv/bin/python
 stamp() { echo "$1 $(date -u +%H:%M:%S)" >> $O/times.txt; }
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone this script is in
 date -u > $O/start.txt
 lscpu | grep -E "Model name" >> $O/start.txt
 grep -o -w -E "avx512_bf16|avx512_vnni|amx_bf16|avx2" /proc/cpuinfo | sort -u | tr '\n' ' ' >> $O/start.txt

@@ -4,7 +4,8 @@
 #
 #   bash decode_ab.sh OUT MODEL WEIGHTS_B      (WEIGHTS_B: int4, bfloat16, ...; A is the default)
 set -euo pipefail
-OUT=$1; M=$2; B=$3
+OUT=${1:?usage: bash decode_ab.sh OUT MODEL WEIGHTS_B}; M=${2:?usage: bash decode_ab.sh OUT MODEL WEIGHTS_B}
+B=${3:?usage: bash decode_ab.sh OUT MODEL WEIGHTS_B}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 name=$(basename "$M" .gguf)

@@ -7,7 +7,8 @@
 #   bash first_use.sh OUT MODEL...     MODEL: default, or a .gguf path
 #   PYTHONPATH=OLD/src bash first_use.sh OUT ...   # another checkout's code with the same venv
 set -euo pipefail
-OUT=$1; shift
+OUT=${1:?usage: bash first_use.sh OUT MODEL...}; shift
+[ $# -ge 1 ] || { echo "usage: bash first_use.sh OUT MODEL...  (MODEL: default, or a .gguf path)" >&2; exit 2; }
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 for M in "$@"; do

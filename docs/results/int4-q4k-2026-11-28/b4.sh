@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # B4 x 4k, int4 rows against llama.cpp's Q4_K_M (fa off and on), three rounds alternated in one sitting.
-cd /work/main
-O=/work/runs/int4-q4k/b4; mkdir -p $O
-M=$(bash /work/shared/models/qwen2.5-coder-0.5b.sh)
-B=~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
+O=${1:?usage: $0 OUT_DIR}; mkdir -p "$O"; O=$(cd "$O" && pwd)
+M=$(realpath "${QWEN:?set QWEN to the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF}") || exit 2
+B=${LLAMA_BIN:-~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}  # scripts/llama_cpp_bench.sh builds it
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone this script is in
 date -u > $O/start.txt; git log --oneline | head -1 >> $O/start.txt
 for i in 1 2 3; do
   echo "round $i $(date -u +%H:%M:%S)" >> $O/times.txt

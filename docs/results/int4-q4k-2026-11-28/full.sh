@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One sitting on the 0.5B's Q4_K_M GGUF: our int4 rows (full, infinigen; options_ab, alternated in one process) at
 # B1 x 4k, B4 x 4k, B1 x 16k against llama.cpp on the same GGUF (its best flash-attention setting per cell).
-cd /work/main
-O=/work/runs/int4-q4k/${1:-full}; mkdir -p $O
-M=$(bash /work/shared/models/qwen2.5-coder-0.5b.sh)
-B=~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
+O=${1:?usage: $0 OUT_DIR}; mkdir -p "$O"; O=$(cd "$O" && pwd)
+M=$(realpath "${QWEN:?set QWEN to the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF}") || exit 2
+B=${LLAMA_BIN:-~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}  # scripts/llama_cpp_bench.sh builds it
 PY=.venv/bin/python
 I4=full:weights=int4,infinigen:weights=int4
 stamp() { echo "$1 $(date -u +%H:%M:%S)" >> $O/times.txt; }
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone this script is in
 date -u > $O/start.txt; lscpu | grep -E "Model name" >> $O/start.txt
 grep -o -w -E "avx512_bf16|avx512_vnni|amx_bf16|avx2" /proc/cpuinfo | sort -u | tr '\n' ' ' >> $O/start.txt
 git log --oneline | head -1 >> $O/start.txt

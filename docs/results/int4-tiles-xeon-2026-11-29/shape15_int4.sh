@@ -2,10 +2,10 @@
 # The int4 cells of scripts/dev/shape15_sitting.sh (Qwen2.5-1.5B's shape, random weights, its Q4_K_M GGUF): ours at
 # B1 x 4k and B4 x 4k (options_ab: full and infinigen alternated) against llama.cpp with flash attention off (its
 # better setting at both cells on this Xeon in the full sitting).
-O=${1:?out dir}; mkdir -p $O
+O=${1:?usage: bash shape15_int4.sh OUT_DIR}; mkdir -p "$O"
 S=~/.cache/infinigen_kv/llama.cpp/shape15
-B=~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
-PY=${PY:-/work/main/.venv/bin/python}
+B=${LLAMA_BIN:-~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}  # scripts/llama_cpp_bench.sh builds it
+PY=${PY:-python}
 Q=$S/qwen2.5-1.5b-shape-q4_k_m.gguf
 stamp() { echo "$1 $(date -u +%H:%M:%S)" >> $O/times.txt; }
 date -u > $O/start.txt; lscpu | grep -E "Model name" >> $O/start.txt

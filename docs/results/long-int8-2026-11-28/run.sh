@@ -2,13 +2,13 @@
 # One sitting on the 0.5B with int8 weights (q8_0 rows) against llama.cpp's Q8_0 copy of the same GGUF:
 # decode at B1 x 32k and B4 x 16k (ours alternated in one process, options_ab), llama.cpp with flash attention off / on
 # and, at B4 x 16k, on with q8_0 K/V.
-cd /work/sit
-export PYTHONPATH=/work/sit/src
-M=$(bash ../shared/models/qwen2.5-coder-0.5b.sh)
-B=~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone this script is in
+export PYTHONPATH=$PWD/src
+M=$(realpath "${QWEN:?set QWEN to the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF}") || exit 2
+B=${LLAMA_BIN:-~/.cache/infinigen_kv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}  # scripts/llama_cpp_bench.sh builds it
 Q8=~/.cache/infinigen_kv/llama.cpp/qwen2.5-coder-0.5b-instruct-q4_k_m.Q8_0.gguf
-O=${O:-/work/runs/int8}
-PY=/work/main/.venv/bin/python
+O=${1:?usage: $0 OUT_DIR}; mkdir -p "$O"; O=$(cd "$O" && pwd)
+PY=${PY:-python}
 stamp() { echo "$1 $(date -u +%H:%M:%S)" >> $O/times.txt; }
 date -u > $O/start.txt
 lscpu | grep -E "Model name" >> $O/start.txt

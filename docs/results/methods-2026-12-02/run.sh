@@ -3,7 +3,10 @@
 #   sh run.sh MODEL.gguf DATA_DIR OUT_DIR [SAMPLES]
 # DATA_DIR: a folder with pg19/*.txt (RULER's essay haystack). Reruns with more SAMPLES go on from OUT_DIR (--resume).
 set -e
-MODEL=$1 DATA=$2 OUT=$3 SAMPLES=${4:-1}
+USAGE="usage: sh run.sh MODEL.gguf DATA_DIR OUT_DIR [SAMPLES]"
+MODEL=$(realpath "${1:?$USAGE}") DATA=$(realpath "${2:?$USAGE}") OUT=${3:?$USAGE} SAMPLES=${4:-1}
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone this script is in
 METHODS=full,infinigen,quest,shadowkv,snapkv,h2o,streaming
 C=full
 for m in infinigen quest shadowkv snapkv h2o streaming; do for b in 0.02 0.1; do C=$C,$m:budget=$b:min_budget=0; done; done

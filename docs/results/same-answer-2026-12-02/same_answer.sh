@@ -6,7 +6,9 @@
 #
 #   bash same_answer.sh OUT TEXT MODEL:TOKENS...     e.g. default:2000 default:4900 QWEN.gguf:4000
 set -euo pipefail
-OUT=$1; TEXT=$2; shift 2
+OUT=${1:?usage: bash same_answer.sh OUT TEXT MODEL:TOKENS...}; TEXT=${2:?usage: bash same_answer.sh OUT TEXT MODEL:TOKENS...}
+shift 2
+[ $# -ge 1 ] || { echo "usage: bash same_answer.sh OUT TEXT MODEL:TOKENS..." >&2; exit 2; }
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 cores=$(nproc)

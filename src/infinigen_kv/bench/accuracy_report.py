@@ -52,8 +52,9 @@ def ruler_summary(result: dict) -> str:
 
 def write_reports(result: dict, out: Path) -> list[Path]:
     """accuracy.json, accuracy.md and PNGs per (task, metric): value vs budget, a line per method, one plot for
-    the fraction budgets and one (`-tokens`) for the token-count budgets; RULER's tasks in one plot of their mean
-    (each task's figures are in the tables)."""
+    the fraction budgets and one (`-tokens`) for the token-count budgets, each only where a method's line has two
+    points or more (a single budget is a table's cell, not a plot); RULER's tasks in one plot of their mean (each
+    task's figures are in the tables)."""
     written, plt = write_tables(result, out, "accuracy", markdown_table(result))
     if plt is None:
         return written
@@ -63,14 +64,14 @@ def write_reports(result: dict, out: Path) -> list[Path]:
         if task.rsplit("-", 1)[0] in ruler.TASKS:  # one of RULER's: drawn as part of its mean
             continue
         for suffix, budgets in kinds.items():
-            if not budgets and (suffix or kinds["-tokens"]):  # one plot at least, none of an absent kind
-                continue
+            lines = {}  # method -> [(budget or None, value)]
+            for r in result["rows"]:
+                if r["task"] == task and r["metric"] == metric and (r["budget"] is None or r["budget"] in budgets):
+                    lines.setdefault(r["method"], []).append((r["budget"], r["value"]))
+            if max((len(pts) for pts in lines.values() if pts[0][0] is not None), default=0) < 2:
+                continue  # no line of two points: the table says it
             fig, ax = plt.subplots(figsize=(5, 3.5))
-            for method in dict.fromkeys(r["method"] for r in result["rows"]):
-                pts = [(r["budget"], r["value"]) for r in result["rows"] if r["task"] == task and
-                       r["metric"] == metric and r["method"] == method and (r["budget"] is None or r["budget"] in budgets)]
-                if not pts:
-                    continue
+            for method, pts in lines.items():
                 if pts[0][0] is None:  # budget-independent method: a horizontal reference line
                     ax.axhline(pts[0][1], linestyle="--", label=method, color="gray" if method == REFERENCE else None)
                 else:
@@ -79,10 +80,9 @@ def write_reports(result: dict, out: Path) -> list[Path]:
             ax.set_xlabel("budget (tokens per sequence, head and layer)" if suffix else "budget (fraction of the past)")
             ax.set_ylabel(metric)
             ax.set_title(task)
-            if budgets:
-                ax.set_xticks(budgets)
-                if suffix:
-                    ax.set_xscale("log", base=2)
-                    ax.set_xticks(budgets, [str(int(b)) for b in budgets])
+            ax.set_xticks(budgets)
+            if suffix:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(budgets, [str(int(b)) for b in budgets])
             written.append(save_plot(plt, fig, ax, out / f"{task}-{metric}{suffix}.png"))
     return written

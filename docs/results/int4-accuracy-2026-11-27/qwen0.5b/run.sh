@@ -1,9 +1,12 @@
-cd /work/main
-M=$(../shared/models/qwen2.5-coder-0.5b.sh)
-date -u > /tmp/acc5/start.txt
+#!/usr/bin/env bash
+M=$(realpath "${QWEN:?set QWEN to the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF}") || exit 2
+O=${1:?usage: $0 OUT_DIR}; mkdir -p "$O"; O=$(cd "$O" && pwd)
+DATA=$(realpath "${DATA:?set DATA to the evaluation text folder (wikitext-2/, pg19/)}") || exit 2
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone this script is in
+date -u > $O/start.txt
 for W in int4 bfloat16; do
   .venv/bin/infinigen bench accuracy --model $M --methods full,infinigen --budget 0.1 --min-budget 0 --tasks ppl,passkey \
-    --data ../shared/data/wikitext-2/test.txt --window 2048 --prefix 512 --windows 4 --lengths 4000 --samples 10 \
-    --weights $W --out /tmp/acc5/$W > /tmp/acc5/$W.out 2> /tmp/acc5/$W.err
+    --data $DATA/wikitext-2/test.txt --window 2048 --prefix 512 --windows 4 --lengths 4000 --samples 10 \
+    --weights $W --out $O/$W > $O/$W.out 2> $O/$W.err
 done
-date -u > /tmp/acc5/end.txt
+date -u > $O/end.txt
