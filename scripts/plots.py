@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-DECODE = RESULTS / "int4-tiles-xeon-2026-11-29" / "sitting8"  # the 0.5B's Q4_K_M, Intel Xeon (Emerald Rapids)
+DECODE = RESULTS / "decode-context-2026-12-02"  # the 0.5B's Q4_K_M at its own precision, AMD EPYC (Zen 3)
 RULER = RESULTS / "methods-2026-12-02" / "ruler-16k" / "accuracy.json"
 PROFILE = RESULTS / "long-32k-2026-11-28" / "profile_b1_32k.txt"
 
@@ -82,6 +82,13 @@ def step_parts(path: Path) -> dict[str, tuple[str, list[tuple[str, float]]]]:
     return out
 
 
+def _machine(folder: Path) -> str:
+    """", CPU" from a sitting's start.txt (lscpu's model name), or nothing."""
+    start = folder / "start.txt"
+    found = re.search(r"Model name:\s*(.+)", start.read_text()) if start.exists() else None
+    return f", {found.group(1).strip()}" if found else ""
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -108,14 +115,16 @@ def draw(decode: Path, ruler: Path, profile: Path, out: Path) -> dict:
     for label, pts in lines.items():
         ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    contexts = sorted({n for pts in lines.values() for n, _ in pts})
+    ax.set_xticks(contexts, [f"{n // 1024}k" if n >= 1024 else str(n) for n in contexts])
     ax.set_xlabel("context (tokens), batch 1")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("Decode speed against context, the same GGUF")
+    ax.set_title(f"Decode against context, the same GGUF{_machine(decode)}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "decode-vs-context.png", dpi=100)
     plt.close(fig)
-    record["decode-vs-context.png"] = {_rel(p): _sha(p) for p in used}
+    record["decode-vs-context.png"] = {_rel(p): _sha(p) for p in used + [decode / "start.txt"] if p.exists()}
 
     lines, full, length = ruler_points(ruler)
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
