@@ -34,13 +34,15 @@ def decode_points(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], lis
     lines: dict[str, dict[int, float]] = {}
     used = []
     for path in sorted(folder.glob("options_ab*.txt")):
-        head = re.search(r"B=(\d+) n=(\d+)", path.read_text())
+        text = path.read_text()
+        head = re.search(r"B=(\d+) n=(\d+)", text)
         if "again" in path.name or not head or head.group(1) != "1":
             continue
         used.append(path)
-        for config, tok_s in re.findall(r"^\| (\S+) \| [^|]+ \| [\d.]+ \| ([\d.]+) \|", path.read_text(), re.M):
+        for config, tok_s in re.findall(r"^\| (\S+) \| [^|]+ \| [\d.]+ \| ([\d.]+) \|", text, re.M):
             method, _, options = config.partition(":")
-            lines.setdefault(f"{method} (ours{', ' + options if options else ''})", {})[int(head.group(2))] = float(tok_s)
+            label = f"{method} (ours{', ' + options if options else ''})"
+            lines.setdefault(label, {})[int(head.group(2))] = float(tok_s)
     for path in sorted(folder.glob("llama-bench*.txt")):
         used.append(path)
         for depth, tok_s in re.findall(r"tg\d+ @ d(\d+) \|\s+([\d.]+)", path.read_text()):
@@ -107,6 +109,8 @@ def draw(decode: Path, ruler: Path, profile: Path, out: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from infinigen_kv.bench import save_plot
+
     out.mkdir(parents=True, exist_ok=True)
     record = {}
 
@@ -120,10 +124,7 @@ def draw(decode: Path, ruler: Path, profile: Path, out: Path) -> dict:
     ax.set_xlabel("context (tokens), batch 1")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"Decode against context, the same GGUF{_machine(decode)}", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "decode-vs-context.png", dpi=100)
-    plt.close(fig)
+    save_plot(plt, fig, ax, out / "decode-vs-context.png")
     record["decode-vs-context.png"] = {_rel(p): _sha(p) for p in used + [decode / "start.txt"] if p.exists()}
 
     lines, full, length = ruler_points(ruler)
@@ -137,10 +138,7 @@ def draw(decode: Path, ruler: Path, profile: Path, out: Path) -> dict:
     ax.set_xticks([b * 100 for b in budgets], [f"{b * 100:g}%" for b in budgets])
     ax.set_xlabel("budget (share of the past per head and layer)")
     ax.set_ylabel(f"RULER mean score, {length} tokens")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "ruler-05b-16k-methods.png", dpi=100)
-    plt.close(fig)
+    save_plot(plt, fig, ax, out / "ruler-05b-16k-methods.png")
     record["ruler-05b-16k-methods.png"] = {_rel(ruler): _sha(ruler)}
 
     parts = step_parts(profile)
@@ -155,10 +153,7 @@ def draw(decode: Path, ruler: Path, profile: Path, out: Path) -> dict:
             left += ms
     ax.set_xlabel(f"ms a decode step ({next(iter(parts.values()))[0]})" if parts else "ms a decode step")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / "step-breakdown.png", dpi=100)
-    plt.close(fig)
+    save_plot(plt, fig, ax, out / "step-breakdown.png")
     record["step-breakdown.png"] = {_rel(profile): _sha(profile)}
 
     (out / "plots.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -90,8 +90,8 @@ def test_passkey_with_default_settings(smollm):
 
 
 def test_the_same_answer_beside_busy_processes(smollm, monkeypatch):
-    """generate at the defaults on a 1.2k passkey prompt gives the same tokens and fetched fraction beside a busy loop on
-    every core (the thread tuner on: the steps run on fewer threads) as on the quiet machine, with the backend built
+    """generate at the defaults on a 1.2k passkey prompt gives the same tokens and fetched fraction beside a busy loop
+    on every core (the thread tuner on: the steps run on fewer threads) as on the quiet machine, with the backend built
     again while busy: nothing measured decides what is computed (the dense-or-speculate rule and the products follow
     the kernel path's constants, model/backend.py)."""
     import os

@@ -25,7 +25,8 @@ def step_logits(model, cache, ids, mask, steps: int = 12, seed: int = 5):
     forced = torch.randint(3, model.config.vocab_size, (B, steps), generator=g)
     full_mask = torch.cat([mask, torch.ones(B, steps, dtype=mask.dtype)], 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
+    out = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                 logits_to_keep=1).logits[:, -1]]
     for i in range(steps):
         p = pos[:, -1:] + 1 + i
         out.append(model(input_ids=forced[:, i : i + 1], attention_mask=full_mask[:, : n + i + 1], position_ids=p,

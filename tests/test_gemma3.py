@@ -43,7 +43,8 @@ def forced_logits(model, cache, ids, mask, tokens):
     steps = tokens.shape[1]
     full_mask = torch.cat([mask, torch.ones(B, steps, dtype=mask.dtype)], 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
+    out = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                 logits_to_keep=1).logits[:, -1]]
     for i in range(steps):
         out.append(model(input_ids=tokens[:, i : i + 1], attention_mask=full_mask[:, : n + i + 1],
                          position_ids=pos[:, -1:] + 1 + i, past_key_values=cache).logits[:, -1])
