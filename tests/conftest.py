@@ -96,9 +96,10 @@ def save_tiny(path, kind="llama-gqa", eos_never_greedy=False):
     fast.save_pretrained(path)
     model = tiny_hf(kind)
     model.config.vocab_size = 256
-    if eos_never_greedy:  # EOS logit 0 while the largest of the others is always > 0: long greedy outputs
-        with torch.no_grad():
-            model.lm_head.weight[model.config.eos_token_id] = 0.0
+    if eos_never_greedy:  # EOS's row the mean of the others: its logit their mean, below their largest whatever
+        with torch.no_grad():  # the hidden state (a method dropping entries moves it): long greedy outputs
+            w, eos = model.lm_head.weight, model.config.eos_token_id
+            w[eos] = torch.cat([w[:eos], w[eos + 1:]]).mean(0)
     model.save_pretrained(path)
     return str(path)
 

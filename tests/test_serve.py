@@ -723,7 +723,8 @@ def test_completions_refuse_what_they_cannot_do(server):
 
 @pytest.mark.parametrize("method", ["quest", "snapkv", "shadowkv"])
 def test_selection_methods_are_served_in_one_batch(model_dir, method):
-    """The engine serves today's selection methods at a binding budget: concurrent requests, each to its length."""
+    """The engine serves today's selection methods at a binding budget: concurrent requests, each to its length
+    (EOS ignored: a method that drops entries may make a random model's EOS its greedy token)."""
     import infinigen_kv as ig
     from infinigen_kv.serve import engine as engine_mod
 
@@ -731,7 +732,8 @@ def test_selection_methods_are_served_in_one_batch(model_dir, method):
     eng = engine_mod.Engine(model, tok, method=method, options={"budget": 0.3, "min_budget": 0}, max_batch=4)
 
     async def main():
-        jobs = [engine_mod.Job([5 + (i * 7 + j) % 200 for j in range(90 + 20 * i)], max_tokens=6) for i in range(3)]
+        jobs = [engine_mod.Job([5 + (i * 7 + j) % 200 for j in range(90 + 20 * i)], max_tokens=6, ignore_eos=True)
+                for i in range(3)]
         for j in jobs:
             eng.submit(j)
         return jobs, await asyncio.gather(*(collect(j) for j in jobs))
