@@ -74,26 +74,14 @@ def test_exact_on_real_prompt(smollm, tmp_path):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=1e-3)
 
 
-def test_passkey_with_default_settings(smollm):
-    """Default InfiniGen settings (default calibration made on first use) answer a 2k passkey prompt. At 2k on this
-    model speculation saves no bytes once its chosen rows' scattered reads are counted: the steps attend densely;
-    made to speculate (min_saving 0, a 512-token floor) they fetch about a quarter of the past and still answer."""
-    model, tok = smollm
-    for seed, options, most in ((0, {}, 1.0), (1, {"min_saving": 0.0, "min_budget": 512}, 0.35)):
-        s = passkey(tok, 2000, seed=seed)
-        enc = tok(s.prompt, return_tensors="pt")
-        cache = ig.InfiniGenCache(model, **options)
-        r = ig.generate(model, enc.input_ids, enc.attention_mask, cache=cache, max_new_tokens=8)
-        assert s.answer in tok.decode(r.tokens[0]), tok.decode(r.tokens[0])
-        fetched = cache.stats["fetched_fraction"]  # speculating: 512 (min_budget) of the 2k past, layer 0 whole
-        assert (fetched == 1.0 if most == 1.0 else fetched <= most), (options, fetched)
-
-
 def test_the_same_answer_beside_busy_processes(smollm, monkeypatch):
-    """generate at the defaults on a 1.2k passkey prompt gives the same tokens and fetched fraction beside a busy loop
-    on every core (the thread tuner on: the steps run on fewer threads) as on the quiet machine, with the backend built
-    again while busy: nothing measured decides what is computed (the dense-or-speculate rule and the products follow
-    the kernel path's constants, model/backend.py)."""
+    """Default InfiniGen settings (default calibration made on first use) answer a 1.2k passkey prompt: at this length
+    on this model speculation saves no bytes once its chosen rows' scattered reads are counted, so the steps attend
+    densely; made to speculate (min_saving 0, a 256-token floor) they fetch under half of the past and still answer.
+    Both give the same tokens and fetched fraction beside a busy loop on every core (the thread tuner on: the steps
+    run on fewer threads) as on the quiet machine, with the backend built again while busy: nothing measured decides
+    what is computed (the dense-or-speculate rule and the products follow the kernel path's constants,
+    model/backend.py)."""
     import os
     import subprocess
     import sys
@@ -129,7 +117,7 @@ def test_the_same_answer_beside_busy_processes(smollm, monkeypatch):
         for p in loops:
             p.kill()
             p.wait()
-    assert busy == quiet and s.answer in tok.decode(quiet[0][0])
+    assert busy == quiet and all(s.answer in tok.decode(tokens) for tokens, _ in quiet), quiet
     assert quiet[0][1] == 1.0 and quiet[1][1] < 0.5  # dense at the defaults (the README's promise); speculating
     if most > 1 and hasattr(os, "sched_getaffinity"):
         assert min(counts) < most  # the load did move the thread count
