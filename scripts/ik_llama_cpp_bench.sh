@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # ik_llama.cpp (the llama.cpp fork with its own CPU matrix and flash-attention kernels) on the same machine, same
-# GGUF, same thread count: the fastest CPU engine a user would pick. A reference, not a dependency: built from a
-# source checkout given by path (its public repository, ikawrakow/ik_llama.cpp), then measured at the cells
-# llama_cpp_bench.sh measures for mainline:
+# GGUF, same thread count: the fastest CPU engine a user would pick. A reference, not a dependency: this script
+# measures a build the user made of its public repository (ikawrakow/ik_llama.cpp), given as the folder holding its
+# llama-bench and llama-batched-bench, at the cells llama_cpp_bench.sh measures for mainline:
 #   prompt tokens/s at PREFILL (llama-bench -p), decode tok/s after DEPTHS prompt tokens (-gp DEPTH,32), each over the
 #   settings grid flash attention 0/1 x run-time repacking 0/1 x K/V f16 / q8_0 (report its best per cell);
 #   batches of distinct prompts (llama-batched-bench, -npl BATCHES at BATCH_DEPTHS) at its best settings.
 #
-#   bash scripts/ik_llama_cpp_bench.sh SRC_DIR OUT_DIR MODEL.gguf [THREADS=2]
+#   bash scripts/ik_llama_cpp_bench.sh BIN_DIR OUT_DIR MODEL.gguf [THREADS=2]
 #   PREFILL=4096,16384,32768 DEPTHS=4096,16384,32768 REPS=3 BATCHES=4 BATCH_DEPTHS=4096 ...   (the defaults)
 #   FA=0,1 RTR=0,1 KV="f16 q8_0" ...                                                         (the settings grid)
 #
-# An empty PREFILL, DEPTHS or BATCHES skips those cells (PREFILL= DEPTHS= BATCHES= only builds).
-# SRC_DIR: a checkout of ik_llama.cpp (a copy may lack web-UI and vocabulary files: llama-bench does not need them).
-# Needs cmake and a C++ compiler; the build (~10-15 minutes on 2 cores) is kept in SRC_DIR/build-bench. A 32k
-# prompt takes minutes a setting on 2 cores: the long cells cost most of the run.
+# An empty PREFILL, DEPTHS or BATCHES skips those cells. BIN_DIR: its build's bin folder, built for this machine's
+# CPU (a Release build with its native kernels). A 32k prompt takes minutes a setting on 2 cores: the long cells cost
+# most of the run.
 set -euo pipefail
-USAGE="usage: bash scripts/ik_llama_cpp_bench.sh SRC_DIR OUT_DIR MODEL.gguf [THREADS]"
+USAGE="usage: bash scripts/ik_llama_cpp_bench.sh BIN_DIR OUT_DIR MODEL.gguf [THREADS]"
 [ $# -ge 3 ] || { echo "$USAGE" >&2; exit 2; }
-SRC=$1 OUT=$2 MODEL=$3 THREADS=${4:-2}
-[ -f "$SRC/CMakeLists.txt" ] || { echo "$SRC is not a source checkout of ik_llama.cpp (no CMakeLists.txt)" >&2; exit 2; }
+BIN=$1 OUT=$2 MODEL=$3 THREADS=${4:-2}
+for tool in llama-bench llama-batched-bench; do
+  [ -x "$BIN/$tool" ] || { echo "$BIN holds no $tool: give the bin folder of an ik_llama.cpp build" >&2; exit 2; }
+done
 [ -f "$MODEL" ] || { echo "no GGUF at $MODEL" >&2; exit 2; }
 PREFILL=${PREFILL-4096,16384,32768}
 DEPTHS=${DEPTHS-4096,16384,32768}
@@ -27,22 +28,13 @@ REPS=${REPS:-3}
 FA=${FA:-0,1} RTR=${RTR:-0,1} KV=${KV:-"f16 q8_0"}
 BATCHES=${BATCHES-4} BATCH_DEPTHS=${BATCH_DEPTHS:-4096}
 mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd) SRC=$(cd "$SRC" && pwd) MODEL=$(realpath "$MODEL")
-
-BUILD="$SRC/build-bench"
-if [ ! -x "$BUILD/bin/llama-bench" ] || [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
-  echo "building ik_llama.cpp in $BUILD (log: $OUT/build.log)"
-  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF >"$OUT/cmake.log" 2>&1
-  cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench >"$OUT/build.log" 2>&1
-fi
-BIN="$BUILD/bin"
+OUT=$(cd "$OUT" && pwd) BIN=$(cd "$BIN" && pwd) MODEL=$(realpath "$MODEL")
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, threads $THREADS"
   echo "isa: $(grep -o -w 'avx2\|avx512f\|avx512_bf16\|avx512_vnni\|amx_tile' /proc/cpuinfo | sort -u | xargs)"
-  echo "ik_llama.cpp: $(git -C "$SRC" rev-parse --short HEAD 2>/dev/null || echo "a copy without git")"
+  echo "ik_llama.cpp: $("$BIN/llama-bench" --version 2>&1 | grep -m1 -i 'version' || echo "version not printed")"
   echo "model: $MODEL"
 } | tee "$OUT/machine.txt"
 

@@ -90,10 +90,10 @@ def test_the_results_scripts_take_their_paths_from_arguments_or_the_environment(
 
 
 def test_the_peer_script_says_what_to_supply(tmp_path):
-    """The ik_llama.cpp bench stops at once, status 2 and one line, without its three paths or with a folder that is
-    not a source checkout, before it builds or writes anything."""
+    """The ik_llama.cpp bench stops at once, status 2 and one line, without its three paths or with a folder that holds
+    no build of its tools, before it writes anything."""
     script = str(ROOT / "scripts" / "ik_llama_cpp_bench.sh")
-    for args, says in (([], "usage: "), ([str(tmp_path), str(tmp_path / "out"), "m.gguf"], "not a source checkout")):
+    for args, says in (([], "usage: "), ([str(tmp_path), str(tmp_path / "out"), "m.gguf"], "holds no llama-bench")):
         r = subprocess.run(["bash", script, *args], cwd=tmp_path, capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert not list(tmp_path.iterdir())
