@@ -1,4 +1,4 @@
-"""A decode query's attention over bfloat16 K/V rows (cpu.cpp's attend), in either of its products, each set here for
+"""A decode query's attention over bfloat16 K/V rows (attend.cpp), in either of its products, each set here for
 every head count: float32 products of the rows widened once for the query heads of a KV head (kernels/attend512.h
 where the CPU has AVX-512; the query as it is) within 1e-5 of float64 attention of the same values; bfloat16 pairs
 (kernels/bf16_dots.h, where the CPU has AVX-512 BF16) for K.BF16_ATTEND_ROWS (64) or more rows, the query rounded to

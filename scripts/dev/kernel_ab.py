@@ -29,7 +29,15 @@ from infinigen_kv.model import int4_rows, int8_rows, kernels
 from kernel_bench import alternated  # scripts/ is on the path when run as a script
 
 KERNELS = "src/infinigen_kv/model/kernels"
-FILES = ("cpu.cpp", "prefill.cpp", "attend512.h", "bf16_dots.h")
+
+
+def kernel_files(rev: str | None) -> list[str]:
+    """The kernels' C++ sources and headers at `rev` (None: the working tree)."""
+    if rev is None:
+        return sorted(p.name for p in Path(KERNELS).iterdir() if p.suffix in (".cpp", ".h"))
+    out = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], capture_output=True, text=True,
+                         check=True)
+    return sorted(f for f in out.stdout.split() if f.endswith((".cpp", ".h")))
 
 
 def build(files: dict[str, str]):
@@ -63,8 +71,8 @@ def main():
                     "layers of bfloat16 rows, 2 KV heads x 7 query heads: full's attention, InfiniGen's dense steps)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    old = build({f: show(args.rev, f"{KERNELS}/{f}") for f in FILES})
-    new = build({f: Path(KERNELS, f).read_text() for f in FILES})
+    old = build({f: show(args.rev, f"{KERNELS}/{f}") for f in kernel_files(args.rev)})
+    new = build({f: Path(KERNELS, f).read_text() for f in kernel_files(None)})
     if args.kernel == "attend":
         return dense_attend_ab(old, new, args) if args.dense else attend_ab(old, new, args)
     if args.kernel == "linear":

@@ -2,7 +2,7 @@
 fetched for it, attention over it, the recall diagnostic) and `attend` (the attention itself).
 
 - A view (kv.py) that is a working set chosen for the step is attended with its own per-(sequence, KV head)
-  mask; any other with the layer's mask (step.window_mask). On CPU, with the kernels of kernels/cpu.cpp, a decode
+  mask; any other with the layer's mask (step.window_mask). On CPU, with the compiled kernels (kernels/), a decode
   step attends in one pass: over InfiniGen's chosen rows where they lie in the pool (`chosen`), or over a whole
   cache in place (`buffers`: full, InfiniGen's layer 0). On a GPU a decode query attends split over the keys
   (decode_attention.py: SDPA's kernels serve one query under a mask badly).

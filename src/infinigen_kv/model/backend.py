@@ -2,7 +2,7 @@
 machine) and passed down to whatever reads it (the model's `Step`, a cache's layers); nothing looks it up elsewhere.
 It holds what runs and every number that decides how:
 
-- `ops`: the compiled CPU kernels (kernels/cpu.cpp, prefill.cpp) or None: PyTorch's ops (the reference path, what
+- `ops`: the compiled CPU kernels (kernels/: a source file per kernel, prefill.cpp) or None: PyTorch's ops (the reference path, what
   the kernels are tested against, and what a GPU runs);
 - `path`: the kernel path: "avx512-bf16" (AVX-512 with BF16: bfloat16 products), "avx512", "avx2", "generic" (the
   kernels without either), "reference" (no kernels), or the device type ("cuda");
@@ -129,7 +129,7 @@ def reference(device: str = "cpu", **kw) -> Backend:
 
 
 def kernel_path(ops) -> str:
-    """The kernel path of a build on this CPU (cpu.cpp is compiled with -march=native: the CPU's flags are its)."""
+    """The kernel path of a build on this CPU (the kernels are compiled with -march=native: the CPU's flags are its)."""
     if ops.bf16_dots_native():
         return "avx512-bf16"
     flags = set(kernel_library.cpu_flags_line().split())

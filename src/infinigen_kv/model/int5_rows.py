@@ -8,7 +8,7 @@ group's 6-bit scale and dmin times its 6-bit minimum, each rounded once to float
 nibbles as int4 rows hold them (in / 2 bytes), then 4 bytes of high bits a group, then the float16 scales, then the
 minimums: (out, 3 in / 4) bytes, 6 bits a weight. A group's high-bit dword holds q[4c + j]'s fifth bit at bit c of
 byte j and q[16 + 4c + j]'s at bit 4 + c (c, j in [0, 4)), so that a tile's chunk c gets its fifth bits with one
-shift and one mask (kernels/cpu.cpp, tile_dot_q).
+shift and one mask (kernels/linear.cpp, tile_dot_q).
 
 Held, a weight is whole tiles of 16 rows (its out a multiple of 16; the loader holds others as int8 rows): group g
 of a tile is 384 bytes, int4's four 64-byte chunks of low nibbles, then the 16 rows' high-bit dwords (64 bytes),

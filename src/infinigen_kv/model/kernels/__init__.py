@@ -1,6 +1,6 @@
-"""The CPU kernels of the decode step (cpu.cpp) and of a prompt chunk's attention over a long past (prefill.cpp),
-compiled for the machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the
-install did not.
+"""The CPU kernels of the decode step (speculate, attend, linear, partial_query, kv_rows, elementwise: a source file
+each, bindings.cpp the module) and of a prompt chunk's attention over a long past (prefill.cpp), compiled for the
+machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the install did not.
 
 `library()` returns the compiled module, or None where it cannot be built (no C++ compiler). It is a library,
 loaded once; whether a model runs it, and how, is its backend's (model/backend.py: built at load and passed down),
@@ -17,8 +17,9 @@ import sys
 import warnings
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "prefill.cpp")]
-_HEADERS = [Path(__file__).with_name(h) for h in ("attend512.h", "bf16_dots.h")]  # cpu.cpp includes them: in the key
+# one translation unit per kernel, compiled in parallel (ninja); the headers they include are in the build's key
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp"]
 _module = None

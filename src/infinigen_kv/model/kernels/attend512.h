@@ -1,4 +1,4 @@
-// A decode query's attention over bfloat16 K/V rows with AVX-512 float32 products, for cpu.cpp's attend.
+// A decode query's attention over bfloat16 K/V rows with AVX-512 float32 products, for attend.cpp.
 //
 // The r query heads of a KV head each score and weigh every row (r = 7 on Qwen2.5), so the work a row is r times
 // its bytes. A row's 32 bfloat16 channels widen to two float32 vectors with one shift and one mask (the even
@@ -238,7 +238,7 @@ inline void values(const float* p, int64_t ld, int64_t r, int64_t nb, const uint
     }
 }
 
-// 16 lanes of exp(x) for x <= 0: exp_neg's polynomial (cpu.cpp)
+// 16 lanes of exp(x) for x <= 0: exp_neg's polynomial (common.h)
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));

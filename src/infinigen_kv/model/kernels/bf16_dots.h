@@ -1,4 +1,4 @@
-// bfloat16 dot products (AVX-512 BF16) for cpu.cpp's decode kernels: a decode query's attention over bfloat16 K/V
+// bfloat16 dot products (AVX-512 BF16) for the decode kernels: a decode query's attention over bfloat16 K/V
 // rows, and a decode step's few rows times a weight held in bfloat16.
 //
 // vdpbf16ps multiplies 32 stored bfloat16 pairs into 16 float32 sums in one instruction, four times the float32 FMAs

@@ -1,0 +1,508 @@
+// linear: y (R, out) = x (R, in) W^T + bias (+ residual) for a decode step's few rows, W float32, bfloat16, int8
+// rows, int4 rows or int5 tiles, read once at the memory's rate; and the int4 / int5 weights' values for a prompt
+// chunk's BLAS.
+
+#include "kernels.h"
+#include "rows_dot.h"
+
+namespace {
+
+// int4 rows (weights "int4", model/int4_rows.py): q4_1 groups of 32 laid out as a row: in / 2 bytes of levels (group
+// g's 16 bytes: byte j = q[j] | q[j + 16] << 4), then the groups' float16 scales d, then their float16 minimums m; a
+// weight is d q + m with q in [0, 15]. Decode products: the activations quantized once a call to int8 in groups of
+// 32 (scale sx = absmax / 127, as llama.cpp's q8_1), with each group's sum sx sum(xq); a group's dot product is then
+// d sx sum(q xq) + m sx sum(xq). The 32 products u8 x s8 are summed exactly in int32: VNNI's dpbusd where the CPU
+// has it, else maddubs (pairs at most 2 x 15 x 127: no saturation) and madd, the same integers either way.
+constexpr int64_t Q4_GROUP = 32;
+#ifndef Q4_AHEAD
+#define Q4_AHEAD 1536
+#endif
+inline int64_t q4_width(int64_t in) { return in / 2 + 4 * (in / Q4_GROUP); }
+
+#ifdef IG_AVX2
+// a group's 32 levels from its 16 bytes, in order: q[0..15] (low nibbles), q[16..31] (high nibbles)
+inline __m256i q4_levels(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+#endif
+
+#ifdef IG_VNNI512
+// Two groups' levels from their 32 bytes, as one vector laid out as their activations are: 128-bit lanes (q[0..15],
+// q[16..31]) of the first group, then of the second
+inline __m512i q4_levels2(const uint8_t* p) {
+  const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // a b a b
+  const __m512i s = _mm512_shuffle_i32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0));  // a a b b
+  return _mm512_and_si512(_mm512_mask_srli_epi16(s, 0xFF00FF00u, s, 4), _mm512_set1_epi8(0x0F));  // high nibbles in 1, 3
+}
+#endif
+
+// y[b * ldy] = x[b] . w for RB rows of quantized activations (row b's values at xq + b in, its groups' scales and sums
+// at xs + b ng, xsum + b ng)
+template <int RB>
+inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq, const float* __restrict xs,
+                        const float* __restrict xsum, int64_t in, float* y, int64_t ldy) {
+  const int64_t ng = in / Q4_GROUP;
+  const int8_t* d = reinterpret_cast<const int8_t*>(w + in / 2);
+  const int8_t* m = d + 2 * ng;
+  float sum[RB] = {}, mins[RB] = {};
+#ifdef IG_AVX2
+  // the next row's scales and minimums, read from its first group on, while its levels stream in order behind them
+  for (int64_t i = 0; i < 4 * ng; i += 64) _mm_prefetch(reinterpret_cast<const char*>(d + q4_width(in) + i), _MM_HINT_T0);
+  __m256 acc[RB], accm[RB];
+  for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
+#ifdef IG_VNNI512
+  __m512 acc16[RB];  // lane by lane: pair_scales
+  for (int b = 0; b < RB; ++b) acc16[b] = _mm512_setzero_ps();
+#endif
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8) {  // eight groups: their integer dot products scaled by their groups' scales
+    _mm_prefetch(reinterpret_cast<const char*>(w + g * (Q4_GROUP / 2) + Q4_AHEAD), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + g * (Q4_GROUP / 2) + Q4_AHEAD + 64), _MM_HINT_T0);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * g)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 2 * g)));
+#ifdef IG_VNNI512  // two groups a 512-bit product: half the instructions, the same integer sums
+    __m512i wv[4];
+    for (int k = 0; k < 4; ++k) wv[k] = q4_levels2(w + (g + 2 * k) * (Q4_GROUP / 2));
+#else
+    __m256i wv[8];
+    for (int k = 0; k < 8; ++k) wv[k] = q4_levels(w + (g + k) * (Q4_GROUP / 2));
+#endif
+    for (int b = 0; b < RB; ++b) {
+#ifdef IG_VNNI512
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(dv, _mm256_loadu_ps(xs + b * ng + g)));
+      for (int k = 0; k < 4; ++k) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(xg + 2 * k * Q4_GROUP));
+        acc16[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_scales(sc, k), acc16[b]);
+      }
+#else
+      const __m256i* xg = reinterpret_cast<const __m256i*>(xq + b * in + g * Q4_GROUP);
+      __m256i p[8];
+      for (int k = 0; k < 8; ++k) p[k] = dot_u8s8(wv[k], _mm256_loadu_si256(xg + k));
+      const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));  // the 8 groups' sums of q xq
+      acc[b] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b * ng + g)), acc[b]);
+#endif
+      accm[b] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + b * ng + g), accm[b]);
+    }
+  }
+  for (; g < ng; ++g) {  // the last groups one at a time
+    const __m256i wv = q4_levels(w + g * (Q4_GROUP / 2));
+    const float dg = half_at(d + 2 * g), mg = half_at(m + 2 * g);
+    for (int b = 0; b < RB; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * in + g * Q4_GROUP));
+      acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wv, xv)), _mm256_set1_ps(dg * xs[b * ng + g]), acc[b]);
+      mins[b] += mg * xsum[b * ng + g];
+    }
+  }
+#ifdef IG_VNNI512
+  for (int b = 0; b < RB; ++b)
+    acc[b] = _mm256_add_ps(acc[b],
+                           _mm256_add_ps(_mm512_castps512_ps256(acc16[b]), _mm512_extractf32x8_ps(acc16[b], 1)));
+#endif
+  for (int b = 0; b < RB; ++b) sum[b] = hsum(acc[b]) + hsum(accm[b]) + mins[b];
+#else
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg = w + g * (Q4_GROUP / 2);
+    const float dg = half_at(d + 2 * g), mg = half_at(m + 2 * g);
+    for (int b = 0; b < RB; ++b) {
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < Q4_GROUP / 2; ++j)
+        dot += int32_t(wg[j] & 0x0F) * xg[j] + int32_t(wg[j] >> 4) * xg[j + Q4_GROUP / 2];
+      sum[b] += float(dot) * (dg * xs[b * ng + g]);
+      mins[b] += mg * xsum[b * ng + g];
+    }
+  }
+  for (int b = 0; b < RB; ++b) sum[b] += mins[b];
+#endif
+  for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
+}
+
+// int4 tiles: the held form keeps its first 16 floor(out / 16) rows as tiles of 16 rows (model/int4_rows.py), the rest
+// as rows. A tile's group g (of ng) takes 320 bytes: four 64-byte chunks (chunk c: bytes 4o..4o+3 hold row o's levels
+// q[4c..4c+3] in their low nibbles and q[16+4c..16+4c+3] in their high ones), then the 16 rows' float16 scales d, then
+// their minimums m. A 512-bit dpbusd of a chunk's nibbles with four activations broadcast is then one step of 16 rows'
+// dot products, lane by lane: no lanes summed across, each group's scale one vector of 16 rows, the levels unpacked
+// once for every row of x (in rows, each (row, group) paid a conversion, a permute and a multiply-add).
+// int5 tiles (model/int5_rows.py): the same chunks of low nibbles, then 64 bytes of fifth bits (row o's dword at 4o:
+// q[4c+j]'s bit at bit c of byte j, q[16+4c+j]'s at bit 4+c), then the scales and minimums: 384 bytes a group. Chunk
+// c's fifth bits are that dword shifted by 4 - c (low nibbles) or c (high ones) and masked with 0x10 a byte.
+constexpr int64_t Q4_TILE = 16, Q4_TILE_GROUP = 320, Q5_TILE_GROUP = 384;
+template <int BITS>
+constexpr int64_t tile_group_bytes() { return BITS == 5 ? Q5_TILE_GROUP : Q4_TILE_GROUP; }
+template <int BITS>
+constexpr int64_t tile_scales_at() { return BITS == 5 ? 320 : 256; }  // a group's scales; its minimums 32 bytes on
+inline int64_t q5_width(int64_t in) { return in * 3 / 4; }
+
+#ifdef IG_AVX2
+// the lines of a tile's group Q4_AHEAD bytes ahead of tg, asked for now
+template <int BITS = 4>
+inline void prefetch_tile_group(const uint8_t* tg) {
+  for (int k = 0; k < tile_group_bytes<BITS>(); k += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + k), _MM_HINT_T0);
+}
+#endif
+
+// y[b * ldy + o] (o < 16) = x[b] . (row o of the tile at t) for RB rows of quantized activations (row b's values at
+// xq + b in, its groups' scales and sums at xs + b ng, xsum + b ng). Per lane: the group's exact integer dot, then
+// acc = fma(float(dot), d sx, acc) and accm = fma(m, xsum, accm) group by group, y = acc + accm: the same bits on every
+// path (512-bit, 256-bit, scalar). BITS 4: int4 tiles; 5: int5 tiles (the fifth bits ORed into the levels).
+template <int RB, int BITS = 4>
+inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
+                       const float* __restrict xsum, int64_t in, float* y, int64_t ldy) {
+  const int64_t ng = in / Q4_GROUP;
+  constexpr int64_t TG = tile_group_bytes<BITS>(), SC = tile_scales_at<BITS>();
+#ifdef IG_VNNI512
+  __m512 acc[RB], accm[RB];
+  for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* tg = t + g * TG;
+    prefetch_tile_group<BITS>(tg);
+    __m512i lv[8];  // lv[c]: q[4c..4c+3] of the 16 rows, lv[4 + c]: q[16+4c..16+4c+3]
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(tg + 64 * c);
+      lv[c] = _mm512_and_si512(v, low);
+      lv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if constexpr (BITS == 5) {
+      const __m512i h = _mm512_loadu_si512(tg + 256), five = _mm512_set1_epi8(0x10);
+      // lv | (shifted & 0x10): ternary logic A | (B & C)
+      lv[0] = _mm512_ternarylogic_epi32(lv[0], _mm512_slli_epi32(h, 4), five, 0xF8);
+      lv[1] = _mm512_ternarylogic_epi32(lv[1], _mm512_slli_epi32(h, 3), five, 0xF8);
+      lv[2] = _mm512_ternarylogic_epi32(lv[2], _mm512_slli_epi32(h, 2), five, 0xF8);
+      lv[3] = _mm512_ternarylogic_epi32(lv[3], _mm512_slli_epi32(h, 1), five, 0xF8);
+      lv[4] = _mm512_ternarylogic_epi32(lv[4], h, five, 0xF8);
+      lv[5] = _mm512_ternarylogic_epi32(lv[5], _mm512_srli_epi32(h, 1), five, 0xF8);
+      lv[6] = _mm512_ternarylogic_epi32(lv[6], _mm512_srli_epi32(h, 2), five, 0xF8);
+      lv[7] = _mm512_ternarylogic_epi32(lv[7], _mm512_srli_epi32(h, 3), five, 0xF8);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC + 32)));
+    for (int b = 0; b < RB; ++b) {
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      int32_t x4[8];
+      std::memcpy(x4, xg, 32);
+      __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[0], _mm512_set1_epi32(x4[0]));
+      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], _mm512_set1_epi32(x4[4]));
+      for (int c = 1; c < 4; ++c) {
+        p0 = _mm512_dpbusd_epi32(p0, lv[c], _mm512_set1_epi32(x4[c]));
+        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], _mm512_set1_epi32(x4[4 + c]));
+      }
+      const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g]));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p0, p1)), sc, acc[b]);
+      accm[b] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[b * ng + g]), accm[b]);
+    }
+  }
+  for (int b = 0; b < RB; ++b) _mm512_storeu_ps(y + b * ldy, _mm512_add_ps(acc[b], accm[b]));
+#elif defined(IG_AVX2)
+  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: the 32-byte halves of each chunk
+    __m256 acc[RB], accm[RB];
+    for (int b = 0; b < RB; ++b) acc[b] = accm[b] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* tg = t + g * TG;
+      if (h == 0) prefetch_tile_group<BITS>(tg);
+      __m256i lv[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
+        lv[c] = _mm256_and_si256(v, low);
+        lv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      if constexpr (BITS == 5) {
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 256 + 32 * h));
+        const __m256i five = _mm256_set1_epi8(0x10);
+        for (int c = 0; c < 4; ++c) {  // (shift counts as registers: the loop is unrolled either way)
+          lv[c] = _mm256_or_si256(lv[c], _mm256_and_si256(_mm256_sll_epi32(hb, _mm_cvtsi32_si128(4 - c)), five));
+          lv[4 + c] = _mm256_or_si256(lv[4 + c], _mm256_and_si256(_mm256_srl_epi32(hb, _mm_cvtsi32_si128(c)), five));
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + SC + 16 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + SC + 32 + 16 * h)));
+      for (int b = 0; b < RB; ++b) {
+        int32_t x4[8];
+        std::memcpy(x4, xq + b * in + g * Q4_GROUP, 32);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
+#elif defined(__AVXVNNI__)
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_avx_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
+#else  // pairs of u8 x s8 products summed in int16: at most 8 x 2 x 31 x 127 = 62992 for int5: pairs summed in int32
+        __m256i p = _mm256_setzero_si256();
+        const __m256i ones = _mm256_set1_epi16(1);
+        if constexpr (BITS == 4) {  // at most 8 x 2 x 15 x 127 = 30480: exact in int16
+          __m256i s = _mm256_maddubs_epi16(lv[0], _mm256_set1_epi32(x4[0]));
+          for (int c = 1; c < 8; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])));
+          p = _mm256_madd_epi16(s, ones);
+        } else {  // a pair at most 2 x 31 x 127 = 7874: four chunks' pairs in int16 (31496), then int32
+          for (int c0 = 0; c0 < 8; c0 += 4) {
+            __m256i s = _mm256_maddubs_epi16(lv[c0], _mm256_set1_epi32(x4[c0]));
+            for (int c = c0 + 1; c < c0 + 4; ++c)
+              s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])));
+            p = _mm256_add_epi32(p, _mm256_madd_epi16(s, ones));
+          }
+        }
+#endif
+        const __m256 sc = _mm256_mul_ps(dv, _mm256_set1_ps(xs[b * ng + g]));
+        acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[b]);
+        accm[b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[b * ng + g]), accm[b]);
+      }
+    }
+    for (int b = 0; b < RB; ++b) _mm256_storeu_ps(y + b * ldy + 8 * h, _mm256_add_ps(acc[b], accm[b]));
+  }
+#else
+  float acc[RB][Q4_TILE] = {}, accm[RB][Q4_TILE] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* tg = t + g * TG;
+    for (int64_t o = 0; o < Q4_TILE; ++o) {
+      const float d = half_at(reinterpret_cast<const int8_t*>(tg + SC + 2 * o));
+      const float m = half_at(reinterpret_cast<const int8_t*>(tg + SC + 32 + 2 * o));
+      uint32_t hb = 0;
+      if constexpr (BITS == 5) std::memcpy(&hb, tg + 256 + 4 * o, 4);
+      for (int b = 0; b < RB; ++b) {
+        const int8_t* xg = xq + b * in + g * Q4_GROUP;
+        int32_t dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = tg[64 * c + 4 * o + j];
+            const int32_t lo = (byte & 0x0F) | int32_t((hb >> (8 * j + c)) & 1) << 4;
+            const int32_t hi = (byte >> 4) | int32_t((hb >> (8 * j + 4 + c)) & 1) << 4;
+            dot += lo * xg[4 * c + j] + hi * xg[16 + 4 * c + j];
+          }
+        acc[b][o] = std::fma(float(dot), d * xs[b * ng + g], acc[b][o]);
+        accm[b][o] = std::fma(m, xsum[b * ng + g], accm[b][o]);
+      }
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int64_t o = 0; o < Q4_TILE; ++o) y[b * ldy + o] = acc[b][o] + accm[b][o];
+#endif
+}
+
+// int5 rows' storage type in linear_impl (the tensor's bytes, float8_e5m2 as PyTorch marks them)
+struct int5_t {
+  uint8_t byte;
+};
+
+template <typename W>
+void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
+                 float* y, bool bf16 = false) {
+  constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>;
+  const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : I5 ? q5_width(in) : in;  // a weight row's elements
+  std::optional<QuantizedX8> qx8;  // int8, int5 and int4 weights: the activations in int8
+  if constexpr (I8 || I4 || I5) qx8.emplace(x, R, in);
+  std::vector<uint16_t> xb;  // bf16: bfloat16 weights times x rounded to bfloat16, in bfloat16 products
+#ifdef IG_BF16_DOTS
+  if constexpr (std::is_same_v<W, uint16_t>)
+    if (bf16) {
+      xb.resize(R * in);
+      bf16dots::round_any(x, R * in, xb.data());
+    }
+#endif
+  // blocks of 4, 2, 1 rows do the same arithmetic per row (two chains each): a row's result does not depend on
+  // how many rows share the call (an 8-row block, one chain per row, did)
+  auto rows = [&](auto rb, const W* w, int64_t b, float* yo) {
+    constexpr int RB = decltype(rb)::value;
+    if constexpr (I8)
+      rows_dot_q8<RB>(w, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
+                      qx8->pad, yo, out);
+    else if constexpr (I4)
+      rows_dot_q4<RB>(w, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng, in, yo,
+                      out);
+#ifdef IG_BF16_DOTS
+    else if (std::is_same_v<W, uint16_t> && !xb.empty())
+      bf16dots::rows_dot<RB>(reinterpret_cast<const uint16_t*>(w), xb.data() + b * in, in, yo, out);
+#endif
+    else if constexpr (!I5)  // (int5 weights are whole tiles)
+      rows_dot<RB>(w, x + b * in, in, yo, out);
+  };
+  auto in_blocks = [&](auto&& f) {  // f(rb, b) over the rows of x in blocks of rb = 4, then 2, then 1
+    int64_t b = 0;
+    for (; b + 4 <= R; b += 4) f(std::integral_constant<int, 4>{}, b);
+    if (R - b >= 2) {
+      f(std::integral_constant<int, 2>{}, b);
+      b += 2;
+    }
+    if (b < R) f(std::integral_constant<int, 1>{}, b);
+  };
+  auto row = [&](int64_t o) {  // output o for every row of x, from weight row o
+    in_blocks([&](auto rb, int64_t b) { rows(rb, wp + o * ldw, b, y + b * out + o); });
+  };
+  auto finish = [&](int64_t o0, int64_t o1) {  // bias, then the residual
+    for (int64_t o = o0; o < o1; ++o) {
+      if (bias)
+        for (int64_t j = 0; j < R; ++j) y[j * out + o] += bias[o];
+      if (res)
+        for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
+    }
+  };
+  if constexpr (I4 || I5) {  // tiles of 16 rows, then the rows after the last tile (one more task; int4 only)
+    const int64_t tiles = out / Q4_TILE;
+    at::parallel_for(0, tiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t o0 = t * Q4_TILE, o1 = std::min(out, o0 + Q4_TILE);
+        if (t == tiles) {
+          for (int64_t o = o0; o < o1; ++o) row(o);
+        } else {
+          in_blocks([&](auto rb, int64_t b) {
+            tile_dot_q<decltype(rb)::value, I5 ? 5 : 4>(reinterpret_cast<const uint8_t*>(wp + o0 * ldw),
+                                                      qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
+                                                      qx8->sum.data() + b * qx8->ng, in, y + b * out + o0, out);
+          });
+        }
+        finish(o0, o1);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, out, 16, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) row(o);
+    finish(o0, o1);
+  });
+}
+
+}  // namespace
+
+// int4 weights as held (..., q4_width(n)) uint8 (the leading dims' rows in tiles of 16, then rows: linear_impl's
+// layout) -> their values (..., n) in float32 or bfloat16: level x scale + min per group of
+// 32 (int4_rows.unpacked's bits: a 4-bit level times a float16 scale is exact in float32, so the one rounding is the
+// sum's, fused or not; bfloat16 rounds that to nearest even, as PyTorch's .to). A prompt chunk's weights for the
+// BLAS, a slice at a time: PyTorch's ops took 1.3x the bfloat16 weights' prefill in unpacking.
+at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() >= 1 && n % Q4_GROUP == 0 && rows.size(-1) == q4_width(n),
+              "bad int4 rows");
+  const int64_t w = q4_width(n), R = rows.numel() / w, ng = n / Q4_GROUP;
+  auto sizes = rows.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* rp = rows.data_ptr<uint8_t>();
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t tiled = R / Q4_TILE * Q4_TILE;  // rows in tiles (linear_impl's layout), then rows
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    float v[Q4_GROUP];
+    uint8_t b[Q4_GROUP / 2];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
+      const int64_t o = i % Q4_TILE;
+      for (int64_t g = 0; g < ng; ++g) {
+        float d, m;
+        if (i < tiled) {
+          const uint8_t* tg = tile + g * Q4_TILE_GROUP;
+          for (int64_t c = 0; c < 4; ++c) std::memcpy(b + 4 * c, tg + 64 * c + 4 * o, 4);
+          d = half_at(reinterpret_cast<const int8_t*>(tg + 256 + 2 * o));
+          m = half_at(reinterpret_cast<const int8_t*>(tg + 288 + 2 * o));
+        } else {
+          const uint8_t* row = rp + i * w;
+          std::memcpy(b, row + g * (Q4_GROUP / 2), Q4_GROUP / 2);
+          d = half_at(reinterpret_cast<const int8_t*>(row + n / 2 + 2 * g));
+          m = half_at(reinterpret_cast<const int8_t*>(row + n / 2 + 2 * (ng + g)));
+        }
+        for (int64_t j = 0; j < Q4_GROUP / 2; ++j) {
+          v[j] = float(b[j] & 0x0F) * d + m;
+          v[j + Q4_GROUP / 2] = float(b[j] >> 4) * d + m;
+        }
+        if (ob != nullptr) {
+          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
+        } else {
+          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// int5 weights as held (R, q5_width(n)) float8_e5m2 (whole tiles of 16 rows: model/int5_rows.py) -> their values
+// (R, n) in float32 or bfloat16: level x scale + min per group of 32 (int5_rows.reference_unpacked's bits: a 5-bit
+// level times a float16 scale is exact in float32; the sum is the one rounding). A prompt chunk's weights for the
+// BLAS, a slice at a time.
+at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat8_e5m2 && rows.dim() >= 1 && n % Q4_GROUP == 0 &&
+              rows.size(-1) == q5_width(n), "bad int5 rows");
+  const int64_t w = q5_width(n), R = rows.numel() / w, ng = n / Q4_GROUP;
+  TORCH_CHECK(R % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
+  auto sizes = rows.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* rp = reinterpret_cast<const uint8_t*>(rows.data_ptr());
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    float v[Q4_GROUP];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
+      const int64_t o = i % Q4_TILE;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* tg = tile + g * Q5_TILE_GROUP;
+        uint32_t hb;
+        std::memcpy(&hb, tg + 256 + 4 * o, 4);
+        const float d = half_at(reinterpret_cast<const int8_t*>(tg + 320 + 2 * o));
+        const float m = half_at(reinterpret_cast<const int8_t*>(tg + 352 + 2 * o));
+        for (int64_t c = 0; c < 4; ++c)
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = tg[64 * c + 4 * o + j];
+            v[4 * c + j] = float((byte & 0x0F) | ((hb >> (8 * j + c)) & 1) << 4) * d + m;
+            v[16 + 4 * c + j] = float((byte >> 4) | ((hb >> (8 * j + 4 + c)) & 1) << 4) * d + m;
+          }
+        if (ob != nullptr) {
+          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
+        } else {
+          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, or (out, q4_width(in)) uint8
+// int4 rows, bias (out) float32 or None -> (R, out) float32
+// residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
+// bf16: a bfloat16 W multiplies x rounded to bfloat16 in bfloat16 products where the build has them (bf16_dots.h)
+at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual,
+                  bool bf16) {
+  check_cpu_contig(x, "x");
+  check_cpu_contig(W, "W");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  const bool i8 = W.scalar_type() == at::kChar, i4 = W.scalar_type() == at::kByte,
+             i5 = W.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4 || i5,
+              "W must be float32, bfloat16, int8 rows, int5 tiles or int4 rows");
+  const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
+  TORCH_CHECK(!(i4 || i5) || in % Q4_GROUP == 0, "int4 and int5 rows need whole groups of 32");
+  TORCH_CHECK(!i5 || out % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 &&
+              W.size(1) == (i8 ? kv_width(in) : i4 ? q4_width(in) : i5 ? q5_width(in) : in), "bad shapes");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_cpu_contig(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, "bias must be float32 (out)");
+    bp = bias->data_ptr<float>();
+  }
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    check_cpu_contig(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == R * out, "residual must be (R, out) float32");
+    rp = residual->data_ptr<float>();
+  }
+  auto y = at::empty({R, out}, x.options());
+  if (W.scalar_type() == at::kFloat)
+    linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i8)
+    linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i4)
+    linear_impl(x.data_ptr<float>(), W.data_ptr<uint8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i5)
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const int5_t*>(W.data_ptr()), bp, rp, R, in, out,
+                y.data_ptr<float>());
+  else
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(W.data_ptr()), bp, rp, R, in, out,
+                y.data_ptr<float>(), bf16);
+  return y;
+}
