@@ -64,6 +64,19 @@ def test_save_load_round_trip(tmp_path, svd_calibration):
     assert back.meta == svd_calibration.meta
 
 
+def test_an_in_memory_models_fingerprint_covers_every_weight():
+    """Two models built in memory that differ only outside the q/k projections (an MLP row, the LM head's rows: a
+    test's model whose EOS is never greedy) calibrate differently (their generated text and queries differ): they
+    never share a cached calibration."""
+    base = tiny_model("llama-gqa")
+    for name in ("layers.0.mlp.w2.weight", "lm_head"):
+        other = tiny_model("llama-gqa")
+        with torch.no_grad():
+            w = dict(other.named_parameters())[name]
+            w[3] = w.mean(0)
+        assert fingerprint(other) != fingerprint(base), name
+
+
 def test_fingerprint_mismatch_refused(tmp_path, tiny_models, svd_calibration):
     other = tiny_model("llama-gqa", seed=123)  # same shapes, other weights
     assert fingerprint(other) != fingerprint(tiny_models["llama-gqa"])

@@ -105,8 +105,8 @@ _FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mode
 def fingerprint(model) -> str:
     """Architecture, shapes and the checkpoint: its digest as stored (model.checkpoint: a GGUF's or safetensors'
     bytes), so that every form its weights are held in (int4, int5, int8, bfloat16 rows, float32) shares one
-    calibration; a model built in memory (no checkpoint): a strided sample of its q/k projections' values in bf16
-    (the same in float32 and bfloat16)."""
+    calibration; a model built in memory (no checkpoint): a strided sample of every weight's values in bf16 (the same
+    in float32 and bfloat16; every weight, as the calibration's text and queries depend on them all)."""
     cached = _FINGERPRINTS.get(model)
     if cached is not None:
         return cached
@@ -117,10 +117,9 @@ def fingerprint(model) -> str:
     if model.checkpoint is not None:
         h.update(model.checkpoint.encode())
     else:
-        for attn in arch.attns:
-            for proj in (attn.q_proj, attn.k_proj):
-                w = dense(proj.weight.detach(), torch.float32).reshape(-1)[::61].to("cpu", torch.bfloat16)
-                h.update(w.view(torch.int16).numpy().tobytes())
+        for name, p in model.named_parameters():
+            w = dense(p.detach(), torch.float32).reshape(-1)[::61].to("cpu", torch.bfloat16)
+            h.update(name.encode() + w.view(torch.int16).numpy().tobytes())
     fp = _FINGERPRINTS[model] = h.hexdigest()
     return fp
 
