@@ -311,9 +311,8 @@ def test_int8_partial_keys_decode(tiny_models, monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_same_with_and_without_kernels(tiny_models, kind, monkeypatch, tmp_path):
     """Through the kernels and through the PyTorch path: the same selections and logits at a budget that
-    binds (padded batch, every architecture); the full cache too. A calibration cache of its own, made here: one
-    another test left at the default path (calibrated on other text or fewer tokens) would move the selections'
-    margins with the suite's order."""
+    binds (padded batch, every architecture); the full cache too. A calibration cache of its own, made here: the one
+    another test leaves at the default path moved the selections' margins with the suite's order."""
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path))
     model = tiny_models[kind]
     ids, mask = left_padded_batch(lengths=(48, 40, 31))
