@@ -10,6 +10,16 @@
 
 namespace {
 
+// Head sizes attend is compiled for: the real models' 64 and 128; others (Gemma 3's 256, tiny test models' 16) with
+// the size at run time. Each size is 12 instantiations of attend_impl (4 row types x 3 output types): the largest
+// share of the kernels' build.
+template <typename F>
+void dispatch_head(int64_t d, F&& f) {
+  if (d == 64) f(std::integral_constant<int, 64>{});
+  else if (d == 128) f(std::integral_constant<int, 128>{});
+  else f(std::integral_constant<int, 0>{});
+}
+
 // Tokens per chunk when `ntok` are cut into the fewest chunks of at most `most` of near-equal size, a multiple of 8
 // (the vector width of the scores) up to the last.
 inline int64_t even_chunk(int64_t ntok, int64_t most) {
@@ -331,7 +341,7 @@ at::Tensor attend(at::Tensor q, at::Tensor K, at::Tensor V, c10::optional<at::Te
     using T = decltype(tag);
     dispatch_storage(out_dtype, [&](auto otag) {
       using O = decltype(otag);
-      dispatch_size(d, [&](auto size) {
+      dispatch_head(d, [&](auto size) {
       attend_impl<T, O, decltype(size)::value>(q.data_ptr<float>(), reinterpret_cast<const T*>(K.data_ptr()),
                         reinterpret_cast<const T*>(V.data_ptr()), idx_p, m, count_p, new_p, new_row, keep_p,
                         keep_heads, n, B, G, r, d, cap, float(scale), r <= pairs_upto,
