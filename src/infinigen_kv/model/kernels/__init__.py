@@ -1,6 +1,7 @@
-"""The CPU kernels of the decode step (speculate, attend, linear, partial_query, kv_rows, elementwise: a source file
-each, bindings.cpp the module) and of a prompt chunk's attention over a long past (prefill.cpp), compiled for the
-machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the install did not.
+"""The CPU kernels of the decode step (speculate, attend, linear, dequantize, partial_query, kv_rows, elementwise: a
+source file each, bindings.cpp the module) and of a prompt chunk's attention over a long past (prefill.cpp),
+compiled for the machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the
+install did not.
 
 `library()` returns the compiled module, or None where it cannot be built (no C++ compiler). It is a library,
 loaded once; whether a model runs it, and how, is its backend's (model/backend.py: built at load and passed down),

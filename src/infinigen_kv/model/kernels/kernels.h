@@ -25,6 +25,7 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
 // linear.cpp
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual,
                   bool bf16);
+// dequantize.cpp
 at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16);
 at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16);
 // partial_query.cpp

@@ -1,23 +1,15 @@
 // linear: y (R, out) = x (R, in) W^T + bias (+ residual) for a decode step's few rows, W float32, bfloat16, int8
-// rows, int4 rows or int5 tiles, read once at the memory's rate; and the int4 / int5 weights' values for a prompt
-// chunk's BLAS.
+// rows, int4 rows or int5 tiles (weight_rows.h), read once at the memory's rate.
 
 #include "kernels.h"
 #include "rows_dot.h"
+#include "weight_rows.h"
 
 namespace {
 
-// int4 rows (weights "int4", model/int4_rows.py): q4_1 groups of 32 laid out as a row: in / 2 bytes of levels (group
-// g's 16 bytes: byte j = q[j] | q[j + 16] << 4), then the groups' float16 scales d, then their float16 minimums m; a
-// weight is d q + m with q in [0, 15]. Decode products: the activations quantized once a call to int8 in groups of
-// 32 (scale sx = absmax / 127, as llama.cpp's q8_1), with each group's sum sx sum(xq); a group's dot product is then
-// d sx sum(q xq) + m sx sum(xq). The 32 products u8 x s8 are summed exactly in int32: VNNI's dpbusd where the CPU
-// has it, else maddubs (pairs at most 2 x 15 x 127: no saturation) and madd, the same integers either way.
-constexpr int64_t Q4_GROUP = 32;
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 1536
 #endif
-inline int64_t q4_width(int64_t in) { return in / 2 + 4 * (in / Q4_GROUP); }
 
 #ifdef IG_AVX2
 // a group's 32 levels from its 16 bytes, in order: q[0..15] (low nibbles), q[16..31] (high nibbles)
@@ -120,21 +112,6 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
   for (int b = 0; b < RB; ++b) y[b * ldy] = sum[b];
 }
 
-// int4 tiles: the held form keeps its first 16 floor(out / 16) rows as tiles of 16 rows (model/int4_rows.py), the rest
-// as rows. A tile's group g (of ng) takes 320 bytes: four 64-byte chunks (chunk c: bytes 4o..4o+3 hold row o's levels
-// q[4c..4c+3] in their low nibbles and q[16+4c..16+4c+3] in their high ones), then the 16 rows' float16 scales d, then
-// their minimums m. A 512-bit dpbusd of a chunk's nibbles with four activations broadcast is then one step of 16 rows'
-// dot products, lane by lane: no lanes summed across, each group's scale one vector of 16 rows, the levels unpacked
-// once for every row of x (in rows, each (row, group) paid a conversion, a permute and a multiply-add).
-// int5 tiles (model/int5_rows.py): the same chunks of low nibbles, then 64 bytes of fifth bits (row o's dword at 4o:
-// q[4c+j]'s bit at bit c of byte j, q[16+4c+j]'s at bit 4+c), then the scales and minimums: 384 bytes a group. Chunk
-// c's fifth bits are that dword shifted by 4 - c (low nibbles) or c (high ones) and masked with 0x10 a byte.
-constexpr int64_t Q4_TILE = 16, Q4_TILE_GROUP = 320, Q5_TILE_GROUP = 384;
-template <int BITS>
-constexpr int64_t tile_group_bytes() { return BITS == 5 ? Q5_TILE_GROUP : Q4_TILE_GROUP; }
-template <int BITS>
-constexpr int64_t tile_scales_at() { return BITS == 5 ? 320 : 256; }  // a group's scales; its minimums 32 bytes on
-inline int64_t q5_width(int64_t in) { return in * 3 / 4; }
 
 #ifdef IG_AVX2
 // the lines of a tile's group Q4_AHEAD bytes ahead of tg, asked for now
@@ -365,101 +342,6 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
 }
 
 }  // namespace
-
-// int4 weights as held (..., q4_width(n)) uint8 (the leading dims' rows in tiles of 16, then rows: linear_impl's
-// layout) -> their values (..., n) in float32 or bfloat16: level x scale + min per group of
-// 32 (int4_rows.unpacked's bits: a 4-bit level times a float16 scale is exact in float32, so the one rounding is the
-// sum's, fused or not; bfloat16 rounds that to nearest even, as PyTorch's .to). A prompt chunk's weights for the
-// BLAS, a slice at a time: PyTorch's ops took 1.3x the bfloat16 weights' prefill in unpacking.
-at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16) {
-  check_cpu_contig(rows, "rows");
-  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() >= 1 && n % Q4_GROUP == 0 && rows.size(-1) == q4_width(n),
-              "bad int4 rows");
-  const int64_t w = q4_width(n), R = rows.numel() / w, ng = n / Q4_GROUP;
-  auto sizes = rows.sizes().vec();
-  sizes.back() = n;
-  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  const uint8_t* rp = rows.data_ptr<uint8_t>();
-  float* of = bf16 ? nullptr : out.data_ptr<float>();
-  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
-  const int64_t tiled = R / Q4_TILE * Q4_TILE;  // rows in tiles (linear_impl's layout), then rows
-  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
-    float v[Q4_GROUP];
-    uint8_t b[Q4_GROUP / 2];
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
-      const int64_t o = i % Q4_TILE;
-      for (int64_t g = 0; g < ng; ++g) {
-        float d, m;
-        if (i < tiled) {
-          const uint8_t* tg = tile + g * Q4_TILE_GROUP;
-          for (int64_t c = 0; c < 4; ++c) std::memcpy(b + 4 * c, tg + 64 * c + 4 * o, 4);
-          d = half_at(reinterpret_cast<const int8_t*>(tg + 256 + 2 * o));
-          m = half_at(reinterpret_cast<const int8_t*>(tg + 288 + 2 * o));
-        } else {
-          const uint8_t* row = rp + i * w;
-          std::memcpy(b, row + g * (Q4_GROUP / 2), Q4_GROUP / 2);
-          d = half_at(reinterpret_cast<const int8_t*>(row + n / 2 + 2 * g));
-          m = half_at(reinterpret_cast<const int8_t*>(row + n / 2 + 2 * (ng + g)));
-        }
-        for (int64_t j = 0; j < Q4_GROUP / 2; ++j) {
-          v[j] = float(b[j] & 0x0F) * d + m;
-          v[j + Q4_GROUP / 2] = float(b[j] >> 4) * d + m;
-        }
-        if (ob != nullptr) {
-          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
-        } else {
-          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
-        }
-      }
-    }
-  });
-  return out;
-}
-
-// int5 weights as held (R, q5_width(n)) float8_e5m2 (whole tiles of 16 rows: model/int5_rows.py) -> their values
-// (R, n) in float32 or bfloat16: level x scale + min per group of 32 (int5_rows.reference_unpacked's bits: a 5-bit
-// level times a float16 scale is exact in float32; the sum is the one rounding). A prompt chunk's weights for the
-// BLAS, a slice at a time.
-at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16) {
-  check_cpu_contig(rows, "rows");
-  TORCH_CHECK(rows.scalar_type() == at::kFloat8_e5m2 && rows.dim() >= 1 && n % Q4_GROUP == 0 &&
-              rows.size(-1) == q5_width(n), "bad int5 rows");
-  const int64_t w = q5_width(n), R = rows.numel() / w, ng = n / Q4_GROUP;
-  TORCH_CHECK(R % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
-  auto sizes = rows.sizes().vec();
-  sizes.back() = n;
-  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  const uint8_t* rp = reinterpret_cast<const uint8_t*>(rows.data_ptr());
-  float* of = bf16 ? nullptr : out.data_ptr<float>();
-  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
-    float v[Q4_GROUP];
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
-      const int64_t o = i % Q4_TILE;
-      for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* tg = tile + g * Q5_TILE_GROUP;
-        uint32_t hb;
-        std::memcpy(&hb, tg + 256 + 4 * o, 4);
-        const float d = half_at(reinterpret_cast<const int8_t*>(tg + 320 + 2 * o));
-        const float m = half_at(reinterpret_cast<const int8_t*>(tg + 352 + 2 * o));
-        for (int64_t c = 0; c < 4; ++c)
-          for (int64_t j = 0; j < 4; ++j) {
-            const uint8_t byte = tg[64 * c + 4 * o + j];
-            v[4 * c + j] = float((byte & 0x0F) | ((hb >> (8 * j + c)) & 1) << 4) * d + m;
-            v[16 + 4 * c + j] = float((byte >> 4) | ((hb >> (8 * j + 4 + c)) & 1) << 4) * d + m;
-          }
-        if (ob != nullptr) {
-          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
-        } else {
-          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
-        }
-      }
-    }
-  });
-  return out;
-}
 
 // x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, or (out, q4_width(in)) uint8
 // int4 rows, bias (out) float32 or None -> (R, out) float32
