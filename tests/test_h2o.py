@@ -60,17 +60,43 @@ def test_prefill_scores_stay_inside_a_sliding_window(monkeypatch):
         torch.testing.assert_close(cache.layers[1].score.valid()[0, :, :, 0], ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not __import__("infinigen_kv.model.backend", fromlist=["build"]).build("cpu").bf16_attention,
-                    reason="needs AVX-512 BF16")
-def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
-    """A chunk over a long past (LONG_PAST keys or more, causal) is scored by the CPU kernel in bfloat16 products, as
-    the layer's attention there: the float32 path's column sums within that rounding, per sequence and KV head."""
-    from types import SimpleNamespace
-
+def _sums_path():
     from infinigen_kv.methods import h2o
     from infinigen_kv.model import backend
 
     b = backend.build("cpu")
+    return b if b.ops is not None and (b.bf16_attention or b.path in h2o.FLOAT32_SUMS_PATHS) else None
+
+
+@pytest.mark.skipif(_sums_path() is None, reason="no CPU kernels with AVX2 here (PyTorch's path serves)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,r,d", [(2, 3, 64), (1, 4, 128), (3, 1, 16)])
+@pytest.mark.parametrize("T,S", [(5, 40), (37, 300), (70, 1100)])
+def test_float32_column_sums_match_float64(T, S, G, r, d, dtype):
+    """kernels/column_sums.cpp: each key's probability summed over the chunk's causal queries and a group's heads,
+    as float64 attention of the same inputs gives it; tiles and key blocks cut anywhere (T not a multiple of its
+    16-position tiles, S not of its 16-key blocks)."""
+    K = _sums_path().ops
+    torch.manual_seed(T + S + d)
+    q, k = torch.randn(T, G * r, d) * 2, torch.randn(G, S, d).to(dtype)
+    s = torch.einsum("thc,hsc->hts", q.double(), k.double().repeat_interleave(r, dim=0)) * d**-0.5
+    s = s.masked_fill(torch.arange(S)[None] > torch.arange(T)[:, None] + S - T, float("-inf"))
+    want = torch.softmax(s, -1).sum(1).view(G, r, S).sum(1)  # (G, S)
+    got = K.column_sums(q, k, d**-0.5)
+    assert got.shape == (G, S) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(_sums_path() is None, reason="no CPU kernels with AVX2 here (PyTorch's path serves)")
+def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
+    """A chunk over a long past (LONG_PAST keys or more, causal) is scored by a CPU kernel (in bfloat16 products
+    where the layer's attention runs in those, else float32): the float32 path's column sums within that rounding,
+    per sequence and KV head."""
+    from types import SimpleNamespace
+
+    from infinigen_kv.methods import h2o
+
+    b = _sums_path()
     torch.manual_seed(3)
     B, H, G, T, n, d = 2, 6, 2, 70, 1200, 64
     q, k = torch.randn(B, H, T, d) * 2, torch.randn(B, G, n, d).bfloat16()
@@ -84,7 +110,8 @@ def test_prefill_scores_over_a_long_past_in_the_kernel(monkeypatch):
             assert (layer._kernel_sums(q, k, mask, d**-0.5, b) is None) == (long_past == n)
         layer.add_prefill_scores(q, k, causal, d**-0.5, b)  # the model's mask of a chunk over a past: causal
         sums.append(layer.score.data[..., 0])
-    torch.testing.assert_close(sums[0], sums[1], atol=2e-3 * sums[1].max().item(), rtol=1e-2)
+    tol = (2e-3, 1e-2) if b.bf16_attention else (1e-5, 1e-5)  # bfloat16 queries, or float32 throughout
+    torch.testing.assert_close(sums[0], sums[1], atol=tol[0] * sums[1].max().item(), rtol=tol[1])
     assert sums[0][..., n:].abs().sum() == 0 and abs(sums[0].sum().item() - B * H * T) < 1e-2 * B * H * T
     padded = causal.clone()
     padded[1, ..., :5] = False  # a left-padded row: the float32 path, under the mask

@@ -13,6 +13,8 @@ from .evicting import EvictingCache, EvictingLayer
 # Prefill queries scored at a time: a (B, G, r, 64, n) block of scores is still in cache when the softmax and
 # the column sums read it back (at 8k tokens 1.8x faster than 256 on the 2-core EPYC).
 QUERY_CHUNK = 64
+# kernel paths (model/backend.py) whose build has kernels/column_sums.cpp's AVX2 column sums
+FLOAT32_SUMS_PATHS = ("avx512-bf16", "avx512", "avx2")
 
 
 class H2OLayer(EvictingLayer):
@@ -62,19 +64,26 @@ class H2OLayer(EvictingLayer):
         return total
 
     def _kernel_sums(self, query, key, attention_mask, scaling, backend):
-        """The column sums (B, G, n) by the CPU kernel (kernels/prefill.cpp: two passes of bfloat16 products, 2-3x
-        the float32 path at 8k-32k) where the layer's attention runs in those same products: a chunk over a past
-        of LONG_PAST keys or more, causal (no window, and the mask, the model's for a chunk over a past, has the
-        last query of every row see every key: nothing padded). None elsewhere."""
+        """The column sums (B, G, n) by a CPU kernel where a chunk is over a past of LONG_PAST keys or more (there
+        they are most of the chunk's cost: at 16k keys PyTorch's path takes 2-6x the chunk's attention) and causal
+        (no window, and the mask, the model's for a chunk over a past, has the last query of every row see every
+        key: nothing padded): in bfloat16 products (kernels/prefill.cpp) where the layer's attention runs in those,
+        else in float32 products (kernels/column_sums.cpp, AVX2; ~3x PyTorch's float32 path at 16k keys). None
+        elsewhere: PyTorch's path."""
         T, d, n = query.shape[2], query.shape[3], key.shape[2]
-        if self.window or query.is_cuda or n - T < LONG_PAST or d % 64:
+        if self.window or query.is_cuda or n - T < LONG_PAST or query.dtype != torch.float32:
             return None
         if attention_mask is not None and not bool(attention_mask[:, :, -1, :n].all()):
             return None
-        if backend is None or not backend.bf16_attention or query.dtype != torch.float32:
+        if backend is None or backend.ops is None:
             return None
-        ops = backend.ops
-        return torch.stack([ops.prefill_column_sums(query[b].transpose(0, 1), key[b].contiguous(), float(scaling))
+        if backend.bf16_attention and d % 64 == 0:
+            kernel = backend.ops.prefill_column_sums
+        elif backend.path in FLOAT32_SUMS_PATHS:
+            kernel = backend.ops.column_sums
+        else:
+            return None
+        return torch.stack([kernel(query[b].transpose(0, 1), key[b].contiguous(), float(scaling))
                             for b in range(query.shape[0])])
 
 

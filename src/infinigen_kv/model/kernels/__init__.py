@@ -1,5 +1,6 @@
 """The CPU kernels of the decode step (speculate, attend, linear, dequantize, partial_query, kv_rows, elementwise: a
-source file each, bindings.cpp the module) and of a prompt chunk's attention over a long past (prefill.cpp),
+source file each, bindings.cpp the module), of a prompt chunk's attention over a long past (prefill.cpp) and of
+H2O's prefill scores (column_sums.cpp, and prefill.cpp's in bfloat16 products),
 compiled for the machine by the install step (`infinigen build-kernels`: `build()`), or at first use where the
 install did not.
 

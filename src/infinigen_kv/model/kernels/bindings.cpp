@@ -34,4 +34,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("prefill_attend", &prefill_attend, "a prompt chunk's causal attention over its past, bfloat16 products");
   mod.def("prefill_column_sums", &prefill_column_sums,
           "a prompt chunk's attention probabilities summed per key (H2O's scores), bfloat16 products");
+  mod.def("column_sums", &column_sums, "the same column sums in float32 products (AVX2 and FMA)");
 }

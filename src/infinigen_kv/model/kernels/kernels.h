@@ -35,6 +35,8 @@ at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> b
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads);
 at::Tensor silu_mul(at::Tensor gu, int64_t lanes);
+// column_sums.cpp
+at::Tensor column_sums(const at::Tensor& q, const at::Tensor& k, double scale);
 // prefill.cpp
 bool bf16_dots_native();
 at::Tensor prefill_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
