@@ -67,7 +67,8 @@ def use_float32_products(monkeypatch, *models):
     import dataclasses
 
     for model in models:
-        monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, bf16_products=False))
+        monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, bf16_products=False,
+                                                                  int_prefill=False))
 
 
 @pytest.fixture(scope="session")

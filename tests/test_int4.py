@@ -102,17 +102,17 @@ def test_int4_linear_kernel(inputs, out, monkeypatch):
     W = torch.randn(out, inputs) * torch.rand(out, 1)
     W[3, :32] = 0  # a zero group
     rows = int4_rows.pack(W)
-    x = torch.randn(6, inputs) * 3
+    x = torch.randn(21, inputs) * 3  # blocks of 8 rows (a prompt chunk's), 4 and 1
     x[1, 32:64] = 0  # a zero group of activations
-    bias, res = torch.randn(out), torch.randn(6, out)
+    bias, res = torch.randn(out), torch.randn(21, out)
     y = K.linear(x, rows, None, None)
     dense = int4_rows.unpacked(rows)
     ref = torch.nn.functional.linear(q8_groups(x), dense)
     assert (y - ref).abs().max() <= 1e-5 * (x.abs() @ dense.abs().t()).max()
     exact = torch.nn.functional.linear(x, dense)  # the activations' rounding: ~2^-8 of a group's largest value
     assert (y - exact).abs().max() <= 1e-2 * (x.abs() @ dense.abs().t()).max()
-    for r in (1, 2, 4, 5):
-        assert torch.equal(K.linear(x[:r].contiguous(), rows, None, None), y[:r])
+    for a, b in ((0, 1), (0, 2), (0, 4), (0, 5), (0, 8), (0, 13), (5, 19)):
+        assert torch.equal(K.linear(x[a:b].contiguous(), rows, None, None), y[a:b])
     assert torch.equal(K.linear(x, rows, bias, res), res + (y + bias))
 
 
@@ -139,6 +139,27 @@ def test_a_4_or_5_bit_model_decodes_what_its_values_compute(weights, float32_pro
     assert ((got - want).norm() / want.norm()) < 2e-2
     for method, options in (("infinigen", {"alpha": 1e9, "budget": 1.0}), ("offload", {})):
         assert torch.equal(step_logits(held, ig.make_cache(method, held, **options), ids, mask), got), method
+
+
+@pytest.mark.skipif(K is None, reason="no CPU kernels")
+@torch.inference_mode()
+@pytest.mark.parametrize("weights", ["int4", "int5"])
+def test_a_prompt_chunk_multiplies_tiles_in_integers(weights):
+    """int_prefill: a prompt chunk's int4 / int5 tiles in the linear kernel's integer products (its activations in
+    int8 groups, as a decode step's) rather than the GEMM on their values: logits close to the GEMM's, each prompt's
+    the same bits alone as beside another in a batch, and the next steps' greedy tokens the same."""
+    import dataclasses
+
+    model = tiny_model("qwen2", weights=weights)
+    ids = torch.randint(3, 256, (2, 70))
+    model.backend = dataclasses.replace(model.backend, int_prefill=False)
+    gemm = model(ids, use_cache=False).logits
+    model.backend = dataclasses.replace(model.backend, int_prefill=True)
+    ints = model(ids, use_cache=False).logits
+    assert not torch.equal(ints, gemm)  # (the integer path ran)
+    assert ((ints - gemm).norm() / gemm.norm()) < 2e-2
+    assert (ints.argmax(-1) == gemm.argmax(-1)).float().mean() > 0.9
+    assert torch.equal(model(ids[1:], use_cache=False).logits, ints[1:])
 
 
 def test_int4_weights_load_and_map(tmp_path, monkeypatch):

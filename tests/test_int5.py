@@ -74,15 +74,15 @@ def test_int5_linear_kernel(inputs, out):
     W = torch.randn(out, inputs) * torch.rand(out, 1)
     W[3, :32] = 0  # a zero group
     held = int5_rows.pack(W)
-    x = torch.randn(6, inputs) * 3
+    x = torch.randn(21, inputs) * 3  # blocks of 8 rows (a prompt chunk's), 4 and 1
     x[1, 32:64] = 0
-    bias, res = torch.randn(out), torch.randn(6, out)
+    bias, res = torch.randn(out), torch.randn(21, out)
     y = K.linear(x, held, None, None)
     dense = int5_rows.unpacked(held)
     ref = torch.nn.functional.linear(q8_groups(x), dense)
     assert (y - ref).abs().max() <= 1e-5 * (x.abs() @ dense.abs().t()).max()
-    for r in (1, 2, 4, 5):
-        assert torch.equal(K.linear(x[:r].contiguous(), held, None, None), y[:r])
+    for a, b in ((0, 1), (0, 2), (0, 4), (0, 5), (0, 8), (0, 13), (5, 19)):
+        assert torch.equal(K.linear(x[a:b].contiguous(), held, None, None), y[a:b])
     assert torch.equal(K.linear(x, held, bias, res), res + (y + bias))
     with pytest.raises(RuntimeError, match="whole tiles"):
         K.linear(x, held[:out - 8], None, None)

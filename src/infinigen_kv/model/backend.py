@@ -7,7 +7,8 @@ It holds what runs and every number that decides how:
 - `path`: the kernel path: "avx512-bf16" (AVX-512 with BF16: bfloat16 products), "avx512", "avx2", "generic" (the
   kernels without either), "reference" (no kernels), or the device type ("cuda");
 - the products: `bf16_products` (a decode step's and a prompt chunk's linears on bfloat16 weights in bfloat16
-  products), `bf16_attention` (a prompt chunk over a long past in bfloat16 products), `attend_pairs_upto` (decode
+  products), `int_prefill` (a prompt chunk's linears on int4 and int5 tiles in integer products, its activations in
+  int8 as a decode step's), `bf16_attention` (a prompt chunk over a long past in bfloat16 products), `attend_pairs_upto` (decode
   attention over long bfloat16 rows in bfloat16 pairs for up to this many query heads a KV head, else float32
   products of widened rows), `silu_lanes`;
 - `head_ns`: the cost InfiniGen's dense-or-speculate rule gives a (past token, query head) of attention;
@@ -35,6 +36,7 @@ from . import kernels as kernel_library
 class PathFacts:
     head_ns: float  # wall ns of decode attention per (past token, query head) at 64 channels, 2 threads, warm rows
     attend_pairs_upto: int = 0  # query heads a KV head up to which bfloat16 pairs serve (AVX-512 BF16 only)
+    int_prefill: bool = False  # a prompt chunk's int4 / int5 tiles in 512-bit VNNI products (the linear kernel)
 
 
 # head_ns, from scripts/dev/head_ns.py on quiet 2-core machines (docs/BENCHMARKS.md, "Never slower than full": what the
@@ -42,9 +44,12 @@ class PathFacts:
 # (its quiet runs spread 1.45-2.6 between minutes on a shared VM: a constant, not a timing, keeps the answer); "avx2"
 # the kernels built for Haswell (-march=haswell) on that Xeon, 4.4; "generic" as avx2. attend_pairs_upto: on Zen 4
 # bfloat16 pairs beat widened rows at every head count measured (1-8); on Intel's AVX-512 BF16 (Sapphire / Emerald
-# Rapids) vdpbf16ps issues one every ~2.2 cycles and pairs win at 1-2 heads only (INTEL_PAIRS_UPTO).
+# Rapids) vdpbf16ps issues one every ~2.2 cycles and pairs win at 1-2 heads only (INTEL_PAIRS_UPTO). int_prefill:
+# on Zen 4 the linear kernel's 512-bit dpbusd over int4 / int5 tiles multiplies a 512-row prompt chunk of the 0.5B at
+# 1.4-1.5x oneDNN's bfloat16 GEMM on the same tiles dequantized (docs/BENCHMARKS.md, "Prefill"); on Intel, whose
+# bfloat16 GEMM runs on AMX, and on AVX2 (no 512-bit VNNI) a prompt chunk keeps the GEMM.
 PATHS = {
-    "avx512-bf16": PathFacts(head_ns=1.86, attend_pairs_upto=8),
+    "avx512-bf16": PathFacts(head_ns=1.86, attend_pairs_upto=8, int_prefill=True),
     "avx512": PathFacts(head_ns=2.16),
     "avx2": PathFacts(head_ns=4.4),
     "generic": PathFacts(head_ns=4.4),
@@ -59,6 +64,7 @@ class Backend:
     ops: Any = None  # the compiled kernels, or None: PyTorch ops
     silu_lanes: int | None = None  # silu_mul's vector width where it gives F.silu's bits; None: PyTorch's silu
     bf16_products: bool = False
+    int_prefill: bool = False
     bf16_attention: bool = False
     attend_pairs_upto: int = 0
     head_ns: float = 0.0  # 0: the rule weighs bytes alone (no kernels: PyTorch's attention)
@@ -95,7 +101,7 @@ def build(device: str = "cpu", *, kernels: bool | None = None, bf16_products: bo
           threads: int | None = None, cuda_graph: bool = True, attend_pairs_upto: int | None = None) -> Backend:
     """The backend of a model on `device` ("cpu", "cuda", a torch.device): kernels None: the compiled CPU kernels
     where built, unless INFINIGEN_KERNELS=0; bf16_products None: where the CPU multiplies bfloat16 in hardware,
-    unless INFINIGEN_BF16_PRODUCTS=0 (user settings, read here, at load, as INFINIGEN_CUDA_FETCH on CUDA); threads: a fixed count (None: follow
+    unless INFINIGEN_BF16_PRODUCTS=0; int_prefill where the path's facts say, unless INFINIGEN_INT_PREFILL=0 (user settings, read here, at load, as INFINIGEN_CUDA_FETCH on CUDA); threads: a fixed count (None: follow
     the load); attend_pairs_upto: the path's constant unless given (experiments)."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
     if threads is not None and threads < 1:
@@ -118,7 +124,9 @@ def build(device: str = "cpu", *, kernels: bool | None = None, bf16_products: bo
     if attend_pairs_upto is not None:
         pairs = attend_pairs_upto
     lanes = kernel_library.silu_lanes() if kernel_library.silu_mul_exact(ops) else None
-    return Backend("cpu", path, ops, lanes, bf16_products, ops.bf16_dots_native(),
+    int_prefill = (facts.int_prefill and kernel_library.cpu_vendor() != "GenuineIntel"
+                   and os.environ.get("INFINIGEN_INT_PREFILL", "1") != "0")
+    return Backend("cpu", path, ops, lanes, bf16_products, int_prefill, ops.bf16_dots_native(),
                    pairs if ops.bf16_dots_native() else 0, facts.head_ns, threads, cuda_graph)
 
 

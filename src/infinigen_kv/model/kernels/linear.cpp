@@ -158,15 +158,16 @@ inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq,
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC + 32)));
+#pragma GCC unroll 8  // (the accumulators stay in registers only unrolled)
     for (int b = 0; b < RB; ++b) {
       const int8_t* xg = xq + b * in + g * Q4_GROUP;
-      int32_t x4[8];
-      std::memcpy(x4, xg, 32);
-      __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[0], _mm512_set1_epi32(x4[0]));
-      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], _mm512_set1_epi32(x4[4]));
+      // four activations broadcast straight from memory (a load, no register moves: a prompt chunk's rate)
+      auto x4 = [xg](int c) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xg + 4 * c)); };
+      __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[0], x4(0));
+      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], x4(4));
       for (int c = 1; c < 4; ++c) {
-        p0 = _mm512_dpbusd_epi32(p0, lv[c], _mm512_set1_epi32(x4[c]));
-        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], _mm512_set1_epi32(x4[4 + c]));
+        p0 = _mm512_dpbusd_epi32(p0, lv[c], x4(c));
+        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], x4(4 + c));
       }
       const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g]));
       acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p0, p1)), sc, acc[b]);
@@ -296,17 +297,24 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     else if constexpr (!I5)  // (int5 weights are whole tiles)
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
-  auto in_blocks = [&](auto&& f) {  // f(rb, b) over the rows of x in blocks of rb = 4, then 2, then 1
+  auto in_blocks = [&](auto&& f, int64_t n) {  // f(rb, b) over n rows of x in blocks of rb = 4, then 2, then 1
     int64_t b = 0;
-    for (; b + 4 <= R; b += 4) f(std::integral_constant<int, 4>{}, b);
-    if (R - b >= 2) {
+    for (; b + 4 <= n; b += 4) f(std::integral_constant<int, 4>{}, b);
+    if (n - b >= 2) {
       f(std::integral_constant<int, 2>{}, b);
       b += 2;
     }
-    if (b < R) f(std::integral_constant<int, 1>{}, b);
+    if (b < n) f(std::integral_constant<int, 1>{}, b);
+  };
+  auto in_blocks8 = [&](auto&& f) {  // tiles: blocks of 8 rows first (a prompt chunk's), then in_blocks
+    int64_t b = 0;
+#ifdef IG_VNNI512  // (32 registers: a block's accumulators and the group's levels; AVX2's 16 hold 4 rows')
+    for (; b + 8 <= R; b += 8) f(std::integral_constant<int, 8>{}, b);
+#endif
+    if (b < R) in_blocks([&](auto rb, int64_t c) { f(rb, b + c); }, R - b);
   };
   auto row = [&](int64_t o) {  // output o for every row of x, from weight row o
-    in_blocks([&](auto rb, int64_t b) { rows(rb, wp + o * ldw, b, y + b * out + o); });
+    in_blocks([&](auto rb, int64_t b) { rows(rb, wp + o * ldw, b, y + b * out + o); }, R);
   };
   auto finish = [&](int64_t o0, int64_t o1) {  // bias, then the residual
     for (int64_t o = o0; o < o1; ++o) {
@@ -324,7 +332,7 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
         if (t == tiles) {
           for (int64_t o = o0; o < o1; ++o) row(o);
         } else {
-          in_blocks([&](auto rb, int64_t b) {
+          in_blocks8([&](auto rb, int64_t b) {
             tile_dot_q<decltype(rb)::value, I5 ? 5 : 4>(reinterpret_cast<const uint8_t*>(wp + o0 * ldw),
                                                       qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
                                                       qx8->sum.data() + b * qx8->ng, in, y + b * out + o0, out);

@@ -27,7 +27,8 @@ struct QuantizedX8 {
   std::vector<int32_t> isum;  // (R, ng): the sum of a group's int8 values
   QuantizedX8(const float* x, int64_t R, int64_t in)
       : ng(kv_groups(in)), pad(kv_groups(in) * KV_GROUP), q(R * pad, 0), s(R * ng), sum(R * ng), isum(R * ng) {
-    for (int64_t r = 0; r < R; ++r)
+    // rows in parallel where there are many (a prompt chunk's): each row's bytes are the same either way
+    at::parallel_for(0, R, R >= 64 ? 16 : R, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < ng; ++g) {
         const float* xg = x + r * in + g * KV_GROUP;
         const int64_t len = std::min(KV_GROUP, in - g * KV_GROUP);
@@ -70,6 +71,7 @@ struct QuantizedX8 {
         isum[r * ng + g] = total;
         sum[r * ng + g] = sc * float(total);
       }
+    });
   }
 };
 
