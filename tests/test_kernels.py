@@ -122,26 +122,29 @@ def test_int8_weight_rows_linear(inputs, monkeypatch):
     """`linear` over int8 weight rows (--weights int8): the products of the int8 activations (int8_activations) and
     the weights' levels summed exactly, times the groups' scales (within float32's rounding), and so within the
     activations' rounding of the float product; the rows dequantized by the kernel as by PyTorch; a row's result
-    whatever rows share the call."""
+    whatever rows share the call; the same within float32's rounding multiplied as tiles (`tiles`, a prompt
+    chunk's: 37 rows are two tiles and five rows), with a bias and a residual."""
     from infinigen_kv.model import int8_rows
 
     torch.manual_seed(9)
     W = torch.randn(37, inputs) * torch.rand(37, 1)
     W[3, :32] = 0  # a zero group
     rows = int8_rows.pack_kv(W)
-    x = torch.randn(6, inputs) * 3
+    x = torch.randn(21, inputs) * 3  # blocks of 8 rows, 4 and 1
     x[2, :32] = 0  # a zero group of activations
-    y = K.linear(x, rows, None, None)
     dense = K.dequantize_kv_rows(rows, inputs)
     levels, scales = int8_activations(x)
     wg = torch.nn.functional.pad(dense, (0, -inputs % 32)).view(37, -1, 32).double()
     exact = torch.einsum("rgi,ogi,rg->ro", levels.double(), wg, scales[..., 0].double())
-    assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
     ref = torch.nn.functional.linear(x, dense)
-    assert (y - ref).abs().max() <= 0.5 / 127 * (x.abs() @ dense.abs().t()).max()
-    for r in (1, 2, 4, 5):
-        assert torch.equal(K.linear(x[:r].contiguous(), rows, None, None), y[:r])
-    assert torch.equal(K.linear(x[3:4].contiguous(), rows, None, None), y[3:4])
+    for tiles in (False, True):
+        y = K.linear(x, rows, None, None, False, tiles)
+        assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+        assert (y - ref).abs().max() <= 0.5 / 127 * (x.abs() @ dense.abs().t()).max()
+        for a, b in ((0, 1), (0, 2), (0, 4), (0, 5), (0, 8), (3, 4), (5, 19)):
+            assert torch.equal(K.linear(x[a:b].contiguous(), rows, None, None, False, tiles), y[a:b])
+    bias, res = torch.randn(37), torch.randn(21, 37)
+    assert torch.equal(K.linear(x, rows, bias, res, False, True), res + (y + bias))
     monkeypatch.setattr(int8_rows, "library", lambda: None)  # the codec's PyTorch path
     assert torch.equal(int8_rows.unpacked_kv(rows, torch.float32), dense)
 

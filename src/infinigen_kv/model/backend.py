@@ -7,8 +7,8 @@ It holds what runs and every number that decides how:
 - `path`: the kernel path: "avx512-bf16" (AVX-512 with BF16: bfloat16 products), "avx512", "avx2", "generic" (the
   kernels without either), "reference" (no kernels), or the device type ("cuda");
 - the products: `bf16_products` (a decode step's and a prompt chunk's linears on bfloat16 weights in bfloat16
-  products), `int_prefill` (a prompt chunk's linears on int4 and int5 tiles in integer products, its activations in
-  int8 as a decode step's), `bf16_attention` (a prompt chunk over a long past in bfloat16 products), `attend_pairs_upto` (decode
+  products), `int_prefill` (a prompt chunk's linears on int4 and int5 tiles and int8 rows in integer products, its
+  activations in int8 as a decode step's), `bf16_attention` (a prompt chunk over a long past in bfloat16 products), `attend_pairs_upto` (decode
   attention over long bfloat16 rows in bfloat16 pairs for up to this many query heads a KV head, else float32
   products of widened rows), `silu_lanes`;
 - `head_ns`: the cost InfiniGen's dense-or-speculate rule gives a (past token, query head) of attention;
@@ -36,7 +36,7 @@ from . import kernels as kernel_library
 class PathFacts:
     head_ns: float  # wall ns of decode attention per (past token, query head) at 64 channels, 2 threads, warm rows
     attend_pairs_upto: int = 0  # query heads a KV head up to which bfloat16 pairs serve (AVX-512 BF16 only)
-    int_prefill: bool = False  # a prompt chunk's int4 / int5 tiles in 512-bit VNNI products (the linear kernel)
+    int_prefill: bool = False  # a prompt chunk's int4 / int5 tiles and int8 rows in 512-bit VNNI products
 
 
 # head_ns, from scripts/dev/head_ns.py on quiet 2-core machines (docs/BENCHMARKS.md, "Never slower than full": what the

@@ -9,8 +9,9 @@ state set elsewhere:
 - a prompt chunk (`prefill=True`): the BLAS in blocks of exactly PREFILL_ROWS rows (the last padded), so a row gets
   the same bits at any row count and batch; a weight held in bfloat16 or int8 rows multiplies in bfloat16 where the
   CPU does so natively (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`), each slice
-  once for all the blocks; int4 and int5 tiles take the `linear` kernel's integer products instead where the backend
-  says (`int_prefill`: 512-bit VNNI, where they beat the bfloat16 GEMM), each row's bits its own at any row count.
+  once for all the blocks; int4 and int5 tiles and int8 rows (re-laid as tiles a call) take the `linear` kernel's
+  integer products instead where the backend says (`int_prefill`: 512-bit VNNI, where they beat the bfloat16 GEMM),
+  each row's bits its own at any row count.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, backend, bf16: bool
     rows = x2.shape[0]
     if not x2.is_cpu:
         return converted_linear(x2, w, bias)
-    if bf16 and tiled(w) and backend is not None and backend.int_prefill and x2.dtype == torch.float32:
-        return backend.ops.linear(x2.contiguous(), w, bias, None, False)  # each row alone: no blocks, no padding
+    if (bf16 and (tiled(w) or w.dtype == torch.int8) and backend is not None and backend.int_prefill
+            and x2.dtype == torch.float32):  # each row alone: no blocks, no padding; int8 rows as tiles
+        return backend.ops.linear(x2.contiguous(), w, bias, None, False, True)
     if rows % PREFILL_ROWS:
         padded = x2.new_zeros(-(-rows // PREFILL_ROWS) * PREFILL_ROWS, x2.shape[1])
         padded[:rows] = x2

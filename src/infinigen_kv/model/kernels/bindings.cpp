@@ -8,7 +8,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row, int5-tile or int4-row weights, plus a residual",
           py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
-          py::arg("bf16") = false);
+          py::arg("bf16") = false, py::arg("tiles") = false);
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied",

@@ -260,6 +260,58 @@ inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq,
 #endif
 }
 
+#ifdef IG_VNNI512
+// int8 rows as a prompt chunk multiplies them (`tiles`): each 16 rows re-laid once a call as an int8 tile, then the
+// tile's products as int4 tiles' (tile_dot_q), every row of the chunk reading the tile from L1 or L2. Group g of a
+// tile: eight 64-byte chunks (chunk c: bytes 4o..4o+3 hold row o's values 4c..4c+3 plus 128, as unsigned bytes:
+// dpbusd multiplies unsigned by signed, and 128 sum(xq) is taken back out), then the 16 rows' float16 scales.
+constexpr int64_t Q8_TILE_GROUP = 8 * 64 + 32;
+
+// rows [o0, o0 + 16) of int8 rows w (ldw bytes apart, in values each) -> their tile at t (ng Q8_TILE_GROUP bytes)
+inline void q8_tile(const int8_t* w, int64_t ldw, int64_t in, uint8_t* t) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(int32_t(ldw)));
+  for (int64_t g = 0; g < in / KV_GROUP; ++g) {
+    uint8_t* tg = t + g * Q8_TILE_GROUP;
+    for (int c = 0; c < 8; ++c)
+      _mm512_storeu_si512(tg + 64 * c, _mm512_xor_si512(_mm512_i32gather_epi32(at, w + g * KV_GROUP + 4 * c, 1),
+                                                        _mm512_set1_epi8(char(0x80))));
+    for (int o = 0; o < 16; ++o) std::memcpy(tg + 512 + 2 * o, w + o * ldw + in + 2 * g, 2);
+  }
+}
+
+// y[b * ldy + o] (o < 16) = x[b] . (row o of the int8 tile at t) for RB rows of int8 activations (row b's values at
+// xq + b in, its groups' scales and integer sums at xs + b ng, xi + b ng): per lane the group's exact integer dot,
+// then acc = fma(float(dot), d sx, acc) group by group
+template <int RB>
+inline void tile_dot_q8(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
+                        const int32_t* __restrict xi, int64_t in, float* y, int64_t ldy) {
+  const int64_t ng = in / KV_GROUP;
+  __m512 acc[RB];
+  for (int b = 0; b < RB; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* tg = t + g * Q8_TILE_GROUP;
+    __m512i lv[8];
+    for (int c = 0; c < 8; ++c) lv[c] = _mm512_loadu_si512(tg + 64 * c);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 512)));
+#pragma GCC unroll 8
+    for (int b = 0; b < RB; ++b) {
+      const int8_t* xg = xq + b * in + g * KV_GROUP;
+      auto x4 = [xg](int c) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xg + 4 * c)); };
+      __m512i p0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * xi[b * ng + g]), lv[0], x4(0));
+      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], x4(4));
+      for (int c = 1; c < 4; ++c) {
+        p0 = _mm512_dpbusd_epi32(p0, lv[c], x4(c));
+        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], x4(4 + c));
+      }
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p0, p1)),
+                               _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g])), acc[b]);
+    }
+  }
+  for (int b = 0; b < RB; ++b) _mm512_storeu_ps(y + b * ldy, acc[b]);
+}
+#endif
+
 // int5 rows' storage type in linear_impl (the tensor's bytes, float8_e5m2 as PyTorch marks them)
 struct int5_t {
   uint8_t byte;
@@ -267,7 +319,7 @@ struct int5_t {
 
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
-                 float* y, bool bf16 = false) {
+                 float* y, bool bf16 = false, bool tiles = false) {
   constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>;
   const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : I5 ? q5_width(in) : in;  // a weight row's elements
   std::optional<QuantizedX8> qx8;  // int8, int5 and int4 weights: the activations in int8
@@ -324,6 +376,29 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
         for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
     }
   };
+#ifdef IG_VNNI512
+  if constexpr (I8)
+    if (tiles && in % KV_GROUP == 0) {  // 16 rows a task re-laid as an int8 tile, then the rows after the last tile
+      const int64_t ntiles = out / Q4_TILE;
+      at::parallel_for(0, ntiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
+        std::vector<uint8_t> tile(in / KV_GROUP * Q8_TILE_GROUP);
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t o0 = t * Q4_TILE, o1 = std::min(out, o0 + Q4_TILE);
+          if (t == ntiles) {
+            for (int64_t o = o0; o < o1; ++o) row(o);
+          } else {
+            q8_tile(wp + o0 * ldw, ldw, in, tile.data());
+            in_blocks8([&](auto rb, int64_t b) {
+              tile_dot_q8<decltype(rb)::value>(tile.data(), qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
+                                               qx8->isum.data() + b * qx8->ng, in, y + b * out + o0, out);
+            });
+          }
+          finish(o0, o1);
+        }
+      });
+      return;
+    }
+#endif
   if constexpr (I4 || I5) {  // tiles of 16 rows, then the rows after the last tile (one more task; int4 only)
     const int64_t tiles = out / Q4_TILE;
     at::parallel_for(0, tiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
@@ -355,8 +430,10 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
 // int4 rows, bias (out) float32 or None -> (R, out) float32
 // residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
 // bf16: a bfloat16 W multiplies x rounded to bfloat16 in bfloat16 products where the build has them (bf16_dots.h)
+// tiles: int8 rows multiplied 16 rows at a time as int4 tiles are (a prompt chunk's rows; 512-bit VNNI builds), a
+// row's bits the same at any row count either way
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual,
-                  bool bf16) {
+                  bool bf16, bool tiles) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
@@ -385,7 +462,7 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
   if (W.scalar_type() == at::kFloat)
     linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i8)
-    linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+    linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>(), false, tiles);
   else if (i4)
     linear_impl(x.data_ptr<float>(), W.data_ptr<uint8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i5)
