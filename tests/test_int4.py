@@ -198,3 +198,19 @@ def test_a_q4_1_gguf_comes_back_as_it_was():
         blocks = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(x.shape[0], -1, 20)  # (rows, groups, 20)
         want = torch.cat([blocks[..., 4:].flatten(1), blocks[..., :2].flatten(1), blocks[..., 2:4].flatten(1)], -1)
         assert torch.equal(int4_rows.pack_rows(x), want), t.name
+
+
+def test_integer_prefill_is_a_fact_of_the_cpu(monkeypatch):
+    """The backend multiplies a prompt chunk's quantized weights in integers where the CPU has 512-bit VNNI and no
+    AMX (whose bfloat16 GEMM is oneDNN's best), never from a timing; INFINIGEN_INT_PREFILL=0 turns it off."""
+    from infinigen_kv.model import backend
+
+    for flags, want in (("avx2 avx512f avx512bw avx512_vnni avx512_bf16", True), ("avx2 avx512f avx512bw", False),
+                        ("avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile", False), ("avx2 fma", False)):
+        monkeypatch.setattr(kernels, "cpu_flags_line", lambda f=flags: f)
+        assert backend.int_prefill_native() is want, flags
+    monkeypatch.undo()
+    b = backend.build("cpu")
+    assert b.int_prefill == (b.kernels and backend.int_prefill_native())
+    monkeypatch.setenv("INFINIGEN_INT_PREFILL", "0")
+    assert not backend.build("cpu").int_prefill

@@ -102,7 +102,7 @@ def test_bfloat16_products_round_a_prompt_chunk_only(weights, monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "bf16_linear", lambda *a, f=ops.bf16_linear: calls.append(1) or f(*a))
     ids = torch.randint(3, 256, (2, 40))
-    model.backend = dataclasses.replace(model.backend, bf16_products=False)
+    model.backend = dataclasses.replace(model.backend, bf16_products=False, int_prefill=False)  # (int8: the GEMM)
     exact = model(ids, use_cache=False).logits
     assert not calls
     model.backend = dataclasses.replace(model.backend, bf16_products=True)  # (emulated where the CPU has no BF16)

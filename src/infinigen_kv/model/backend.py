@@ -36,7 +36,6 @@ from . import kernels as kernel_library
 class PathFacts:
     head_ns: float  # wall ns of decode attention per (past token, query head) at 64 channels, 2 threads, warm rows
     attend_pairs_upto: int = 0  # query heads a KV head up to which bfloat16 pairs serve (AVX-512 BF16 only)
-    int_prefill: bool = False  # a prompt chunk's int4 / int5 tiles and int8 rows in 512-bit VNNI products
 
 
 # head_ns, from scripts/dev/head_ns.py on quiet 2-core machines (docs/BENCHMARKS.md, "Never slower than full": what the
@@ -44,12 +43,9 @@ class PathFacts:
 # (its quiet runs spread 1.45-2.6 between minutes on a shared VM: a constant, not a timing, keeps the answer); "avx2"
 # the kernels built for Haswell (-march=haswell) on that Xeon, 4.4; "generic" as avx2. attend_pairs_upto: on Zen 4
 # bfloat16 pairs beat widened rows at every head count measured (1-8); on Intel's AVX-512 BF16 (Sapphire / Emerald
-# Rapids) vdpbf16ps issues one every ~2.2 cycles and pairs win at 1-2 heads only (INTEL_PAIRS_UPTO). int_prefill:
-# on Zen 4 the linear kernel's 512-bit dpbusd over int4 / int5 tiles multiplies a 512-row prompt chunk of the 0.5B at
-# 1.4-1.5x oneDNN's bfloat16 GEMM on the same tiles dequantized (docs/BENCHMARKS.md, "Prefill"); on Intel, whose
-# bfloat16 GEMM runs on AMX, and on AVX2 (no 512-bit VNNI) a prompt chunk keeps the GEMM.
+# Rapids) vdpbf16ps issues one every ~2.2 cycles and pairs win at 1-2 heads only (INTEL_PAIRS_UPTO).
 PATHS = {
-    "avx512-bf16": PathFacts(head_ns=1.86, attend_pairs_upto=8, int_prefill=True),
+    "avx512-bf16": PathFacts(head_ns=1.86, attend_pairs_upto=8),
     "avx512": PathFacts(head_ns=2.16),
     "avx2": PathFacts(head_ns=4.4),
     "generic": PathFacts(head_ns=4.4),
@@ -101,8 +97,9 @@ def build(device: str = "cpu", *, kernels: bool | None = None, bf16_products: bo
           threads: int | None = None, cuda_graph: bool = True, attend_pairs_upto: int | None = None) -> Backend:
     """The backend of a model on `device` ("cpu", "cuda", a torch.device): kernels None: the compiled CPU kernels
     where built, unless INFINIGEN_KERNELS=0; bf16_products None: where the CPU multiplies bfloat16 in hardware,
-    unless INFINIGEN_BF16_PRODUCTS=0; int_prefill where the path's facts say, unless INFINIGEN_INT_PREFILL=0 (user settings, read here, at load, as INFINIGEN_CUDA_FETCH on CUDA); threads: a fixed count (None: follow
-    the load); attend_pairs_upto: the path's constant unless given (experiments)."""
+    unless INFINIGEN_BF16_PRODUCTS=0; integer products in a prompt chunk where the path's facts say, unless
+    INFINIGEN_INT_PREFILL=0 (user settings, read here, at load, as INFINIGEN_CUDA_FETCH on CUDA); threads: a fixed
+    count (None: follow the load); attend_pairs_upto: the path's constant unless given (experiments)."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -124,8 +121,7 @@ def build(device: str = "cpu", *, kernels: bool | None = None, bf16_products: bo
     if attend_pairs_upto is not None:
         pairs = attend_pairs_upto
     lanes = kernel_library.silu_lanes() if kernel_library.silu_mul_exact(ops) else None
-    int_prefill = (facts.int_prefill and kernel_library.cpu_vendor() != "GenuineIntel"
-                   and os.environ.get("INFINIGEN_INT_PREFILL", "1") != "0")
+    int_prefill = int_prefill_native() and os.environ.get("INFINIGEN_INT_PREFILL", "1") != "0"
     return Backend("cpu", path, ops, lanes, bf16_products, int_prefill, ops.bf16_dots_native(),
                    pairs if ops.bf16_dots_native() else 0, facts.head_ns, threads, cuda_graph)
 
@@ -150,3 +146,12 @@ def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX, where oneDNN's bfloat16 GEMM is ~2.5x
     its float32 one). Without them oneDNN emulates it, slower than float32."""
     return bool(set(kernel_library.cpu_flags_line().split()) & {"avx512_bf16", "amx_bf16"})
+
+
+def int_prefill_native() -> bool:
+    """Whether a prompt chunk's quantized weights multiply in the linear kernel's integer products here: where the
+    kernels have 512-bit VNNI (dpbusd: 64 int8 products an instruction, twice vdpbf16ps' 32), as on AMD's Zen 4 (1.5x
+    oneDNN's bfloat16 GEMM on the 0.5B's weights dequantized: docs/BENCHMARKS.md, "Prefill: integer products"), but
+    not beside AMX, whose bfloat16 GEMM oneDNN runs on its tiles; without 512-bit VNNI (AVX2) the GEMM stays."""
+    flags = set(kernel_library.cpu_flags_line().split())
+    return {"avx512_vnni", "avx512bw"} <= flags and "amx_bf16" not in flags

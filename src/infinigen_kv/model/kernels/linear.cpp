@@ -10,6 +10,7 @@ namespace {
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 1536
 #endif
+constexpr int64_t TILE_SPAN = 256 << 10;  // bytes of weight tiles a task's blocks of rows go over in turn (in L2)
 
 #ifdef IG_AVX2
 // a group's 32 levels from its 16 bytes, in order: q[0..15] (low nibbles), q[16..31] (high nibbles)
@@ -376,45 +377,49 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
         for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
     }
   };
+  // Tiles of 16 rows (int4 and int5 weights; int8 rows re-laid so a call) in runs of TILE_SPAN bytes a task: each
+  // block of rows of x goes over every tile of a run (its activations stay in L1 and its outputs in a few pages; a
+  // tile is read from L2 once a block), then the weight rows after the last tile. tile(t, slot): tile t's bytes (slot:
+  // slot_bytes of scratch a tile of the run, where it is re-laid); dot(rb, tile, b, o0): rows b.. of x on it.
+  auto over_tiles = [&](int64_t tile_bytes, int64_t slot_bytes, auto&& tile, auto&& dot) {
+    const int64_t ntiles = out / Q4_TILE, run = std::max<int64_t>(1, TILE_SPAN / tile_bytes);
+    at::parallel_for(0, ntiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
+      std::vector<uint8_t> scratch(slot_bytes * std::min(run, t1 - t0));
+      std::vector<const uint8_t*> at(std::min(run, t1 - t0));
+      for (int64_t r0 = t0; r0 < t1; r0 += run) {
+        const int64_t r1 = std::min(t1, r0 + run), e = std::min(r1, ntiles);
+        for (int64_t t = r0; t < e; ++t) at[t - r0] = tile(t, scratch.data() + (t - r0) * slot_bytes);
+        in_blocks8([&](auto rb, int64_t b) {
+          for (int64_t t = r0; t < e; ++t) dot(rb, at[t - r0], b, t * Q4_TILE);
+        });
+        if (e < r1)  // a row of x at a time: its bits the same wherever it lies among the rows of a call
+          for (int64_t o = ntiles * Q4_TILE; o < out; ++o)
+            for (int64_t b = 0; b < R; ++b) rows(std::integral_constant<int, 1>{}, wp + o * ldw, b, y + b * out + o);
+        finish(r0 * Q4_TILE, std::min(out, r1 * Q4_TILE));
+      }
+    });
+  };
+  auto qx = [&](int64_t b) { return qx8->q.data() + b * qx8->pad; };
 #ifdef IG_VNNI512
   if constexpr (I8)
-    if (tiles && in % KV_GROUP == 0) {  // 16 rows a task re-laid as an int8 tile, then the rows after the last tile
-      const int64_t ntiles = out / Q4_TILE;
-      at::parallel_for(0, ntiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
-        std::vector<uint8_t> tile(in / KV_GROUP * Q8_TILE_GROUP);
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t o0 = t * Q4_TILE, o1 = std::min(out, o0 + Q4_TILE);
-          if (t == ntiles) {
-            for (int64_t o = o0; o < o1; ++o) row(o);
-          } else {
-            q8_tile(wp + o0 * ldw, ldw, in, tile.data());
-            in_blocks8([&](auto rb, int64_t b) {
-              tile_dot_q8<decltype(rb)::value>(tile.data(), qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
-                                               qx8->isum.data() + b * qx8->ng, in, y + b * out + o0, out);
-            });
-          }
-          finish(o0, o1);
-        }
+    if (tiles && in % KV_GROUP == 0) {
+      const int64_t bytes = in / KV_GROUP * Q8_TILE_GROUP;
+      over_tiles(bytes, bytes, [&](int64_t t, uint8_t* slot) {
+        q8_tile(wp + t * Q4_TILE * ldw, ldw, in, slot);
+        return static_cast<const uint8_t*>(slot);
+      }, [&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
+        tile_dot_q8<decltype(rb)::value>(tl, qx(b), qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
+                                         y + b * out + o0, out);
       });
       return;
     }
 #endif
-  if constexpr (I4 || I5) {  // tiles of 16 rows, then the rows after the last tile (one more task; int4 only)
-    const int64_t tiles = out / Q4_TILE;
-    at::parallel_for(0, tiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t o0 = t * Q4_TILE, o1 = std::min(out, o0 + Q4_TILE);
-        if (t == tiles) {
-          for (int64_t o = o0; o < o1; ++o) row(o);
-        } else {
-          in_blocks8([&](auto rb, int64_t b) {
-            tile_dot_q<decltype(rb)::value, I5 ? 5 : 4>(reinterpret_cast<const uint8_t*>(wp + o0 * ldw),
-                                                      qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng,
-                                                      qx8->sum.data() + b * qx8->ng, in, y + b * out + o0, out);
-          });
-        }
-        finish(o0, o1);
-      }
+  if constexpr (I4 || I5) {
+    over_tiles(Q4_TILE * ldw, 0, [&](int64_t t, uint8_t*) {
+      return reinterpret_cast<const uint8_t*>(wp + t * Q4_TILE * ldw);
+    }, [&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
+      tile_dot_q<decltype(rb)::value, I5 ? 5 : 4>(tl, qx(b), qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng,
+                                                in, y + b * out + o0, out);
     });
     return;
   }
