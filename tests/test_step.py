@@ -122,10 +122,13 @@ def test_int8_weights_stay_exact(kind):
 def test_a_prefill_reads_the_lm_head_as_held(weights, monkeypatch):
     """A prefill's LM head over one position a sequence goes through the kernel, which reads the bfloat16 or int8
     rows as they lie: the head's weight is never converted for the BLAS (a float32 copy of a whole vocabulary per
-    prompt); the other linears are."""
+    prompt); the other linears are, unless int8 rows take integer products (int_prefill: none converted)."""
+    import dataclasses
+
     from infinigen_kv.runtime.generation import prefill
 
     model = tiny_model("llama-gqa", weights=weights)
+    model.backend = dataclasses.replace(model.backend, int_prefill=False)
     converted = []
     real = ops.converted_linear
     monkeypatch.setattr(ops, "converted_linear", lambda x, w, b, *a: converted.append(w) or real(x, w, b, *a))
@@ -134,3 +137,7 @@ def test_a_prefill_reads_the_lm_head_as_held(weights, monkeypatch):
     ids, mask = left_padded_batch(lengths=(20, 13))
     prefill(model, ids, mask, ig.make_cache("full", model), 2)
     assert converted and not any(w is model.lm_head for w in converted)
+    converted.clear()
+    model.backend = dataclasses.replace(model.backend, int_prefill=True)
+    prefill(model, ids, mask, ig.make_cache("full", model), 2)
+    assert bool(converted) == (weights == "bfloat16") and not any(w is model.lm_head for w in converted)

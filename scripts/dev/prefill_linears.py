@@ -18,6 +18,9 @@ from infinigen_kv.model.load import load_model
 from infinigen_kv.runtime.generation import prefill
 
 
+HELD = {torch.int8: "int8 rows", torch.uint8: "int4 tiles", torch.float8_e5m2: "int5 tiles", torch.bfloat16: "bfloat16"}
+
+
 def timed(f, repeats: int) -> float:
     f()
     times = []
@@ -57,7 +60,7 @@ def main() -> None:
                 ms.setdefault(mode, []).append(timed(lambda: ops.linear(x, w, bias, be, prefill=True), args.repeats))
         g, i = (statistics.median(ms[m]) for m in ("gemm", "integer"))
         macs = args.rows * n_in * n_out / 1e9
-        print(f"| {name} | {str(dtype).removeprefix('torch.')} | {n_in} x {n_out} | {g * 1e3:.2f} | {i * 1e3:.2f} | "
+        print(f"| {name} | {HELD.get(dtype, dtype)} | {n_in} x {n_out} | {g * 1e3:.2f} | {i * 1e3:.2f} | "
               f"{macs / g:.0f} / {macs / i:.0f} | {g / i:.2f}x |")
     if args.prompt_len:
         ids = torch.randint(100, 10000, (1, args.prompt_len))

@@ -385,12 +385,12 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     const int64_t ntiles = out / Q4_TILE, run = std::max<int64_t>(1, TILE_SPAN / tile_bytes);
     at::parallel_for(0, ntiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
       std::vector<uint8_t> scratch(slot_bytes * std::min(run, t1 - t0));
-      std::vector<const uint8_t*> at(std::min(run, t1 - t0));
+      std::vector<const uint8_t*> run_tiles(std::min(run, t1 - t0));
       for (int64_t r0 = t0; r0 < t1; r0 += run) {
         const int64_t r1 = std::min(t1, r0 + run), e = std::min(r1, ntiles);
-        for (int64_t t = r0; t < e; ++t) at[t - r0] = tile(t, scratch.data() + (t - r0) * slot_bytes);
+        for (int64_t t = r0; t < e; ++t) run_tiles[t - r0] = tile(t, scratch.data() + (t - r0) * slot_bytes);
         in_blocks8([&](auto rb, int64_t b) {
-          for (int64_t t = r0; t < e; ++t) dot(rb, at[t - r0], b, t * Q4_TILE);
+          for (int64_t t = r0; t < e; ++t) dot(rb, run_tiles[t - r0], b, t * Q4_TILE);
         });
         if (e < r1)  // a row of x at a time: its bits the same wherever it lies among the rows of a call
           for (int64_t o = ntiles * Q4_TILE; o < out; ++o)
