@@ -146,8 +146,8 @@ def test_a_4_or_5_bit_model_decodes_what_its_values_compute(weights, float32_pro
 @pytest.mark.parametrize("weights", ["int4", "int5", "int8"])
 def test_a_prompt_chunk_multiplies_tiles_in_integers(weights):
     """int_prefill: a prompt chunk's int4 / int5 tiles and int8 rows in the linear kernel's integer products (its
-    activations in int8 groups, as a decode step's) rather than the GEMM on their values: logits close to the GEMM's, each prompt's
-    the same bits alone as beside another in a batch, and the next steps' greedy tokens the same."""
+    activations in int8 groups, as a decode step's) rather than the GEMM on their values: logits close to the GEMM's
+    and nearly every position's greedy token the same; each prompt's the same bits alone as beside another."""
     import dataclasses
 
     model = tiny_model("qwen2", weights=weights)

@@ -8,9 +8,9 @@ It holds what runs and every number that decides how:
   kernels without either), "reference" (no kernels), or the device type ("cuda");
 - the products: `bf16_products` (a decode step's and a prompt chunk's linears on bfloat16 weights in bfloat16
   products), `int_prefill` (a prompt chunk's linears on int4 and int5 tiles and int8 rows in integer products, its
-  activations in int8 as a decode step's), `bf16_attention` (a prompt chunk over a long past in bfloat16 products), `attend_pairs_upto` (decode
-  attention over long bfloat16 rows in bfloat16 pairs for up to this many query heads a KV head, else float32
-  products of widened rows), `silu_lanes`;
+  activations in int8 as a decode step's), `bf16_attention` (a prompt chunk over a long past in bfloat16 products),
+  `attend_pairs_upto` (decode attention over long bfloat16 rows in bfloat16 pairs for up to this many query heads a
+  KV head, else float32 products of widened rows), `silu_lanes`;
 - `head_ns`: the cost InfiniGen's dense-or-speculate rule gives a (past token, query head) of attention;
 - `threads`: None (decode steps follow the machine's load, runtime/threads.py) or a fixed count;
 - `cuda_graph`: on CUDA, one replayed graph a decode step (model/static.py); `cuda_fetch`: how InfiniGen's chosen
@@ -97,8 +97,8 @@ def build(device: str = "cpu", *, kernels: bool | None = None, bf16_products: bo
           threads: int | None = None, cuda_graph: bool = True, attend_pairs_upto: int | None = None) -> Backend:
     """The backend of a model on `device` ("cpu", "cuda", a torch.device): kernels None: the compiled CPU kernels
     where built, unless INFINIGEN_KERNELS=0; bf16_products None: where the CPU multiplies bfloat16 in hardware,
-    unless INFINIGEN_BF16_PRODUCTS=0; integer products in a prompt chunk where the path's facts say, unless
-    INFINIGEN_INT_PREFILL=0 (user settings, read here, at load, as INFINIGEN_CUDA_FETCH on CUDA); threads: a fixed
+    unless INFINIGEN_BF16_PRODUCTS=0; integer products in a prompt chunk where the CPU's flags say
+    (int_prefill_native), unless INFINIGEN_INT_PREFILL=0 (user settings, read here, at load, as INFINIGEN_CUDA_FETCH on CUDA); threads: a fixed
     count (None: follow the load); attend_pairs_upto: the path's constant unless given (experiments)."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
     if threads is not None and threads < 1:
@@ -150,8 +150,9 @@ def native_bf16() -> bool:
 
 def int_prefill_native() -> bool:
     """Whether a prompt chunk's quantized weights multiply in the linear kernel's integer products here: where the
-    kernels have 512-bit VNNI (dpbusd: 64 int8 products an instruction, twice vdpbf16ps' 32), as on AMD's Zen 4 (1.5x
-    oneDNN's bfloat16 GEMM on the 0.5B's weights dequantized: docs/BENCHMARKS.md, "Prefill: integer products"), but
+    kernels have 512-bit VNNI (dpbusd: 64 int8 products an instruction, twice vdpbf16ps' 32), as on AMD's Zen 4 (the
+    0.5B's linears 1.11-1.89x oneDNN's bfloat16 GEMM on their weights dequantized, a 4k prefill 1.32-1.61x:
+    docs/BENCHMARKS.md, "Prefill: integer products"), but
     not beside AMX, whose bfloat16 GEMM oneDNN runs on its tiles; without 512-bit VNNI (AVX2) the GEMM stays."""
     flags = set(kernel_library.cpu_flags_line().split())
     return {"avx512_vnni", "avx512bw"} <= flags and "amx_bf16" not in flags

@@ -123,6 +123,22 @@ inline void prefetch_tile_group(const uint8_t* tg) {
 }
 #endif
 
+#ifdef IG_VNNI512
+// 16 rows' integer dots with a group of 32 activations at xg: lv[c] holds the rows' values 4c..4c+3 (chunk order as a
+// tile's: lv[0..3] the group's first 16, lv[4..7] its last), the activations broadcast four at a time straight from
+// memory (a load, no register moves: a prompt chunk's rate); two chains, the first started at init
+inline __m512i chunks_dot(const __m512i* lv, const int8_t* xg, __m512i init) {
+  auto x4 = [xg](int c) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xg + 4 * c)); };
+  __m512i p0 = _mm512_dpbusd_epi32(init, lv[0], x4(0));
+  __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], x4(4));
+  for (int c = 1; c < 4; ++c) {
+    p0 = _mm512_dpbusd_epi32(p0, lv[c], x4(c));
+    p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], x4(4 + c));
+  }
+  return _mm512_add_epi32(p0, p1);
+}
+#endif
+
 // y[b * ldy + o] (o < 16) = x[b] . (row o of the tile at t) for RB rows of quantized activations (row b's values at
 // xq + b in, its groups' scales and sums at xs + b ng, xsum + b ng). Per lane: the group's exact integer dot, then
 // acc = fma(float(dot), d sx, acc) and accm = fma(m, xsum, accm) group by group, y = acc + accm: the same bits on every
@@ -161,17 +177,9 @@ inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq,
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + SC + 32)));
 #pragma GCC unroll 8  // (the accumulators stay in registers only unrolled)
     for (int b = 0; b < RB; ++b) {
-      const int8_t* xg = xq + b * in + g * Q4_GROUP;
-      // four activations broadcast straight from memory (a load, no register moves: a prompt chunk's rate)
-      auto x4 = [xg](int c) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xg + 4 * c)); };
-      __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[0], x4(0));
-      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], x4(4));
-      for (int c = 1; c < 4; ++c) {
-        p0 = _mm512_dpbusd_epi32(p0, lv[c], x4(c));
-        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], x4(4 + c));
-      }
+      const __m512i p = chunks_dot(lv, xq + b * in + g * Q4_GROUP, _mm512_setzero_si512());
       const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g]));
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p0, p1)), sc, acc[b]);
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[b]);
       accm[b] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[b * ng + g]), accm[b]);
     }
   }
@@ -297,16 +305,8 @@ inline void tile_dot_q8(const uint8_t* __restrict t, const int8_t* __restrict xq
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 512)));
 #pragma GCC unroll 8
     for (int b = 0; b < RB; ++b) {
-      const int8_t* xg = xq + b * in + g * KV_GROUP;
-      auto x4 = [xg](int c) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xg + 4 * c)); };
-      __m512i p0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * xi[b * ng + g]), lv[0], x4(0));
-      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[4], x4(4));
-      for (int c = 1; c < 4; ++c) {
-        p0 = _mm512_dpbusd_epi32(p0, lv[c], x4(c));
-        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], x4(4 + c));
-      }
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p0, p1)),
-                               _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g])), acc[b]);
+      const __m512i p = chunks_dot(lv, xq + b * in + g * KV_GROUP, _mm512_set1_epi32(-128 * xi[b * ng + g]));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g])), acc[b]);
     }
   }
   for (int b = 0; b < RB; ++b) _mm512_storeu_ps(y + b * ldy, acc[b]);
