@@ -131,3 +131,10 @@ def row_zero_selections(model, ids, mask, new_tokens=16, **cache_kwargs):
     finally:
         InfiniGenCache.prefetch = real
     return out.tokens[0].tolist(), top, seen
+
+
+def same_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors; held bytes (int8 and int5 tiles, marked float8: some of them NaN as floats) byte for byte."""
+    if a.element_size() == 1:
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)

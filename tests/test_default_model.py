@@ -25,10 +25,11 @@ def smollm():
 
 def test_default_model_loads_from_its_gguf(smollm, capsys):
     """The default model read from its GGUF as it lies: float32 compute, the layers' Q4_1 blocks held as int4 rows and
-    the tied Q8_0 embedding as int8 rows (the file's precision); the cache holds its config, tokenizer and tensor
+    the tied Q8_0 embedding as int8 tiles (the file's precision); the cache holds its config, tokenizer and tensor
     table and one held file no larger than the GGUF, no safetensors copy; a second load maps that file (no
     conversion)."""
     from infinigen_kv.model.load import default_gguf
+    from infinigen_kv.model import int8_tiles
     from infinigen_kv.model.int5_rows import DTYPE as INT5
 
     model, tok = smollm
@@ -36,7 +37,7 @@ def test_default_model_loads_from_its_gguf(smollm, capsys):
     assert model.config.n_heads == 9 and model.config.n_kv_heads == 3
     assert compute_dtype(model) == torch.float32 and model.norm.weight.dtype == torch.float32
     assert model_dtype(model) == "file-weights"
-    assert model.lm_head is model.embed and model.embed.dtype == torch.int8
+    assert model.lm_head is model.embed and model.embed.dtype == int8_tiles.DTYPE
     assert {b.attn.wqkv.weight.dtype for b in model.layers} | {b.mlp.w2.weight.dtype for b in model.layers} == {
         torch.uint8}
     assert INT5 not in {p.dtype for p in model.parameters()}

@@ -24,14 +24,15 @@ def test_gemma3_loads_with_its_layer_types(gemma):
     assert arch.model_type == "gemma3_text" and arch.num_layers == 18 and arch.qk_norm
     assert arch.windows == ([512] * 5 + [None]) * 3 and arch.mixed
     assert arch.score_scale == pytest.approx(256**-0.5) and arch.rope_types[5] == "full_attention"
-    # the file's precision: its Q8_0 embedding (tied: the LM head) as int8 rows, its Q5_0 q/k and MLP as int5 rows (a
-    # layer whose v is Q8_0 holds its merged q/k/v as int8 rows), Q4_K as int4 rows; the embedding scale as a float32
+    # the file's precision: its Q8_0 embedding (tied: the LM head) as int8 tiles, its Q5_0 q/k and MLP as int5 rows (a
+    # layer whose v is Q8_0 holds its merged q/k/v as int8 tiles), Q4_K as int4 rows; the embedding scale as a float32
     # model has it
     from infinigen_kv.model.int5_rows import DTYPE as INT5
+    from infinigen_kv.model.int8_tiles import DTYPE as INT8
 
-    assert model.embed.dtype == torch.int8 and model.lm_head is model.embed and model.args.embed_scale == 640**0.5
+    assert model.embed.dtype == INT8 and model.lm_head is model.embed and model.args.embed_scale == 640**0.5
     assert {b.mlp.w1.weight.dtype for b in model.layers} == {INT5}
-    assert {b.attn.wqkv.weight.dtype for b in model.layers} == {INT5, torch.int8}
+    assert {b.attn.wqkv.weight.dtype for b in model.layers} == {INT5, INT8}
     assert {b.attn.wo.weight.dtype for b in model.layers} == {torch.uint8}
 
 

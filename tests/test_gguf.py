@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.model import gguf_blocks, int4_rows, int5_rows, int8_rows
+from infinigen_kv.model import gguf_blocks, int4_rows, int5_rows, int8_rows, int8_tiles
 from infinigen_kv.model.gguf import GGUF
 from infinigen_kv.testing import tiny_hf
 from infinigen_kv.testing.gguf import write_gguf
@@ -158,7 +158,8 @@ def test_a_model_written_as_llama_cpp_writes_it_reads_back(kind, tmp_path, monke
 def test_a_q5_model_is_held_as_the_file_holds_it(tmp_path, monkeypatch):
     """A GGUF of Q5_0 layers with a Q8_0 v and down projection, as a Q4_K_M file of a width no multiple of 256 is
     (its down projections Q6_K or Q4_K): at the file's precision the MLP's gate/up are int5 tiles, q/k/v merged with
-    a Q8_0 part int8 rows (Q5_0 in int8 rows exactly), the down projection int8 rows, the embedding int8; the model
+    a Q8_0 part int8 tiles (Q5_0 in int8 exactly), the down projection and LM head int8 tiles, the embedding int8 rows
+    (looked up a row at a time); the model
     computes what those values
     compute (a float32 model of them), decodes every method exactly at full budget, and `--weights` gives one form
     for every layer."""
@@ -175,8 +176,8 @@ def test_a_q5_model_is_held_as_the_file_holds_it(tmp_path, monkeypatch):
     model, _ = ig.load_model(path)
     layer = model.layers[0]
     assert layer.mlp.w1.weight.dtype == int5_rows.DTYPE and layer.attn.wo.weight.dtype == int5_rows.DTYPE
-    assert layer.attn.wqkv.weight.dtype == torch.int8 and layer.mlp.w2.weight.dtype == torch.int8
-    assert model.embed.dtype == model.lm_head.dtype == torch.int8 and model.weights == "file"
+    assert layer.attn.wqkv.weight.dtype == int8_tiles.DTYPE and layer.mlp.w2.weight.dtype == int8_tiles.DTYPE
+    assert model.embed.dtype == torch.int8 and model.lm_head.dtype == int8_tiles.DTYPE and model.weights == "file"
     ref, _ = ig.load_model(path, dtype="float32")  # the file's values
     g = GGUF(path)
     q = g.tensors["blk.0.attn_q.weight"]
@@ -190,7 +191,7 @@ def test_a_q5_model_is_held_as_the_file_holds_it(tmp_path, monkeypatch):
         assert ((got - exact).norm() / exact.norm()) < 2e-2  # (the decode activations rounded to int8 groups)
         for method, options in (("infinigen", {"alpha": 1e9, "budget": 1.0}), ("offload", {})):
             assert torch.equal(step_logits(model, ig.make_cache(method, model, **options), ids, mask), got), method
-    for weights, dtype in (("int4", torch.uint8), ("int5", int5_rows.DTYPE), ("int8", torch.int8),
+    for weights, dtype in (("int4", torch.uint8), ("int5", int5_rows.DTYPE), ("int8", int8_tiles.DTYPE),
                            ("bfloat16", torch.bfloat16)):
         m, _ = ig.load_model(path, weights=weights)
         assert m.weights == weights and {b.mlp.w1.weight.dtype for b in m.layers} == {dtype}

@@ -119,12 +119,12 @@ def int8_activations(x: torch.Tensor) -> tuple:
 
 @pytest.mark.parametrize("inputs", [576, 40, 300])  # whole groups (eight at a time and alone), a short last group
 def test_int8_weight_rows_linear(inputs, monkeypatch):
-    """`linear` over int8 weight rows (--weights int8): the products of the int8 activations (int8_activations) and
-    the weights' levels summed exactly, times the groups' scales (within float32's rounding), and so within the
-    activations' rounding of the float product; the rows dequantized by the kernel as by PyTorch; a row's result
-    whatever rows share the call; the same within float32's rounding multiplied as tiles (`tiles`, a prompt
-    chunk's: 37 rows are two tiles and five rows), with a bias and a residual."""
-    from infinigen_kv.model import int8_rows
+    """`linear` over int8 weight rows and int8 tiles (--weights int8; tiles where the rows are whole groups: 37 rows
+    are two tiles and five rows): the products of the int8 activations (int8_activations) and the weights' levels
+    summed exactly, times the groups' scales (within float32's rounding), and so within the activations' rounding of
+    the float product; the rows dequantized by the kernel as by PyTorch; a row's result whatever rows share the
+    call, with a bias and a residual."""
+    from infinigen_kv.model import int8_rows, int8_tiles
 
     torch.manual_seed(9)
     W = torch.randn(37, inputs) * torch.rand(37, 1)
@@ -137,14 +137,23 @@ def test_int8_weight_rows_linear(inputs, monkeypatch):
     wg = torch.nn.functional.pad(dense, (0, -inputs % 32)).view(37, -1, 32).double()
     exact = torch.einsum("rgi,ogi,rg->ro", levels.double(), wg, scales[..., 0].double())
     ref = torch.nn.functional.linear(x, dense)
-    for tiles in (False, True):
-        y = K.linear(x, rows, None, None, False, tiles)
+    held = [rows] + ([int8_tiles.tiled(rows)] if int8_tiles.fits(inputs) else [])
+    for w in held:
+        y = K.linear(x, w, None, None)
         assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
         assert (y - ref).abs().max() <= 0.5 / 127 * (x.abs() @ dense.abs().t()).max()
         for a, b in ((0, 1), (0, 2), (0, 4), (0, 5), (0, 8), (3, 4), (5, 19)):
-            assert torch.equal(K.linear(x[a:b].contiguous(), rows, None, None, False, tiles), y[a:b])
-    bias, res = torch.randn(37), torch.randn(21, 37)
-    assert torch.equal(K.linear(x, rows, bias, res, False, True), res + (y + bias))
+            assert torch.equal(K.linear(x[a:b].contiguous(), w, None, None), y[a:b])
+        bias, res = torch.randn(37), torch.randn(21, 37)
+        assert torch.equal(K.linear(x, w, bias, res), res + (y + bias))
+    if len(held) > 1:  # tiles: the rows' bytes moved, read back exactly; their values as the rows'
+        assert torch.equal(int8_tiles.rows_of(held[1]), rows)
+        ids = torch.tensor([[0, 17], [36, 5]])  # in tiles and after them
+        assert torch.equal(int8_tiles.rows_at(held[1], ids), rows[ids])
+        assert torch.equal(int8_tiles.unpacked(held[1]), dense)
+        assert torch.equal(int8_tiles.unpacked(held[1], torch.bfloat16), dense.bfloat16())
+        monkeypatch.setattr(int8_tiles, "library", lambda: None)
+        assert torch.equal(int8_tiles.unpacked(held[1]), dense)
     monkeypatch.setattr(int8_rows, "library", lambda: None)  # the codec's PyTorch path
     assert torch.equal(int8_rows.unpacked_kv(rows, torch.float32), dense)
 
@@ -453,9 +462,12 @@ def test_bf16_weights_default():
 @pytest.mark.parametrize("kind,weights", [("llama-gqa", "bfloat16"), ("gemma3", "bfloat16"), ("opt", "bfloat16"),
                                           ("gemma3", "int8"), ("opt", "int8")])
 def test_weights_are_held_once(kind, weights):
-    """bf16-weights holds the linear and embedding weights once, in bfloat16, --weights int8 as int8 rows (a tied LM
-    head stays the embedding); norms, biases and positions stay float32, and the bytes model counts what is held."""
+    """bf16-weights holds the linear and embedding weights once, in bfloat16, --weights int8 as int8 tiles (rows of
+    whole groups; int8 rows for others, and for an embedding apart from the LM head, which is looked up a row at a
+    time: a tied LM head stays the embedding); norms, biases and positions stay float32, and the bytes model counts
+    what is held."""
     from infinigen_kv.bench.report import weight_bytes
+    from infinigen_kv.model import int8_tiles
     from infinigen_kv.model.int8_rows import kv_width
     from infinigen_kv.model.load import model_dtype
 
@@ -463,11 +475,13 @@ def test_weights_are_held_once(kind, weights):
     assert model_dtype(model) == {"bfloat16": "bf16-weights", "int8": "int8-weights"}[weights]
     assert (model.lm_head is model.embed) == (ref.lm_head is ref.embed) == model.args.tie_embeddings
     size = {"bfloat16": lambda w: 2 * w.numel(), "int8": lambda w: w.shape[0] * kv_width(w.shape[1])}[weights]
-    dtype = getattr(torch, weights)
     saved = 0
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         matrix = name == "embed" or name.endswith(("wqkv.weight", "wo.weight", "w1.weight", "w2.weight")) or (
             name == "lm_head")
+        dtype = torch.bfloat16 if weights == "bfloat16" else (
+            int8_tiles.DTYPE if int8_tiles.fits(q.shape[-1]) and (name != "embed" or model.args.tie_embeddings)
+            else torch.int8)
         assert p.dtype == (dtype if matrix else torch.float32), name
         saved += 4 * q.numel() - size(q) if matrix else 0
     assert weight_bytes(model) == weight_bytes(ref) - saved

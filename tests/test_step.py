@@ -107,11 +107,13 @@ def test_the_working_set_reaches_attention_as_a_value():
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "gemma3", "opt"])
 def test_int8_weights_stay_exact(kind):
-    """--weights int8: InfiniGen at budget 1.0 gives the full cache's logits."""
+    """--weights int8 (tiles): InfiniGen at budget 1.0 gives the full cache's logits."""
     from test_exactness import EXACT, step_logits
 
+    from infinigen_kv.model import int8_tiles
+
     model = tiny_model(kind, weights="int8")
-    assert model.layers[0].attn.wqkv.weight.dtype == torch.int8
+    assert model.layers[0].attn.wqkv.weight.dtype == int8_tiles.DTYPE
     ids, mask = left_padded_batch(lengths=(40, 33, 21))
     full = step_logits(model, ig.make_cache("full", model), ids, mask)
     torch.testing.assert_close(step_logits(model, ig.make_cache("infinigen", model, **EXACT), ids, mask), full,

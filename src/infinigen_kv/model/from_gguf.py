@@ -25,7 +25,7 @@ import torch
 from .. import heap
 from ..config import cache_dir
 from ..progress import Progress
-from . import gguf_blocks, gguf_model, int4_rows, int5_rows, mapped, ops
+from . import gguf_blocks, gguf_model, int4_rows, int5_rows, int8_tiles, mapped, ops
 from .gguf import GGUF
 from .hparams import from_config
 from .transformer import Transformer
@@ -192,18 +192,21 @@ def _chunks(g: GGUF, parts: dict, params: dict, bar):
                     yield name, start + s, int4_rows.tiled(held)
                 elif form == "int5":
                     yield name, start + s, int5_rows.tiled(held)
+                elif p.dtype == int8_tiles.DTYPE:
+                    yield name, start + s, int8_tiles.tiled(held)
                 else:
                     yield name, start + s, held.view(p.dtype) if held.dtype != p.dtype else held
                 done += len(data)
                 if bar is not None:
                     bar(done, note=f"{tensors}/{count} tensors")
         if whole:
-            rows = torch.empty(p.shape, dtype=torch.uint8)
+            int4 = p.dtype == torch.uint8
+            rows = torch.empty(p.shape, dtype=torch.uint8 if int4 else torch.int8)
             for s, h in whole:
                 rows[s : s + h.shape[0]] = h
-            yield name, 0, int4_rows.tiled(rows)
+            yield name, 0, int4_rows.tiled(rows) if int4 else int8_tiles.tiled(rows)
 
 
 def _form_of(p: torch.Tensor) -> str:
-    return {torch.uint8: "int4", int5_rows.DTYPE: "int5", torch.int8: "int8", torch.bfloat16: "bfloat16"}.get(
-        p.dtype, "float32")
+    return {torch.uint8: "int4", int5_rows.DTYPE: "int5", torch.int8: "int8", int8_tiles.DTYPE: "int8",
+            torch.bfloat16: "bfloat16"}.get(p.dtype, "float32")

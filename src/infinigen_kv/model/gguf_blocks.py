@@ -14,7 +14,7 @@
 | F32, F16, BF16 | bfloat16 | values rounded to bfloat16 (BF16: as they are) |
 
 `held_rows(tensor, data, form)` gives rows [0, n) of `data` (the tensor's bytes for those rows) in `form`: the rows
-layout (int4_rows / int5_rows / int8_rows; int4 and int5 rows are tiled by the caller), or "bfloat16" / "float32"
+layout (int4_rows / int5_rows / int8_rows; the caller tiles them: int4_rows, int5_rows, int8_tiles), or "bfloat16" / "float32"
 values. Where a form holds more bits than the type (Q4 into int5 or int8 rows, Q5_0 into int8 rows) the levels are
 still copied; otherwise the values are dequantized (gguf.quants for the types not decoded here) and rounded once.
 """

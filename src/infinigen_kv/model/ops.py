@@ -1,5 +1,5 @@
 """The operations our model classes (transformer.py) run, on weights as they are held: float32, bfloat16 (weight-only,
-float32 compute on CPU) or int8 rows (model/int8_rows.py, llama.cpp's q8_0 layout). The path is chosen per call from
+float32 compute on CPU), int8 tiles (model/int8_tiles.py, llama.cpp's q8_0 groups), int5 or int4 tiles. The path is chosen per call from
 the input's shape, the weight's dtype and the backend passed in (model/backend.py; None: PyTorch's ops), never from
 state set elsewhere:
 
@@ -7,11 +7,10 @@ state set elsewhere:
   row of x (held weights up to SMALL_BATCH rows, float32 up to KERNEL_ROWS; then W x^T up to SMALL_BATCH); a
   bfloat16 weight in bfloat16 products where the CPU has them (kernels/bf16_dots.h), as a prompt chunk's;
 - a prompt chunk (`prefill=True`): the BLAS in blocks of exactly PREFILL_ROWS rows (the last padded), so a row gets
-  the same bits at any row count and batch; a weight held in bfloat16 or int8 rows multiplies in bfloat16 where the
-  CPU does so natively (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`), each slice
-  once for all the blocks; int4 and int5 tiles and int8 rows (re-laid as tiles a call) take the `linear` kernel's
-  integer products instead where the backend says (`int_prefill`: 512-bit VNNI, where they beat the bfloat16 GEMM),
-  each row's bits its own at any row count.
+  the same bits at any row count and batch; a held weight multiplies in bfloat16 where the CPU does so natively
+  (`bf16_linear`), else it is converted to float32 in slices (`converted_linear`), each slice once for all the
+  blocks; int4, int5 and int8 tiles take the `linear` kernel's integer products instead where the backend says
+  (`int_prefill`: 512-bit VNNI, where they beat the bfloat16 GEMM), each row's bits its own at any row count.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import int4_rows, int5_rows, int8_rows
+from . import int4_rows, int5_rows, int8_rows, int8_tiles
 
 PREFILL_ROWS = 128  # a prompt chunk's rows a CPU GEMM call: MKL's sgemm picks its blocking by the row count (at 1,536
 # inputs a row's bits at 57 rows or more differ from its bits at 16), never by a row's place among them; at 128 rows
@@ -30,17 +29,41 @@ CONVERT_ELEMENTS = 1 << 22  # most weight elements converted to float32 at once:
 
 
 def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of a weight as held, in `dtype`: int8, int5 and int4 rows dequantized, others converted."""
+    """The values of a weight as held, in `dtype`: int8 rows and int8, int5 and int4 tiles dequantized, others
+    converted."""
     if w.dtype == torch.int8:
         return int8_rows.unpacked_kv(w, dtype)
+    if w.dtype == int8_tiles.DTYPE:
+        return int8_tiles.unpacked(w, dtype)
     if w.dtype == int5_rows.DTYPE:
         return int5_rows.unpacked(w, dtype)
     return int4_rows.unpacked(w, dtype) if w.dtype == torch.uint8 else w.to(dtype)
 
 
 def tiled(w: torch.Tensor) -> bool:
-    """Whether a held weight keeps its rows in tiles of 16 (int4 and int5 rows): slices of it are whole tiles."""
-    return w.dtype in (torch.uint8, int5_rows.DTYPE)
+    """Whether a held weight keeps its rows in tiles of 16 (int4, int5 and int8 tiles): slices of it are whole
+    tiles."""
+    return w.dtype in TILED
+
+
+TILED = (torch.uint8, int5_rows.DTYPE, int8_tiles.DTYPE)
+
+
+def part(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Rows [start, start + size) of a held weight in its held form: a view where they are whole tiles (or run to the
+    end), else a copy re-tiled (int4 and int8 tiles; int5 weights are whole tiles by construction)."""
+    if not tiled(w) or (start % int4_rows.TILE == 0 and (size % int4_rows.TILE == 0 or start + size == w.shape[0])):
+        return w[start : start + size]
+    if w.dtype == int8_tiles.DTYPE:
+        return int8_tiles.tiled(int8_tiles.rows_of(w)[start : start + size])
+    return int4_rows.part(w, start, size)
+
+
+def rows(w: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` of a held weight w, their values in `dtype` (a tiled weight's through its values)."""
+    if w.dtype == int8_tiles.DTYPE:
+        return int8_rows.unpacked_kv(int8_tiles.rows_at(w, index), dtype)
+    return dense(w, dtype)[index.to(w.device)] if tiled(w) else dense(w[index.to(w.device)], dtype)
 
 
 def converted_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blocks: int = 0) -> torch.Tensor:
@@ -72,9 +95,9 @@ def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, backend, bf16: bool
     rows = x2.shape[0]
     if not x2.is_cpu:
         return converted_linear(x2, w, bias)
-    if (bf16 and (tiled(w) or w.dtype == torch.int8) and backend is not None and backend.int_prefill
-            and x2.dtype == torch.float32):  # each row alone: no blocks, no padding; int8 rows as tiles
-        return backend.ops.linear(x2.contiguous(), w, bias, None, False, True)
+    if (bf16 and w.dtype in TILED and backend is not None and backend.int_prefill
+            and x2.dtype == torch.float32):  # each row alone: no blocks, no padding
+        return backend.ops.linear(x2.contiguous(), w, bias, None, False)
     if rows % PREFILL_ROWS:
         padded = x2.new_zeros(-(-rows // PREFILL_ROWS) * PREFILL_ROWS, x2.shape[1])
         padded[:rows] = x2
@@ -85,8 +108,8 @@ def _prefill_linear(x2: torch.Tensor, w: torch.Tensor, bias, backend, bf16: bool
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (rows, in) float32 @ w^T in bfloat16 products (oneDNN, float32 accumulation), w as held (bfloat16, or int8
-    rows dequantized to bfloat16 in slices), PREFILL_ROWS rows a call -> (rows, out) float32: x and the product
+    """x (rows, in) float32 @ w^T in bfloat16 products (oneDNN, float32 accumulation), w as held (bfloat16, or int8,
+    int5 or int4 values in bfloat16, a slice at a time), PREFILL_ROWS rows a call -> (rows, out) float32: x and the product
     rounded to bfloat16 (a relative error of ~2e-3 a value, the order of the bfloat16 weights' own rounding)."""
     y = converted_linear(x.to(torch.bfloat16), w, None, PREFILL_ROWS).float()
     return y + bias if bias is not None else y
@@ -94,8 +117,8 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, backend, prefill: bool = False,
            residual: torch.Tensor | None = None, bf16: bool = True) -> torch.Tensor:
-    """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16 or int8
-    rows); backend: the model's (None: PyTorch's ops). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
+    """x (..., in) @ w^T + bias (+ residual, shaped as the output): w (out, in) as held (float32, bfloat16, int8
+    rows or tiles); backend: the model's (None: PyTorch's ops). prefill: x is a prompt chunk (the BLAS path whatever its rows); otherwise a decode step's few rows take
     the kernel where it reads the weight faster than the BLAS. Runs ~120 times a decode step: the kernel's case
     is checked first, with as few tensor calls as it needs. A weight held in bfloat16 multiplies x rounded to
     bfloat16 where the CPU does so natively (backend.bf16_products), a prompt chunk's and a decode step's alike;
@@ -146,21 +169,34 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, backend, plus_one: bo
 
 
 def embedding(ids: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of the embedding table w (as held: float32, bfloat16, int8 or int4 rows) for ids, in `dtype`."""
+    """Rows of the embedding table w (as held: float32, bfloat16, int8 rows or tiles, int4 rows) for ids, in
+    `dtype`."""
+    if w.dtype == int8_tiles.DTYPE:  # (a table that is also the LM head)
+        return int8_rows.unpacked_kv(int8_tiles.rows_at(w, ids), dtype)
     return dense(F.embedding(ids, w), dtype)
 
 
 def held(w: torch.Tensor, weights: str | None) -> torch.Tensor:
-    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8", "int5" or "int4" (rows)."""
+    """A float weight in the form `weights` names: None (as given), "bfloat16", "int8" (tiles where its rows are
+    whole groups, else rows), "int5" or "int4" (tiles)."""
     if weights == "bfloat16":
         return w.to(torch.bfloat16)
     if weights == "int8":
-        return w if w.dtype == torch.int8 else int8_rows.pack_kv(w.float())
+        if w.dtype in (torch.int8, int8_tiles.DTYPE):
+            return w
+        return int8_tiles.pack(w) if int8_tiles.fits(w.shape[-1]) else int8_rows.pack_kv(w.float())
     if weights == "int4":
         return w if w.dtype == torch.uint8 else int4_rows.pack(w.float())
     if weights == "int5":
         return w if w.dtype == int5_rows.DTYPE else int5_rows.pack(w.float())
     return w
+
+
+def held_dtype(in_features: int, weights: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a weight of `in_features` inputs held as `weights` (None: `dtype`, the model's)."""
+    if weights == "int8":
+        return int8_tiles.DTYPE if int8_tiles.fits(in_features) else torch.int8
+    return {"bfloat16": torch.bfloat16, "int5": int5_rows.DTYPE, "int4": torch.uint8}.get(weights, dtype)
 
 
 def held_width(in_features: int, weights: str | None) -> int:

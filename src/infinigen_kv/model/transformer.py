@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend as backends
-from . import int4_rows, int5_rows, ops
+from . import ops
 from .attention import attend_layer, attend
 from .hparams import ModelArgs
 from .rope import apply_rope, inv_freq
@@ -35,9 +35,9 @@ from .kv import KVView
 from .step import Step, window_mask
 
 # weights held apart from the compute dtype (CPU)
-HELD = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int5": int5_rows.DTYPE, "int4": torch.uint8}
+HELD = ("bfloat16", "int8", "int5", "int4")  # forms held apart from the compute dtype (ops.held_dtype)
 EMBED_HELD = {"int4": "int8", "int5": "int8"}  # the embedding and LM head at more bits than the layers (as llama.cpp's
-# Q4_K_M keeps its output layer in Q6_K); looked up a row at a time, they are never tiles
+# Q4_K_M keeps its output layer in Q6_K); an embedding apart from the LM head is looked up a row at a time: int8 rows
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Proj:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, weights: str | None, dtype: torch.dtype):
         super().__init__()
-        wdtype = HELD.get(weights, dtype)
+        wdtype = ops.held_dtype(in_features, weights, dtype)
         shape = (out_features, ops.held_width(in_features, weights))
         self.weight = nn.Parameter(torch.empty(shape, dtype=wdtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -99,7 +99,7 @@ class Attention(nn.Module):
 
     def _proj(self, start: int, size: int) -> Proj:
         w, b = self.wqkv.weight, self.wqkv.bias
-        w = int4_rows.part(w, start, size) if ops.tiled(w) else w[start : start + size]
+        w = ops.part(w, start, size)
         return Proj(w, None if b is None else b[start : start + size])
 
     @property
@@ -249,7 +249,7 @@ class Transformer(nn.Module):
         self.placed = False  # layers on devices of their own (placement.place): the forward moves x between them
         E = args.embed_dim or args.dim
         ew = form(weights, "embed")  # how the embedding and LM head are held
-        wdtype = HELD.get(ew, dtype)
+        wdtype = ops.held_dtype(E, ew, dtype) if args.tie_embeddings or ew != "int8" else torch.int8
         self.embed = nn.Parameter(torch.empty(args.vocab_size, ops.held_width(E, ew), dtype=wdtype),
                                   requires_grad=False)
         self.positions = (nn.Parameter(torch.empty(args.max_positions + args.position_offset, args.dim, dtype=dtype),
@@ -260,7 +260,7 @@ class Transformer(nn.Module):
         self.norm = Norm(args.dim, args.norm, args.norm_eps, dtype) if args.final_norm else None
         hw = form(weights, "lm_head")
         self.lm_head = self.embed if args.tie_embeddings else nn.Parameter(
-            torch.empty(args.vocab_size, ops.held_width(E, hw), dtype=HELD.get(hw, dtype)), requires_grad=False)
+            torch.empty(args.vocab_size, ops.held_width(E, hw), dtype=ops.held_dtype(E, hw, dtype)), requires_grad=False)
         for key, rope in args.ropes:
             self.register_buffer(_freq_name(key), inv_freq(rope, args.head_dim), persistent=False)
 

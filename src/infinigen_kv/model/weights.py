@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import int4_rows, int5_rows, mapped, ops
+from . import int4_rows, int5_rows, int8_rows, int8_tiles, mapped, ops
 from .hparams import ModelArgs
 
 # (a checkpoint's name inside a layer, ours, which part of a merged weight: its index among the parts)
@@ -70,17 +70,19 @@ def copy_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
     n = rows.shape[0] if rows.dim() else 1
     if dst.dim() == 0:
         dst.copy_(rows)
-    elif dst.dtype == torch.int8:
-        dst[start : start + n].copy_(ops.held(rows, "int8"))
-    elif dst.dtype == torch.uint8:  # int4: held in tiles of rows (int4_rows), so the tiles the rows touch are rewritten
+    elif dst.dtype == torch.int8:  # int8 rows (an embedding apart from the LM head; inputs not whole groups)
+        dst[start : start + n].copy_(rows if rows.dtype == torch.int8 else int8_rows.pack_kv(rows.float()))
+    elif dst.dtype in (torch.uint8, int8_tiles.DTYPE):  # int4 and int8 tiles: the tiles the rows touch are rewritten
+        int4 = dst.dtype == torch.uint8
+        tiles = int4_rows if int4 else int8_tiles
         lo = start // int4_rows.TILE * int4_rows.TILE
         hi = min(dst.shape[0], -(-(start + n) // int4_rows.TILE) * int4_rows.TILE)
         if (lo, hi) == (start, start + n):  # whole tiles (or the rows after the last)
-            dst[start : start + n].copy_(ops.held(rows, "int4"))
+            dst[start : start + n].copy_(ops.held(rows, "int4" if int4 else "int8"))
         else:
-            block = int4_rows.rows_of(dst[lo:hi])
-            block[start - lo : start - lo + n] = int4_rows.pack_rows(rows.float())
-            dst[lo:hi].copy_(int4_rows.tiled(block))
+            block = tiles.rows_of(dst[lo:hi])
+            block[start - lo : start - lo + n] = (int4_rows.pack_rows if int4 else int8_rows.pack_kv)(rows.float())
+            dst[lo:hi].copy_(tiles.tiled(block))
     elif dst.dtype == int5_rows.DTYPE:  # int5: whole tiles of rows (a weight of other shapes is held as int8 rows)
         if start % int5_rows.TILE or n % int5_rows.TILE:
             raise ValueError(f"rows [{start}, {start + n}) of an int5 weight are not whole tiles of {int5_rows.TILE}")

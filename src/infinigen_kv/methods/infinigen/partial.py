@@ -14,8 +14,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ...model import int8_rows
-from ...model.ops import dense, held, tiled
+from ...model import int8_rows, int8_tiles, ops
+from ...model.ops import dense, tiled
 from .calibration import partial_query_weights
 
 
@@ -144,7 +144,8 @@ class PartialQuery:
 
     def gathered(self, layer: int) -> torch.Tensor:
         """The CPU kernel's q_proj rows of `layer` (q_rows) copied once into one contiguous matrix (H c, D) of the
-        weight as held (bfloat16 with --dtype bf16-weights; int4 rows as int8 rows): read at the bandwidth, where the
+        weight as held (bfloat16 with --dtype bf16-weights; int8 tiles, int5 and int4 as int8 rows): read at the
+        bandwidth, where the
         same rows scattered through q_proj ran at about half (docs/BENCHMARKS.md). Kept per attention module
         (_GATHERED), so every cache of the model shares it (12.6 MB for the default model, 5% of its weights)."""
         W = self._gathered.get(layer)
@@ -154,8 +155,10 @@ class PartialQuery:
             memo = _GATHERED.setdefault(attn, {})
             key = (w.dtype, self.rows[layer].numpy().tobytes())
             if key not in memo:
-                if tiled(w):  # int4 or int5 (tiles of rows): as int8 rows of their values, which the kernel reads
-                    rows = held(dense(w, torch.float32)[self.q_rows(layer)], "int8")
+                if w.dtype == int8_tiles.DTYPE:  # int8 tiles: their rows' bytes as they are
+                    rows = int8_tiles.rows_at(w, self.q_rows(layer)).contiguous()
+                elif tiled(w):  # int4 or int5 tiles: as int8 rows of their values, which the kernel reads
+                    rows = int8_rows.pack_kv(dense(w, torch.float32)[self.q_rows(layer)])
                 else:
                     rows = w[self.q_rows(layer)].contiguous()
                 memo[key] = rows
@@ -176,7 +179,7 @@ class PartialQuery:
         heads = torch.arange(G * a.group).view(G, a.group, 1)
         rows = (heads * a.head_dim + both.view(G, 1, -1)).reshape(-1)  # (H 2p,)
         proj = a.attns[layer].q_proj
-        W = dense(proj.weight.detach()[rows.to(proj.weight.device)], self.dtype).to(device)  # (bfloat16 or int8 weights: in float32)
+        W = ops.rows(proj.weight.detach(), rows, self.dtype).to(device)  # (bfloat16 or quantized weights: in float32)
         b = proj.bias.detach()[rows.to(proj.bias.device)].to(device, self.dtype) if proj.bias is not None else None
         memo = self._rows_memo[layer] = (W, b)
         return memo

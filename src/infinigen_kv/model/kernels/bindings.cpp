@@ -6,9 +6,9 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row, int5-tile or int4-row weights, plus a residual",
+  mod.def("linear", &linear, "few-row linear layer, float32, bfloat16, int8-row or tiled weights, plus a residual",
           py::arg("x"), py::arg("W"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
-          py::arg("bf16") = false, py::arg("tiles") = false);
+          py::arg("bf16") = false);
   mod.def("rope_", &rope_, "rotate the first heads of decode rows in place (transformers' bits)");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of a merged gate-up output (PyTorch's bits)");
   mod.def("partial_query", &partial_query, "partial query from the q_proj rows it needs, RoPE applied",
@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("dequantize_kv_rows", &dequantize_kv_rows, "int8 K/V rows' values in float32");
   mod.def("dequantize_q4_rows", &dequantize_q4_rows, "int4 weight rows' values in float32 or bfloat16");
   mod.def("dequantize_q5_tiles", &dequantize_q5_tiles, "int5 weight tiles' values in float32 or bfloat16");
+  mod.def("dequantize_q8_tiles", &dequantize_q8_tiles, "int8 weight tiles' values in float32 or bfloat16");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place", py::arg("q"), py::arg("K"),

@@ -1,5 +1,5 @@
-// The int4 rows' and int5 tiles' values in float32 or bfloat16: a prompt chunk's weights for the BLAS, a slice at
-// a time.
+// The int4 rows', int5 tiles' and int8 tiles' values in float32 or bfloat16: a prompt chunk's weights for the
+// BLAS, a slice at a time.
 
 #include "common.h"
 #include "kernels.h"
@@ -93,6 +93,50 @@ at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16) {
           for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
         } else {
           std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// int8 weights as held (R, kv_width(n)) float8_e4m3fn (the rows in tiles of 16, then rows: model/int8_tiles.py),
+// n a multiple of 32 -> their values (R, n) in float32 or bfloat16: value x scale (exact in float32), as
+// int8_rows.unpacked_kv reads rows. A prompt chunk's weights for the BLAS, a slice at a time.
+at::Tensor dequantize_q8_tiles(at::Tensor rows, int64_t n, bool bf16) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat8_e4m3fn && rows.dim() >= 1 && n % KV_GROUP == 0 &&
+              rows.size(-1) == kv_width(n), "bad int8 tiles");
+  const int64_t w = kv_width(n), R = rows.numel() / w, ng = n / KV_GROUP;
+  auto sizes = rows.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* rp = reinterpret_cast<const uint8_t*>(rows.data_ptr());
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t tiled = R / Q4_TILE * Q4_TILE;  // rows in tiles, then rows
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    float v[KV_GROUP];
+    int8_t q[KV_GROUP];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
+      const int64_t o = i % Q4_TILE;
+      for (int64_t g = 0; g < ng; ++g) {
+        float d;
+        if (i < tiled) {
+          const uint8_t* tg = tile + g * Q8_TILE_GROUP;
+          for (int64_t c = 0; c < 8; ++c) std::memcpy(q + 4 * c, tg + 64 * c + 4 * o, 4);
+          d = half_at(reinterpret_cast<const int8_t*>(tg + 512 + 2 * o));
+        } else {
+          const uint8_t* row = rp + i * w;
+          std::memcpy(q, row + g * KV_GROUP, KV_GROUP);
+          d = half_at(reinterpret_cast<const int8_t*>(row + n + 2 * g));
+        }
+        for (int64_t j = 0; j < KV_GROUP; ++j) v[j] = float(q[j]) * d;
+        if (ob != nullptr) {
+          for (int64_t j = 0; j < KV_GROUP; ++j) ob[i * n + g * KV_GROUP + j] = at::BFloat16(v[j]);
+        } else {
+          std::copy(v, v + KV_GROUP, of + i * n + g * KV_GROUP);
         }
       }
     }

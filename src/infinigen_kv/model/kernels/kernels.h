@@ -24,10 +24,11 @@ void store_token(at::Tensor K, at::Tensor V, at::Tensor P, at::Tensor k, at::Ten
                  int64_t at);
 // linear.cpp
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual,
-                  bool bf16, bool tiles);
+                  bool bf16);
 // dequantize.cpp
 at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16);
 at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16);
+at::Tensor dequantize_q8_tiles(at::Tensor rows, int64_t n, bool bf16);
 // partial_query.cpp
 at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, at::Tensor S, at::Tensor P,
                          c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, int64_t r, int64_t d_head);

@@ -1,5 +1,5 @@
 // linear: y (R, out) = x (R, in) W^T + bias (+ residual) for a decode step's few rows, W float32, bfloat16, int8
-// rows, int4 rows or int5 tiles (weight_rows.h), read once at the memory's rate.
+// rows, or int4, int5 or int8 tiles (weight_rows.h), read once at the memory's rate; a prompt chunk's rows on tiles.
 
 #include "kernels.h"
 #include "rows_dot.h"
@@ -114,14 +114,13 @@ inline void rows_dot_q4(const uint8_t* __restrict w, const int8_t* __restrict xq
 }
 
 
+// the lines of a tile's group (BYTES long) Q4_AHEAD bytes ahead of tg, asked for now
+template <int64_t BYTES>
+inline void prefetch_ahead(const uint8_t* tg) {
 #ifdef IG_AVX2
-// the lines of a tile's group Q4_AHEAD bytes ahead of tg, asked for now
-template <int BITS = 4>
-inline void prefetch_tile_group(const uint8_t* tg) {
-  for (int k = 0; k < tile_group_bytes<BITS>(); k += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + k), _MM_HINT_T0);
-}
+  for (int k = 0; k < BYTES; k += 64) _mm_prefetch(reinterpret_cast<const char*>(tg + Q4_AHEAD + k), _MM_HINT_T0);
 #endif
+}
 
 #ifdef IG_VNNI512
 // 16 rows' integer dots with a group of 32 activations at xg: lv[c] holds the rows' values 4c..4c+3 (chunk order as a
@@ -154,7 +153,7 @@ inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq,
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* tg = t + g * TG;
-    prefetch_tile_group<BITS>(tg);
+    prefetch_ahead<TG>(tg);
     __m512i lv[8];  // lv[c]: q[4c..4c+3] of the 16 rows, lv[4 + c]: q[16+4c..16+4c+3]
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(tg + 64 * c);
@@ -191,7 +190,7 @@ inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq,
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* tg = t + g * TG;
-      if (h == 0) prefetch_tile_group<BITS>(tg);
+      if (h == 0) prefetch_ahead<TG>(tg);
       __m256i lv[8];
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
@@ -269,39 +268,24 @@ inline void tile_dot_q(const uint8_t* __restrict t, const int8_t* __restrict xq,
 #endif
 }
 
-#ifdef IG_VNNI512
-// int8 rows as a prompt chunk multiplies them (`tiles`): each 16 rows re-laid once a call as an int8 tile, then the
-// tile's products as int4 tiles' (tile_dot_q), every row of the chunk reading the tile from L1 or L2. Group g of a
-// tile: eight 64-byte chunks (chunk c: bytes 4o..4o+3 hold row o's values 4c..4c+3 plus 128, as unsigned bytes:
-// dpbusd multiplies unsigned by signed, and 128 sum(xq) is taken back out), then the 16 rows' float16 scales.
-constexpr int64_t Q8_TILE_GROUP = 8 * 64 + 32;
-
-// rows [o0, o0 + 16) of int8 rows w (ldw bytes apart, in values each) -> their tile at t (ng Q8_TILE_GROUP bytes)
-inline void q8_tile(const int8_t* w, int64_t ldw, int64_t in, uint8_t* t) {
-  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                        _mm512_set1_epi32(int32_t(ldw)));
-  for (int64_t g = 0; g < in / KV_GROUP; ++g) {
-    uint8_t* tg = t + g * Q8_TILE_GROUP;
-    for (int c = 0; c < 8; ++c)
-      _mm512_storeu_si512(tg + 64 * c, _mm512_xor_si512(_mm512_i32gather_epi32(at, w + g * KV_GROUP + 4 * c, 1),
-                                                        _mm512_set1_epi8(char(0x80))));
-    for (int o = 0; o < 16; ++o) std::memcpy(tg + 512 + 2 * o, w + o * ldw + in + 2 * g, 2);
-  }
-}
-
 // y[b * ldy + o] (o < 16) = x[b] . (row o of the int8 tile at t) for RB rows of int8 activations (row b's values at
-// xq + b in, its groups' scales and integer sums at xs + b ng, xi + b ng): per lane the group's exact integer dot,
-// then acc = fma(float(dot), d sx, acc) group by group
+// xq + b in, its groups' scales and integer sums at xs + b ng, xi + b ng). Per lane the group's exact integer dot,
+// then acc = fma(float(dot), d sx, acc) group by group: the same bits on every path. 512-bit VNNI multiplies the
+// values + 128 (w xor 0x80, unsigned) by the activations and takes 128 sum(xq) back out; AVX2 multiplies |w| by the
+// activations signed as w (maddubs: a pair at most 2 x 128 x 127, no saturation), a chunk's pairs summed in int32.
 template <int RB>
 inline void tile_dot_q8(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
                         const int32_t* __restrict xi, int64_t in, float* y, int64_t ldy) {
   const int64_t ng = in / KV_GROUP;
+#ifdef IG_VNNI512
   __m512 acc[RB];
   for (int b = 0; b < RB; ++b) acc[b] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* tg = t + g * Q8_TILE_GROUP;
-    __m512i lv[8];
-    for (int c = 0; c < 8; ++c) lv[c] = _mm512_loadu_si512(tg + 64 * c);
+    prefetch_ahead<Q8_TILE_GROUP>(tg);
+    __m512i lv[8];  // lv[c]: values 4c..4c+3 of the 16 rows (chunks_dot's order: the first 16, then the last)
+    for (int c = 0; c < 8; ++c) lv[c] = _mm512_xor_si512(_mm512_loadu_si512(tg + 64 * c), flip);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 512)));
 #pragma GCC unroll 8
     for (int b = 0; b < RB; ++b) {
@@ -310,18 +294,78 @@ inline void tile_dot_q8(const uint8_t* __restrict t, const int8_t* __restrict xq
     }
   }
   for (int b = 0; b < RB; ++b) _mm512_storeu_ps(y + b * ldy, acc[b]);
-}
+#elif defined(IG_AVX2)
+  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: the 32-byte halves of each chunk
+    __m256 acc[RB];
+    for (int b = 0; b < RB; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* tg = t + g * Q8_TILE_GROUP;
+      if (h == 0) prefetch_ahead<Q8_TILE_GROUP>(tg);
+      __m256i lv[8];
+      for (int c = 0; c < 8; ++c) lv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 512 + 16 * h)));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+      for (int c = 0; c < 8; ++c) lv[c] = _mm256_xor_si256(lv[c], _mm256_set1_epi8(char(0x80)));
+#else
+      __m256i la[8];
+      for (int c = 0; c < 8; ++c) la[c] = _mm256_abs_epi8(lv[c]);
+      const __m256i ones = _mm256_set1_epi16(1);
 #endif
+      for (int b = 0; b < RB; ++b) {
+        int32_t x4[8];
+        std::memcpy(x4, xq + b * in + g * KV_GROUP, 32);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        __m256i p = _mm256_set1_epi32(-128 * xi[b * ng + g]);
+        for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
+#elif defined(__AVXVNNI__)
+        __m256i p = _mm256_set1_epi32(-128 * xi[b * ng + g]);
+        for (int c = 0; c < 8; ++c) p = _mm256_dpbusd_avx_epi32(p, lv[c], _mm256_set1_epi32(x4[c]));
+#else
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c)
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(la[c], _mm256_sign_epi8(_mm256_set1_epi32(x4[c]),
+                                                                                                    lv[c])), ones));
+#endif
+        const __m256 sc = _mm256_mul_ps(dv, _mm256_set1_ps(xs[b * ng + g]));
+        acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[b]);
+      }
+    }
+    for (int b = 0; b < RB; ++b) _mm256_storeu_ps(y + b * ldy + 8 * h, acc[b]);
+  }
+#else
+  float acc[RB][Q4_TILE] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* tg = t + g * Q8_TILE_GROUP;
+    for (int64_t o = 0; o < Q4_TILE; ++o) {
+      const float d = half_at(reinterpret_cast<const int8_t*>(tg + 512 + 2 * o));
+      for (int b = 0; b < RB; ++b) {
+        const int8_t* xg = xq + b * in + g * KV_GROUP;
+        int32_t dot = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < 4; ++j) dot += int32_t(int8_t(tg[64 * c + 4 * o + j])) * xg[4 * c + j];
+        acc[b][o] = std::fma(float(dot), d * xs[b * ng + g], acc[b][o]);
+      }
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int64_t o = 0; o < Q4_TILE; ++o) y[b * ldy + o] = acc[b][o];
+#endif
+}
 
-// int5 rows' storage type in linear_impl (the tensor's bytes, float8_e5m2 as PyTorch marks them)
+// int5 tiles' and int8 tiles' storage types in linear_impl (the tensors' bytes, float8_e5m2 and float8_e4m3fn as
+// PyTorch marks them)
 struct int5_t {
   uint8_t byte;
+};
+struct int8t_t {
+  int8_t byte;
 };
 
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
-                 float* y, bool bf16 = false, bool tiles = false) {
-  constexpr bool I8 = std::is_same_v<W, int8_t>, I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>;
+                 float* y, bool bf16 = false) {
+  constexpr bool I8T = std::is_same_v<W, int8t_t>, I8 = std::is_same_v<W, int8_t> || I8T,
+                 I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>;
   const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : I5 ? q5_width(in) : in;  // a weight row's elements
   std::optional<QuantizedX8> qx8;  // int8, int5 and int4 weights: the activations in int8
   if constexpr (I8 || I4 || I5) qx8.emplace(x, R, in);
@@ -337,8 +381,8 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
   // how many rows share the call (an 8-row block, one chain per row, did)
   auto rows = [&](auto rb, const W* w, int64_t b, float* yo) {
     constexpr int RB = decltype(rb)::value;
-    if constexpr (I8)
-      rows_dot_q8<RB>(w, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
+    if constexpr (I8)  // (int8 tiles: their last out % 16 rows)
+      rows_dot_q8<RB>(reinterpret_cast<const int8_t*>(w), qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
                       qx8->pad, yo, out);
     else if constexpr (I4)
       rows_dot_q4<RB>(w, qx8->q.data() + b * qx8->pad, qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng, in, yo,
@@ -377,20 +421,18 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
         for (int64_t j = 0; j < R; ++j) y[j * out + o] = res[j * out + o] + y[j * out + o];
     }
   };
-  // Tiles of 16 rows (int4 and int5 weights; int8 rows re-laid so a call) in runs of TILE_SPAN bytes a task: each
-  // block of rows of x goes over every tile of a run (its activations stay in L1 and its outputs in a few pages; a
-  // tile is read from L2 once a block), then the weight rows after the last tile. tile(t, slot): tile t's bytes (slot:
-  // slot_bytes of scratch a tile of the run, where it is re-laid); dot(rb, tile, b, o0): rows b.. of x on it.
-  auto over_tiles = [&](int64_t tile_bytes, int64_t slot_bytes, auto&& tile, auto&& dot) {
-    const int64_t ntiles = out / Q4_TILE, run = std::max<int64_t>(1, TILE_SPAN / tile_bytes);
+  // Tiles of 16 rows (int4, int5 and int8 tiles) in runs of TILE_SPAN bytes a task: each block of rows of x goes
+  // over every tile of a run (its activations stay in L1 and its outputs in a few pages; a tile is read from L2 once
+  // a block), then the weight rows after the last tile. dot(rb, tile, b, o0): rows b.. of x on the tile at `tile`.
+  auto over_tiles = [&](auto&& dot) {
+    const int64_t tile_bytes = Q4_TILE * ldw * int64_t(sizeof(W)), ntiles = out / Q4_TILE;
+    const int64_t run = std::max<int64_t>(1, TILE_SPAN / tile_bytes);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(wp);
     at::parallel_for(0, ntiles + (out % Q4_TILE ? 1 : 0), 1, [&](int64_t t0, int64_t t1) {
-      std::vector<uint8_t> scratch(slot_bytes * std::min(run, t1 - t0));
-      std::vector<const uint8_t*> run_tiles(std::min(run, t1 - t0));
       for (int64_t r0 = t0; r0 < t1; r0 += run) {
         const int64_t r1 = std::min(t1, r0 + run), e = std::min(r1, ntiles);
-        for (int64_t t = r0; t < e; ++t) run_tiles[t - r0] = tile(t, scratch.data() + (t - r0) * slot_bytes);
         in_blocks8([&](auto rb, int64_t b) {
-          for (int64_t t = r0; t < e; ++t) dot(rb, run_tiles[t - r0], b, t * Q4_TILE);
+          for (int64_t t = r0; t < e; ++t) dot(rb, base + t * tile_bytes, b, t * Q4_TILE);
         });
         if (e < r1)  // a row of x at a time: its bits the same wherever it lies among the rows of a call
           for (int64_t o = ntiles * Q4_TILE; o < out; ++o)
@@ -400,24 +442,15 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     });
   };
   auto qx = [&](int64_t b) { return qx8->q.data() + b * qx8->pad; };
-#ifdef IG_VNNI512
-  if constexpr (I8)
-    if (tiles && in % KV_GROUP == 0) {
-      const int64_t bytes = in / KV_GROUP * Q8_TILE_GROUP;
-      over_tiles(bytes, bytes, [&](int64_t t, uint8_t* slot) {
-        q8_tile(wp + t * Q4_TILE * ldw, ldw, in, slot);
-        return static_cast<const uint8_t*>(slot);
-      }, [&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
-        tile_dot_q8<decltype(rb)::value>(tl, qx(b), qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
-                                         y + b * out + o0, out);
-      });
-      return;
-    }
-#endif
+  if constexpr (I8T) {
+    over_tiles([&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
+      tile_dot_q8<decltype(rb)::value>(tl, qx(b), qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
+                                       y + b * out + o0, out);
+    });
+    return;
+  }
   if constexpr (I4 || I5) {
-    over_tiles(Q4_TILE * ldw, 0, [&](int64_t t, uint8_t*) {
-      return reinterpret_cast<const uint8_t*>(wp + t * Q4_TILE * ldw);
-    }, [&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
+    over_tiles([&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
       tile_dot_q<decltype(rb)::value, I5 ? 5 : 4>(tl, qx(b), qx8->s.data() + b * qx8->ng, qx8->sum.data() + b * qx8->ng,
                                                 in, y + b * out + o0, out);
     });
@@ -431,26 +464,26 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
 
 }  // namespace
 
-// x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows, or (out, q4_width(in)) uint8
-// int4 rows, bias (out) float32 or None -> (R, out) float32
+// x (R, in) float32, W (out, in) float32 or bfloat16, or (out, kv_width(in)) int8 rows or int8 tiles
+// (float8_e4m3fn), or (out, q4_width(in)) uint8 int4 rows, or (out, q5_width(in)) int5 tiles (float8_e5m2), bias (out)
+// float32 or None -> (R, out) float32
 // residual (R, out) float32 or None: returns residual + (x W^T + bias), as x + linear(...) rounds it
 // bf16: a bfloat16 W multiplies x rounded to bfloat16 in bfloat16 products where the build has them (bf16_dots.h)
-// tiles: int8 rows multiplied 16 rows at a time as int4 tiles are (a prompt chunk's rows; 512-bit VNNI builds), a
-// row's bits the same at any row count either way
+// Tiled weights give a row of x the same bits at any row count: a prompt chunk's rows and a decode step's alike.
 at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual,
-                  bool bf16, bool tiles) {
+                  bool bf16) {
   check_cpu_contig(x, "x");
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   const bool i8 = W.scalar_type() == at::kChar, i4 = W.scalar_type() == at::kByte,
-             i5 = W.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4 || i5,
-              "W must be float32, bfloat16, int8 rows, int5 tiles or int4 rows");
+             i5 = W.scalar_type() == at::kFloat8_e5m2, i8t = W.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4 || i5 || i8t,
+              "W must be float32, bfloat16, int8 rows or tiles, int5 tiles or int4 rows");
   const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
-  TORCH_CHECK(!(i4 || i5) || in % Q4_GROUP == 0, "int4 and int5 rows need whole groups of 32");
+  TORCH_CHECK(!(i4 || i5 || i8t) || in % Q4_GROUP == 0, "int4, int5 and int8 tiles need whole groups of 32");
   TORCH_CHECK(!i5 || out % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
   TORCH_CHECK(x.dim() == 2 && W.dim() == 2 &&
-              W.size(1) == (i8 ? kv_width(in) : i4 ? q4_width(in) : i5 ? q5_width(in) : in), "bad shapes");
+              W.size(1) == (i8 || i8t ? kv_width(in) : i4 ? q4_width(in) : i5 ? q5_width(in) : in), "bad shapes");
   const float* bp = nullptr;
   if (bias.has_value()) {
     check_cpu_contig(*bias, "bias");
@@ -467,7 +500,10 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
   if (W.scalar_type() == at::kFloat)
     linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i8)
-    linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>(), false, tiles);
+    linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i8t)
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const int8t_t*>(W.data_ptr()), bp, rp, R, in, out,
+                y.data_ptr<float>());
   else if (i4)
     linear_impl(x.data_ptr<float>(), W.data_ptr<uint8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i5)

@@ -31,4 +31,11 @@ template <int BITS>
 constexpr int64_t tile_scales_at() { return BITS == 5 ? 320 : 256; }  // a group's scales; its minimums 32 bytes on
 inline int64_t q5_width(int64_t in) { return in * 3 / 4; }
 
+// int8 tiles (model/int8_tiles.py): int8 rows (q8_0 groups, kv_width(in) bytes a row) whose first 16 floor(out / 16)
+// rows are held in tiles of 16, the rest as rows. A tile's group g (of in / 32) takes 544 bytes: eight 64-byte chunks
+// (chunk c: bytes 4o..4o+3 hold row o's values 4c..4c+3, signed, as the row holds them), then the 16 rows' float16
+// scales: a row's bytes moved, none changed. A 512-bit dpbusd of a chunk with four activations broadcast is then one
+// step of 16 rows' dot products, one row a lane, as int4 tiles'.
+constexpr int64_t Q8_TILE_GROUP = 8 * 64 + 32;
+
 }  // namespace
