@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinigen_kv as ig
-from infinigen_kv.model import gguf_blocks, int4_rows, int5_rows, int8_rows, int8_tiles
+from infinigen_kv.model import gguf_blocks, gguf_model, int4_rows, int5_rows, int6_tiles, int8_rows, int8_tiles
 from infinigen_kv.model.gguf import GGUF
 from infinigen_kv.testing import tiny_hf
 from infinigen_kv.testing.gguf import write_gguf
@@ -55,6 +55,8 @@ def _read_back(rows: torch.Tensor, form: str) -> torch.Tensor:
         return int4_rows.reference_unpacked(int4_rows.tiled(rows))
     if form == "int5":
         return int5_rows.reference_unpacked(int5_rows.tiled(rows))
+    if form == "int6":
+        return int6_tiles.reference_unpacked(int6_tiles.tiled(rows))
     if form == "int8":
         return int8_rows.unpacked_kv(rows, torch.float32)
     return rows.float()
@@ -95,7 +97,7 @@ def test_every_block_type_into_every_form(kind):
     assert torch.equal(gguf_blocks.values(int(kind), torch.frombuffer(bytearray(data), dtype=torch.uint8), n, cols),
                        want)
     step = {"int4": 1 / 15, "int5": 1 / 31, "int8": 1 / 127, "bfloat16": 2**-8}
-    for form in ("int4", "int5", "int8", "bfloat16"):
+    for form in ("int4", "int5", "int8", "bfloat16") + (("int6",) if kind == T.Q6_K else ()):
         got = _read_back(gguf_blocks.held_rows(int(kind), data, n, cols, form), form)
         rounding = gguf_blocks.rounding(int(kind), form)
         err = (got - want).abs().amax()
@@ -109,7 +111,7 @@ def test_every_block_type_into_every_form(kind):
     natural = gguf_blocks.natural(int(kind))
     assert natural == {T.F32: "bfloat16", T.F16: "bfloat16", T.BF16: "bfloat16", T.Q4_0: "int4", T.Q4_1: "int4",
                        T.Q4_K: "int4", T.Q5_0: "int5", T.Q5_1: "int5", T.Q5_K: "int5", T.Q8_0: "int8",
-                       T.Q6_K: "int8"}[kind]
+                       T.Q6_K: "int6"}[kind]
 
 
 SMALL = {"llama-gqa": {}, "qwen2": {}, "qwen3": {}}
@@ -159,10 +161,8 @@ def test_a_q5_model_is_held_as_the_file_holds_it(tmp_path, monkeypatch):
     """A GGUF of Q5_0 layers with a Q8_0 v and down projection, as a Q4_K_M file of a width no multiple of 256 is
     (its down projections Q6_K or Q4_K): at the file's precision the MLP's gate/up are int5 tiles, q/k/v merged with
     a Q8_0 part int8 tiles (Q5_0 in int8 exactly), the down projection and LM head int8 tiles, the embedding int8 rows
-    (looked up a row at a time); the model
-    computes what those values
-    compute (a float32 model of them), decodes every method exactly at full budget, and `--weights` gives one form
-    for every layer."""
+    (looked up a row at a time); the model computes what those values compute (a float32 model of them), decodes
+    every method exactly at full budget, and `--weights` gives one form for every layer."""
     monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "cache"))
     from infinigen_kv.model.ops import dense
     from test_exactness import step_logits
@@ -195,6 +195,43 @@ def test_a_q5_model_is_held_as_the_file_holds_it(tmp_path, monkeypatch):
                            ("bfloat16", torch.bfloat16)):
         m, _ = ig.load_model(path, weights=weights)
         assert m.weights == weights and {b.mlp.w1.weight.dtype for b in m.layers} == {dtype}
+
+
+def test_q6_k_is_held_at_its_own_bits(tmp_path, monkeypatch):
+    """Q6_K (a Q4_K_M file's LM head and half its down projections): a down projection of whole super-blocks is held
+    as int6 tiles, its values exactly the file's (a weight with parts of other types, or rows of no whole
+    super-block, is int8); the model computes what a float32 model of the file's values computes and decodes every method exactly at full
+    budget."""
+    monkeypatch.setenv("INFINIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from infinigen_kv.model.ops import dense
+    from test_exactness import step_logits
+
+    from conftest import left_padded_batch
+
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    types = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "ffn_down": "Q6_K", "ffn_gate": "Q5_0",
+             "ffn_up": "Q5_0", "attn_output": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"}
+    path = write_gguf(hf, tmp_path / "q6.gguf", types=types)
+    model, _ = ig.load_model(path)
+    assert {b.mlp.w2.weight.dtype for b in model.layers} == {int6_tiles.DTYPE}
+    ref, _ = ig.load_model(path, dtype="float32")  # the file's values
+    assert torch.equal(dense(model.layers[1].mlp.w2.weight, torch.float32), ref.layers[1].mlp.w2.weight)
+    ids, mask = left_padded_batch(lengths=(30, 22))
+    with torch.inference_mode():
+        got = step_logits(model, ig.make_cache("full", model), ids, mask)
+        exact = step_logits(ref, ig.make_cache("full", ref), ids, mask)
+        assert ((got - exact).norm() / exact.norm()) < 2e-2  # (the decode activations rounded to int8 groups)
+        for method, options in (("infinigen", {"alpha": 1e9, "budget": 1.0}), ("offload", {})):
+            assert torch.equal(step_logits(model, ig.make_cache(method, model, **options), ids, mask), got), method
+    plan = {"layers.0.mlp.w2": [(0, 64, gguf_blocks.Q6_K)], "layers.0.attn.wqkv": [(0, 64, gguf_blocks.Q5_0),
+            (64, 32, gguf_blocks.Q5_0), (96, 32, gguf_blocks.Q6_K)]}
+    shapes = {"layers.0.mlp.w2": (64, 256), "layers.0.attn.wqkv": (128, 256)}
+    assert gguf_model.plan(shapes, plan, None) == {"layers.0.mlp.w2": "int6", "layers.0.attn.wqkv": "int8"}
 
 
 def test_what_the_cache_keeps_for_a_gguf(tmp_path, monkeypatch):

@@ -158,6 +158,37 @@ def test_int8_weight_rows_linear(inputs, monkeypatch):
     assert torch.equal(int8_rows.unpacked_kv(rows, torch.float32), dense)
 
 
+def test_int6_tiles_linear(monkeypatch):
+    """`linear` over int6 tiles (a GGUF's Q6_K blocks, 32 rows of two super-blocks): per group the exact integer sum of
+    sc (q - 32) x over the int8 activations, times d and the activations' scale (within float32's rounding); a row's
+    result whatever rows share the call, with a bias and a residual; the tiles' values (kernel and PyTorch) the
+    file's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from infinigen_kv.model import int6_tiles
+    from infinigen_kv.testing.gguf import quantize_q6_k
+
+    rs = np.random.RandomState(3)
+    blocks = quantize_q6_k((rs.randn(32, 512) * rs.rand(32, 1)).astype(np.float32))
+    want = torch.from_numpy(dequantize(blocks.reshape(-1), T.Q6_K).astype(np.float32)).view(32, 512)
+    held = int6_tiles.tiled(torch.from_numpy(blocks))
+    assert torch.equal(int6_tiles.unpacked(held), want) and torch.equal(int6_tiles.reference_unpacked(held), want)
+    assert torch.equal(int6_tiles.unpacked(held, torch.bfloat16), want.bfloat16())
+    x = torch.randn(21, 512) * 3
+    levels, scales = int8_activations(x)
+    exact = torch.einsum("rgi,ogi,rg->ro", levels.double(), want.view(32, -1, 32).double(), scales[..., 0].double())
+    y = K.linear(x, held, None, None)
+    assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    for a, b in ((0, 1), (0, 4), (0, 8), (3, 4), (5, 19)):
+        assert torch.equal(K.linear(x[a:b].contiguous(), held, None, None), y[a:b])
+    bias, res = torch.randn(32), torch.randn(21, 32)
+    assert torch.equal(K.linear(x, held, bias, res), res + (y + bias))
+    monkeypatch.setattr(int6_tiles, "library", lambda: None)
+    assert torch.equal(int6_tiles.unpacked(held), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 def test_store_token_writes_what_the_separate_appends_write(dtype):
     """store_token: a decode token's K and V rows (strided views, as the own step hands them; int8 rows quantized

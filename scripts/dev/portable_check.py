@@ -1,4 +1,4 @@
-"""The int4, int5 and int8 tile kernels built for AVX2 (haswell) and for plain x86-64 (the scalar path): the same bits as
+"""The int4, int5, int6 and int8 tile kernels built for AVX2 (haswell) and for plain x86-64 (the scalar path): the same bits as
 this machine's native build, linear and dequantization alike (a weight's rows after its last tile, int4 rows read
 one at a time, sum in each path's own order: their difference is printed, not required to be zero).
 
@@ -7,18 +7,23 @@ one at a time, sum in each path's own order: their difference is printed, not re
 import torch
 from torch.utils.cpp_extension import load
 
-from infinigen_kv.model import int4_rows, int5_rows, int8_tiles, kernels
+import numpy as np
+
+from infinigen_kv.model import int4_rows, int5_rows, int6_tiles, int8_tiles, kernels
+from infinigen_kv.testing.gguf import quantize_q6_k
 from infinigen_kv.model.kernels import _FLAGS, _SOURCES
 
 native = kernels.library()
 torch.manual_seed(0)
 cases = []
-for out, inn in [(37, 576), (48, 64), (1152, 896), (5, 96)]:
+for out, inn in [(37, 576), (48, 64), (1152, 896), (5, 96), (64, 512)]:
     W = torch.randn(out, inn) * torch.rand(out, 1)
     cases.append(("int4", int4_rows.pack(W), torch.randn(6, inn) * 3))
     if out % 16 == 0:
         cases.append(("int5", int5_rows.pack(W), torch.randn(6, inn) * 3))
     cases.append(("int8", int8_tiles.pack(W), torch.randn(6, inn) * 3))
+    if int6_tiles.fits(out, inn):
+        cases.append(("int6", int6_tiles.tiled(torch.from_numpy(quantize_q6_k(W.numpy()))), torch.randn(6, inn) * 3))
 for arch in ("haswell", "x86-64"):
     flags = [f for f in _FLAGS if not f.startswith("-march")] + [f"-march={arch}"]
     mod = load(name=f"ig_portable_{arch.replace('-', '_')}", sources=[str(p) for p in _SOURCES], extra_cflags=flags,
@@ -34,6 +39,9 @@ for arch in ("haswell", "x86-64"):
         if form == "int4":
             n = int4_rows.dim(held.shape[1])
             same = torch.equal(native.dequantize_q4_rows(held, n, False), mod.dequantize_q4_rows(held, n, False))
+        elif form == "int6":
+            n = int6_tiles.dim(held.shape[1])
+            same = torch.equal(native.dequantize_q6_tiles(held, n, False), mod.dequantize_q6_tiles(held, n, False))
         elif form == "int5":
             n = int5_rows.dim(held.shape[1])
             same = torch.equal(native.dequantize_q5_tiles(held, n, False), mod.dequantize_q5_tiles(held, n, False))

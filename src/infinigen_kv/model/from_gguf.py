@@ -25,7 +25,7 @@ import torch
 from .. import heap
 from ..config import cache_dir
 from ..progress import Progress
-from . import gguf_blocks, gguf_model, int4_rows, int5_rows, int8_tiles, mapped, ops
+from . import gguf_blocks, gguf_model, int4_rows, int5_rows, int6_tiles, int8_tiles, mapped, ops
 from .gguf import GGUF
 from .hparams import from_config
 from .transformer import Transformer
@@ -111,7 +111,9 @@ def load(path: Path, device: torch.device, weights: str | None, dtype: torch.dty
     if held:  # each 2-D weight's rows: its parts' (a merged weight's parts fill it)
         kinds = {name[: -len(".weight")] if name.endswith(".weight") else name: [(s, r, k) for s, r, k, *_ in ps]
                  for name, ps in parts.items() if len(table["tensors"][ps[0][3]][1]) == 2}
-        form = gguf_model.plan({n: (sum(r for _, r, _ in ps), None) for n, ps in kinds.items()}, kinds, weights)
+        cols = {name[: -len(".weight")] if name.endswith(".weight") else name: table["tensors"][ps[0][3]][1][1]
+                for name, ps in parts.items() if len(table["tensors"][ps[0][3]][1]) == 2}
+        form = gguf_model.plan({n: (sum(r for _, r, _ in ps), cols[n]) for n, ps in kinds.items()}, kinds, weights)
     with torch.device(device):
         model = Transformer(args, (weights or "file") if held else None, dtype, source=str(folder),
                             checkpoint=table["checkpoint"], plan=form)
@@ -192,6 +194,8 @@ def _chunks(g: GGUF, parts: dict, params: dict, bar):
                     yield name, start + s, int4_rows.tiled(held)
                 elif form == "int5":
                     yield name, start + s, int5_rows.tiled(held)
+                elif form == "int6":
+                    yield name, start + s, int6_tiles.tiled(held)
                 elif p.dtype == int8_tiles.DTYPE:
                     yield name, start + s, int8_tiles.tiled(held)
                 else:
@@ -208,5 +212,6 @@ def _chunks(g: GGUF, parts: dict, params: dict, bar):
 
 
 def _form_of(p: torch.Tensor) -> str:
-    return {torch.uint8: "int4", int5_rows.DTYPE: "int5", torch.int8: "int8", int8_tiles.DTYPE: "int8",
+    return {torch.uint8: "int4", int5_rows.DTYPE: "int5", int6_tiles.DTYPE: "int6", torch.int8: "int8",
+            int8_tiles.DTYPE: "int8",
             torch.bfloat16: "bfloat16"}.get(p.dtype, "float32")

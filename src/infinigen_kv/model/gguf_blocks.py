@@ -9,12 +9,14 @@
 | Q5_0, Q5_1 | int5 rows | levels, scale and minimum copied (Q5_0: m = -16 d), no rounding |
 | Q5_K | int5 rows | levels copied; scale and minimum rounded once to float16, as Q4_K |
 | Q8_0 | int8 rows | values and scales copied |
-| Q6_K, others of 4 bits and more | int8 rows | values rounded once to int8 groups of 32 |
+| Q6_K | int6 rows | the blocks as they lie (levels, int8 scales and d); int8 rows where its weight cannot be int6 tiles |
+| others of 4 bits and more | int8 rows | values rounded once to int8 groups of 32 |
 | types under 4 bits (Q2_K, Q3_K, IQ2, IQ3, IQ1) | int4 rows | values rounded once to q4_1 groups |
 | F32, F16, BF16 | bfloat16 | values rounded to bfloat16 (BF16: as they are) |
 
 `held_rows(tensor, data, form)` gives rows [0, n) of `data` (the tensor's bytes for those rows) in `form`: the rows
-layout (int4_rows / int5_rows / int8_rows; the caller tiles them: int4_rows, int5_rows, int8_tiles), or "bfloat16" / "float32"
+layout (int4_rows / int5_rows / int8_rows / Q6_K's blocks; the caller tiles them: int4_rows, int5_rows, int8_tiles,
+int6_tiles), or "bfloat16" / "float32"
 values. Where a form holds more bits than the type (Q4 into int5 or int8 rows, Q5_0 into int8 rows) the levels are
 still copied; otherwise the values are dequantized (gguf.quants for the types not decoded here) and rounded once.
 """
@@ -33,7 +35,7 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 BF16 = 30
 GROUP = 32
-FORMS = ("int4", "int5", "int8", "bfloat16", "float32")  # fewest bits first: a merged weight takes its parts' last
+FORMS = ("int4", "int5", "int6", "int8", "bfloat16", "float32")  # fewest bits first: a merged weight takes its parts' last
 
 
 def natural(kind: int) -> str:
@@ -44,7 +46,9 @@ def natural(kind: int) -> str:
         return "int4"
     if kind in (Q5_0, Q5_1, Q5_K):
         return "int5"
-    if kind in (Q8_0, Q6_K):
+    if kind == Q6_K:
+        return "int6"
+    if kind == Q8_0:
         return "int8"
     if kind in (Q2_K, Q3_K):
         return "int4"
@@ -71,6 +75,8 @@ def rounding(kind: int, form: str) -> str:
 
 def _levels_fit(kind: int, form: str) -> bool:
     """Whether `form` holds type `kind`'s levels as they are."""
+    if form == "int6":
+        return kind == Q6_K
     if form == "int8":
         return kind in (Q8_0, Q4_0, Q5_0)
     if form == "int5":
@@ -82,6 +88,10 @@ def held_rows(kind: int, data: bytes, n: int, cols: int, form: str) -> torch.Ten
     """Rows [0, n) of a tensor of type `kind` with `cols` columns, from their bytes `data`, in `form`: int4 / int5 /
     int8 rows (uint8 / uint8 / int8, untiled) or bfloat16 / float32 values (n, cols)."""
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if form == "int6":
+        if kind != Q6_K:
+            raise ValueError("int6 rows hold a GGUF's Q6_K blocks only")
+        return raw.view(n, -1)
     if (kind, form) in ((Q4_0, "int4"), (Q4_1, "int4"), (Q5_0, "int5"), (Q5_1, "int5")):
         return _copied(kind, raw, n, cols)
     if form in ("int4", "int5") and _levels_fit(kind, form):

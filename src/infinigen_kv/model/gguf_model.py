@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from . import gguf_blocks
+from . import gguf_blocks, int6_tiles
 from .gguf import GGUF
 from .hparams import UnsupportedModelError
 
@@ -158,9 +158,10 @@ def plan(params: dict, parts: dict, weights: str | None) -> dict:
     tensor's natural form; a merged weight takes the form of most bits among its parts; int5 only in whole tiles);
     otherwise that form for every layer weight. The embedding (and a tied LM head) is held as int8 rows where the
     file quantizes it (its rows are looked up one at a time; int8 holds Q8_0 and Q4_0 / Q5_0 exactly), else in
-    bfloat16."""
+    bfloat16. Q6_K is held as int6 tiles where a weight is Q6_K alone in whole tiles of whole super-blocks, else as
+    int8 rows."""
     out = {}
-    for name, (rows, _) in params.items():
+    for name, (rows, cols) in params.items():
         kinds = [k for _, _, k in parts.get(name, [])]
         natural = max((gguf_blocks.natural(k) for k in kinds), key=gguf_blocks.FORMS.index, default="bfloat16")
         form = natural if weights is None else weights
@@ -168,7 +169,11 @@ def plan(params: dict, parts: dict, weights: str | None) -> dict:
             form = "bfloat16" if natural == "bfloat16" else "int8"
         elif name in ("embed", "lm_head") and weights in ("int4", "int5"):
             form = "int8"  # (an LM head at more bits than the layers, as llama.cpp's Q4_K_M keeps it)
-        if form == "int5" and (rows % 16 or any(start % 16 or n % 16 for start, n, _ in parts.get(name, []))):
-            form = "int8"  # (int5 rows are whole tiles of 16)
+        ps = parts.get(name, [])
+        if form in ("int5", "int6") and (rows % 16 or any(start % 16 or n % 16 for start, n, _ in ps)):
+            form = "int8"  # (int5 and int6 rows are whole tiles of 16)
+        if form == "int6" and (name == "embed" or cols is None or not int6_tiles.fits(rows, cols)
+                               or any(k != gguf_blocks.Q6_K for k in kinds)):
+            form = "int8"  # (int6 tiles hold Q6_K's blocks alone, in whole super-blocks)
         out[name] = form
     return out

@@ -172,9 +172,10 @@ def held_summary(model) -> str:
     from collections import Counter
 
     from .int5_rows import DTYPE as INT5
+    from .int6_tiles import DTYPE as INT6
     from .int8_tiles import DTYPE as INT8
 
-    names = {torch.uint8: "int4 rows", INT5: "int5 rows", torch.int8: "int8 rows", INT8: "int8 rows",
+    names = {torch.uint8: "int4 rows", INT5: "int5 rows", INT6: "int6 rows", torch.int8: "int8 rows", INT8: "int8 rows",
              torch.bfloat16: "bfloat16",
              torch.float32: "float32", torch.float16: "float16"}
     size = Counter()
@@ -190,7 +191,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
                device_map: str | dict | None = None, weights: str | None = None, *, threads: int | None = None,
                cuda_graph: bool = True, kernels: bool | None = None, backend: backends.Backend | None = None):
     """(model, tokenizer): our model (transformer.Transformer) of a checkpoint. On CPU: a GGUF's weights held at the
-    file's precision (each tensor as from_gguf says: Q4 as int4 tiles, Q5 as int5 tiles, Q6_K and Q8_0 as int8 tiles,
+    file's precision (each tensor as from_gguf says: Q4 as int4 tiles, Q5 as int5 tiles, Q6_K as int6 tiles, Q8_0 as int8 tiles,
     float ones in bfloat16), a checkpoint directory's in bfloat16 (BF16_WEIGHTS), float32 compute; on CUDA everything
     in bfloat16/float16; unless `dtype` says ("float32": everything in float32). weights="bfloat16", "int8", "int5"
     or "int4" (CPU): the layers' linear weights in that form (the embedding and LM head as int8 rows for int5 and

@@ -32,7 +32,8 @@ FORMAT = 3
 PAGE = 4096  # every tensor starts at a page: views of any dtype, and madvise on a tensor's own pages
 MADV_RANDOM = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
-          "uint8": torch.uint8, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
+          "uint8": torch.uint8, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn,
+          "float8_e5m2fnuz": torch.float8_e5m2fnuz}
 
 
 def key(files: list[Path], model) -> str:
@@ -42,7 +43,7 @@ def key(files: list[Path], model) -> str:
              "dtype": str(model.dtype), "group": int8_rows.GROUP}
     if model.plan is not None:  # each weight's form: two settings of the same forms (a Q4_1 file's own precision
         facts["weights"], facts["plan"] = "plan", sorted(model.plan.items())  # and --weights int4) share a file
-    if model.weights in ("int4", "int5", "int8", "file"):  # weights held in tiles of rows: a file of other tiles is not read
+    if model.weights in ("int4", "int5", "int8", "file"):  # weights in tiles of rows: a file of other tiles is not read
         facts["int4_tile"] = int4_rows.TILE
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import int4_rows, int5_rows, int8_rows, int8_tiles
+from . import int4_rows, int5_rows, int6_tiles, int8_rows, int8_tiles
 
 PREFILL_ROWS = 128  # a prompt chunk's rows a CPU GEMM call: MKL's sgemm picks its blocking by the row count (at 1,536
 # inputs a row's bits at 57 rows or more differ from its bits at 16), never by a row's place among them; at 128 rows
@@ -35,23 +35,25 @@ def dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return int8_rows.unpacked_kv(w, dtype)
     if w.dtype == int8_tiles.DTYPE:
         return int8_tiles.unpacked(w, dtype)
+    if w.dtype == int6_tiles.DTYPE:
+        return int6_tiles.unpacked(w, dtype)
     if w.dtype == int5_rows.DTYPE:
         return int5_rows.unpacked(w, dtype)
     return int4_rows.unpacked(w, dtype) if w.dtype == torch.uint8 else w.to(dtype)
 
 
 def tiled(w: torch.Tensor) -> bool:
-    """Whether a held weight keeps its rows in tiles of 16 (int4, int5 and int8 tiles): slices of it are whole
-    tiles."""
+    """Whether a held weight keeps its rows in tiles of 16 (int4, int5, int6 and int8 tiles): slices of it are
+    whole tiles."""
     return w.dtype in TILED
 
 
-TILED = (torch.uint8, int5_rows.DTYPE, int8_tiles.DTYPE)
+TILED = (torch.uint8, int5_rows.DTYPE, int6_tiles.DTYPE, int8_tiles.DTYPE)
 
 
 def part(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
     """Rows [start, start + size) of a held weight in its held form: a view where they are whole tiles (or run to the
-    end), else a copy re-tiled (int4 and int8 tiles; int5 weights are whole tiles by construction)."""
+    end), else a copy re-tiled (int4 and int8 tiles; int5 and int6 weights are whole tiles by construction)."""
     if not tiled(w) or (start % int4_rows.TILE == 0 and (size % int4_rows.TILE == 0 or start + size == w.shape[0])):
         return w[start : start + size]
     if w.dtype == int8_tiles.DTYPE:
@@ -189,6 +191,8 @@ def held(w: torch.Tensor, weights: str | None) -> torch.Tensor:
         return w if w.dtype == torch.uint8 else int4_rows.pack(w.float())
     if weights == "int5":
         return w if w.dtype == int5_rows.DTYPE else int5_rows.pack(w.float())
+    if weights == "int6" and w.dtype != int6_tiles.DTYPE:
+        raise ValueError("int6 weights are a GGUF's Q6_K blocks as they lie; values are held as int8 instead")
     return w
 
 
@@ -196,7 +200,8 @@ def held_dtype(in_features: int, weights: str | None, dtype: torch.dtype) -> tor
     """The dtype of a weight of `in_features` inputs held as `weights` (None: `dtype`, the model's)."""
     if weights == "int8":
         return int8_tiles.DTYPE if int8_tiles.fits(in_features) else torch.int8
-    return {"bfloat16": torch.bfloat16, "int5": int5_rows.DTYPE, "int4": torch.uint8}.get(weights, dtype)
+    return {"bfloat16": torch.bfloat16, "int6": int6_tiles.DTYPE, "int5": int5_rows.DTYPE, "int4": torch.uint8}.get(
+        weights, dtype)
 
 
 def held_width(in_features: int, weights: str | None) -> int:
@@ -205,4 +210,6 @@ def held_width(in_features: int, weights: str | None) -> int:
         return int4_rows.width(in_features)
     if weights == "int5":
         return int5_rows.width(in_features)
+    if weights == "int6":
+        return int6_tiles.width(in_features)
     return int8_rows.kv_width(in_features) if weights == "int8" else in_features

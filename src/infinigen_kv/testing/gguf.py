@@ -78,6 +78,8 @@ def write_gguf(model, path, types: dict | None = None, default: str = "F32") -> 
             w.add_tensor(gname, a)
         elif kind == "F16":
             w.add_tensor(gname, a.astype(np.float16))
+        elif kind == "Q6_K":  # (the gguf package dequantizes Q6_K but does not quantize it)
+            w.add_tensor(gname, quantize_q6_k(a), raw_dtype=qtype)
         else:
             w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
@@ -138,3 +140,23 @@ def hf_from_gguf(path, config_dir=None) -> "torch.nn.Module":
         model.lm_head.weight = model.model.embed_tokens.weight
     model.config._attn_implementation = "sdpa"
     return model.eval()
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Rows x (n, cols), cols a multiple of 256, as Q6_K blocks (n, cols / 256 * 210) uint8: per 16 values an int8
+    scale, per 256 a float16 d, levels q in [0, 63] with value d sc (q - 32) (llama.cpp's layout; a plain rounding,
+    not its search for the best scales)."""
+    n, cols = x.shape
+    b = x.reshape(-1, 16, 16).astype(np.float32)  # (blocks, 16 sub-blocks, 16)
+    amax = np.abs(b).max(-1)  # (blocks, 16)
+    scale = amax / 31
+    d = (np.abs(scale).max(-1) / 127).astype(np.float16)  # (blocks,)
+    df = d.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.round(scale / np.where(df > 0, df, 1)), 0).clip(-128, 127).astype(np.int8)
+    step = df * sc.astype(np.float32)
+    q = np.where(step[..., None] != 0, np.round(b / np.where(step[..., None] != 0, step[..., None], 1)), 0)
+    q = (q + 32).clip(0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)  # (blocks, half, quarter, 32)
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], -1)
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], -1)
+    return out.reshape(n, -1)

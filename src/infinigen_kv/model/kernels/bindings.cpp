@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("dequantize_q4_rows", &dequantize_q4_rows, "int4 weight rows' values in float32 or bfloat16");
   mod.def("dequantize_q5_tiles", &dequantize_q5_tiles, "int5 weight tiles' values in float32 or bfloat16");
   mod.def("dequantize_q8_tiles", &dequantize_q8_tiles, "int8 weight tiles' values in float32 or bfloat16");
+  mod.def("dequantize_q6_tiles", &dequantize_q6_tiles, "int6 weight tiles' values in float32 or bfloat16");
   mod.def("store_token", &store_token, "a decode token's K, V and int8 partial key rows into a pool layer");
   mod.def("speculate", &speculate, "approximate scores -> relative -> combine -> count -> selection");
   mod.def("attend", &attend, "decode attention over chosen pool rows, gathered in place", py::arg("q"), py::arg("K"),

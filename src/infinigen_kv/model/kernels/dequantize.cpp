@@ -143,3 +143,45 @@ at::Tensor dequantize_q8_tiles(at::Tensor rows, int64_t n, bool bf16) {
   });
   return out;
 }
+
+// int6 weights as held (R, q6_width(n)) float8_e5m2fnuz (whole tiles of 16 rows: model/int6_tiles.py) -> their values
+// (R, n) in float32 or bfloat16: (d x sc) x (q - 32) per value, rounded once (int6_tiles.reference_unpacked's bits,
+// llama.cpp's order). A prompt chunk's weights for the BLAS, a slice at a time.
+at::Tensor dequantize_q6_tiles(at::Tensor rows, int64_t n, bool bf16) {
+  check_cpu_contig(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat8_e5m2fnuz && rows.dim() == 2 && n % 256 == 0 &&
+              rows.size(-1) == q6_width(n), "bad int6 tiles");
+  const int64_t w = q6_width(n), R = rows.size(0), ng = n / Q4_GROUP;
+  TORCH_CHECK(R % Q4_TILE == 0, "int6 rows are held in whole tiles of 16 rows");
+  auto out = at::empty({R, n}, rows.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* rp = reinterpret_cast<const uint8_t*>(rows.data_ptr());
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / w), [&](int64_t i0, int64_t i1) {
+    float v[Q4_GROUP];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* tile = rp + (i - i % Q4_TILE) * w;
+      const int64_t o = i % Q4_TILE;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* sb = tile + (g / 8) * Q6_BLOCK;
+        const uint8_t* tg = sb + 32 + (g % 8) * Q6_GROUP;
+        const float d = half_at(reinterpret_cast<const int8_t*>(sb + 2 * o));
+        const float dlo = d * float(int8_t(tg[384 + o])), dhi = d * float(int8_t(tg[400 + o]));
+        for (int64_t c = 0; c < 4; ++c)
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = tg[64 * c + 4 * o + j];
+            const int32_t q0 = (byte & 0x0F) | ((tg[256 + 4 * o + j] >> (2 * c)) & 3) << 4;
+            const int32_t q1 = (byte >> 4) | ((tg[320 + 4 * o + j] >> (2 * c)) & 3) << 4;
+            v[4 * c + j] = dlo * float(q0 - 32);
+            v[16 + 4 * c + j] = dhi * float(q1 - 32);
+          }
+        if (ob != nullptr) {
+          for (int64_t j = 0; j < Q4_GROUP; ++j) ob[i * n + g * Q4_GROUP + j] = at::BFloat16(v[j]);
+        } else {
+          std::copy(v, v + Q4_GROUP, of + i * n + g * Q4_GROUP);
+        }
+      }
+    }
+  });
+  return out;
+}

@@ -29,6 +29,7 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
 at::Tensor dequantize_q4_rows(at::Tensor rows, int64_t n, bool bf16);
 at::Tensor dequantize_q5_tiles(at::Tensor rows, int64_t n, bool bf16);
 at::Tensor dequantize_q8_tiles(at::Tensor rows, int64_t n, bool bf16);
+at::Tensor dequantize_q6_tiles(at::Tensor rows, int64_t n, bool bf16);
 // partial_query.cpp
 at::Tensor partial_query(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, at::Tensor S, at::Tensor P,
                          c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin, int64_t r, int64_t d_head);

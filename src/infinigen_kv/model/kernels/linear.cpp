@@ -352,23 +352,166 @@ inline void tile_dot_q8(const uint8_t* __restrict t, const int8_t* __restrict xq
 #endif
 }
 
-// int5 tiles' and int8 tiles' storage types in linear_impl (the tensors' bytes, float8_e5m2 and float8_e4m3fn as
-// PyTorch marks them)
+// y[b * ldy + o] (o < 16) = x[b] . (row o of the int6 tile at t) for RB rows of int8 activations (row b's values at
+// xq + b in, its groups' scales at xs + b ng, the integer sums of its groups' values 0-15 and 16-31 at xl + b ng and
+// xh + b ng). Per lane and group: the exact integer sc_lo sum((q - 32) x) over values 0-15 plus sc_hi's over 16-31
+// (|total| < 2^24: exact in float32), then acc = fma(float(total), d sx, acc): the same bits on every path.
+template <int RB>
+inline void tile_dot_q6(const uint8_t* __restrict t, const int8_t* __restrict xq, const float* __restrict xs,
+                        const int32_t* __restrict xl, const int32_t* __restrict xh, int64_t in, float* y,
+                        int64_t ldy) {
+  const int64_t ng = in / Q4_GROUP;
+#ifdef IG_VNNI512
+  __m512 acc[RB];
+  for (int b = 0; b < RB; ++b) acc[b] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* sb = t + (g / 8) * Q6_BLOCK;
+    const uint8_t* tg = sb + 32 + (g % 8) * Q6_GROUP;
+    prefetch_ahead<Q6_GROUP>(tg);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512i h0 = _mm512_loadu_si512(tg + 256), h1 = _mm512_loadu_si512(tg + 320);
+    __m512i lv[8];  // q[4c..4c+3] | their high bits << 4 (lv[c]), q[16+4c..] (lv[4 + c])
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(tg + 64 * c);
+      const int sh = 4 - 2 * c;  // the high bits 2c, 2c + 1 of each byte to bits 4, 5
+      const __m512i a = sh > 0 ? _mm512_slli_epi32(h0, sh) : sh < 0 ? _mm512_srli_epi32(h0, -sh) : h0;
+      const __m512i b = sh > 0 ? _mm512_slli_epi32(h1, sh) : sh < 0 ? _mm512_srli_epi32(h1, -sh) : h1;
+      lv[c] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), a, two, 0xF8);  // A | (B & C)
+      lv[4 + c] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), b, two, 0xF8);
+    }
+    const __m512i slo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 384)));
+    const __m512i shi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tg + 400)));
+#pragma GCC unroll 8
+    for (int b = 0; b < RB; ++b) {
+      const int8_t* xg = xq + b * in + g * Q4_GROUP;
+      auto x4 = [xg](int c) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xg + 4 * c)); };
+      __m512i p0 = _mm512_set1_epi32(-32 * xl[b * ng + g]), p1 = _mm512_set1_epi32(-32 * xh[b * ng + g]);
+      for (int c = 0; c < 4; ++c) {
+        p0 = _mm512_dpbusd_epi32(p0, lv[c], x4(c));
+        p1 = _mm512_dpbusd_epi32(p1, lv[4 + c], x4(4 + c));
+      }
+      const __m512i total = _mm512_add_epi32(_mm512_mullo_epi32(p0, slo), _mm512_mullo_epi32(p1, shi));
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(xs[b * ng + g])), acc[b]);
+    }
+  }
+  for (int b = 0; b < RB; ++b) _mm512_storeu_ps(y + b * ldy, acc[b]);
+#elif defined(IG_AVX2)
+  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: the 32-byte halves of each vector
+    __m256 acc[RB];
+    for (int b = 0; b < RB; ++b) acc[b] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* sb = t + (g / 8) * Q6_BLOCK;
+      const uint8_t* tg = sb + 32 + (g % 8) * Q6_GROUP;
+      if (h == 0) prefetch_ahead<Q6_GROUP>(tg);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * h)));
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 256 + 32 * h));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 320 + 32 * h));
+      __m256i lv[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 64 * c + 32 * h));
+        const int sh = 4 - 2 * c;
+        const __m128i n = _mm_cvtsi32_si128(sh > 0 ? sh : -sh);
+        const __m256i a = sh >= 0 ? _mm256_sll_epi32(h0, n) : _mm256_srl_epi32(h0, n);
+        const __m256i b = sh >= 0 ? _mm256_sll_epi32(h1, n) : _mm256_srl_epi32(h1, n);
+        lv[c] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(a, two));
+        lv[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(b, two));
+      }
+      const __m256i slo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tg + 384 + 8 * h)));
+      const __m256i shi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tg + 400 + 8 * h)));
+      for (int b = 0; b < RB; ++b) {
+        int32_t x4[8];
+        std::memcpy(x4, xq + b * in + g * Q4_GROUP, 32);
+        __m256i p0 = _mm256_set1_epi32(-32 * xl[b * ng + g]), p1 = _mm256_set1_epi32(-32 * xh[b * ng + g]);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+        for (int c = 0; c < 4; ++c) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          p0 = _mm256_dpbusd_epi32(p0, lv[c], _mm256_set1_epi32(x4[c]));
+          p1 = _mm256_dpbusd_epi32(p1, lv[4 + c], _mm256_set1_epi32(x4[4 + c]));
+#else
+          p0 = _mm256_dpbusd_avx_epi32(p0, lv[c], _mm256_set1_epi32(x4[c]));
+          p1 = _mm256_dpbusd_avx_epi32(p1, lv[4 + c], _mm256_set1_epi32(x4[4 + c]));
+#endif
+        }
+#else  // a pair at most 2 x 63 x 127 = 16002: two chunks' pairs in int16 (32004), then int32
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int c = 0; c < 4; c += 2) {
+          const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lv[c], _mm256_set1_epi32(x4[c])),
+                                              _mm256_maddubs_epi16(lv[c + 1], _mm256_set1_epi32(x4[c + 1])));
+          const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lv[4 + c], _mm256_set1_epi32(x4[4 + c])),
+                                              _mm256_maddubs_epi16(lv[5 + c], _mm256_set1_epi32(x4[5 + c])));
+          p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(s0, ones));
+          p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(s1, ones));
+        }
+#endif
+        const __m256i total = _mm256_add_epi32(_mm256_mullo_epi32(p0, slo), _mm256_mullo_epi32(p1, shi));
+        acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(xs[b * ng + g])),
+                                 acc[b]);
+      }
+    }
+    for (int b = 0; b < RB; ++b) _mm256_storeu_ps(y + b * ldy + 8 * h, acc[b]);
+  }
+#else
+  float acc[RB][Q4_TILE] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* sb = t + (g / 8) * Q6_BLOCK;
+    const uint8_t* tg = sb + 32 + (g % 8) * Q6_GROUP;
+    for (int64_t o = 0; o < Q4_TILE; ++o) {
+      const float d = half_at(reinterpret_cast<const int8_t*>(sb + 2 * o));
+      const int32_t slo = int8_t(tg[384 + o]), shi = int8_t(tg[400 + o]);
+      for (int b = 0; b < RB; ++b) {
+        const int8_t* xg = xq + b * in + g * Q4_GROUP;
+        int32_t lo = 0, hi = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = tg[64 * c + 4 * o + j];
+            const int32_t q0 = (byte & 0x0F) | ((tg[256 + 4 * o + j] >> (2 * c)) & 3) << 4;
+            const int32_t q1 = (byte >> 4) | ((tg[320 + 4 * o + j] >> (2 * c)) & 3) << 4;
+            lo += (q0 - 32) * xg[4 * c + j];
+            hi += (q1 - 32) * xg[16 + 4 * c + j];
+          }
+        acc[b][o] = std::fma(float(lo * slo + hi * shi), d * xs[b * ng + g], acc[b][o]);
+      }
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int64_t o = 0; o < Q4_TILE; ++o) y[b * ldy + o] = acc[b][o];
+#endif
+}
+
+// int5, int8 and int6 tiles' storage types in linear_impl (the tensors' bytes, float8_e5m2, float8_e4m3fn and
+// float8_e5m2fnuz as PyTorch marks them)
 struct int5_t {
   uint8_t byte;
 };
 struct int8t_t {
   int8_t byte;
 };
+struct int6t_t {
+  uint8_t byte;
+};
 
 template <typename W>
 void linear_impl(const float* x, const W* wp, const float* bias, const float* res, int64_t R, int64_t in, int64_t out,
                  float* y, bool bf16 = false) {
   constexpr bool I8T = std::is_same_v<W, int8t_t>, I8 = std::is_same_v<W, int8_t> || I8T,
-                 I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>;
-  const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : I5 ? q5_width(in) : in;  // a weight row's elements
-  std::optional<QuantizedX8> qx8;  // int8, int5 and int4 weights: the activations in int8
-  if constexpr (I8 || I4 || I5) qx8.emplace(x, R, in);
+                 I4 = std::is_same_v<W, uint8_t>, I5 = std::is_same_v<W, int5_t>, I6 = std::is_same_v<W, int6t_t>;
+  const int64_t ldw = I8 ? kv_width(in) : I4 ? q4_width(in) : I5 ? q5_width(in) : I6 ? q6_width(in) : in;
+  std::optional<QuantizedX8> qx8;  // int8, int6, int5 and int4 weights: the activations in int8
+  if constexpr (I8 || I4 || I5 || I6) qx8.emplace(x, R, in);
+  std::vector<int32_t> xlo, xhi;  // int6: the sums of each group's values 0-15 and 16-31
+  if constexpr (I6) {
+    xlo.resize(R * qx8->ng);
+    xhi.resize(R * qx8->ng);
+    for (int64_t i = 0; i < R * qx8->ng; ++i) {
+      const int8_t* v = qx8->q.data() + (i / qx8->ng) * qx8->pad + (i % qx8->ng) * KV_GROUP;
+      int32_t lo = 0;
+      for (int j = 0; j < 16; ++j) lo += v[j];
+      xlo[i] = lo;
+      xhi[i] = qx8->isum[i] - lo;
+    }
+  }
   std::vector<uint16_t> xb;  // bf16: bfloat16 weights times x rounded to bfloat16, in bfloat16 products
 #ifdef IG_BF16_DOTS
   if constexpr (std::is_same_v<W, uint16_t>)
@@ -391,7 +534,7 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     else if (std::is_same_v<W, uint16_t> && !xb.empty())
       bf16dots::rows_dot<RB>(reinterpret_cast<const uint16_t*>(w), xb.data() + b * in, in, yo, out);
 #endif
-    else if constexpr (!I5)  // (int5 weights are whole tiles)
+    else if constexpr (!I5 && !I6)  // (int5 and int6 weights are whole tiles)
       rows_dot<RB>(w, x + b * in, in, yo, out);
   };
   auto in_blocks = [&](auto&& f, int64_t n) {  // f(rb, b) over n rows of x in blocks of rb = 4, then 2, then 1
@@ -442,6 +585,13 @@ void linear_impl(const float* x, const W* wp, const float* bias, const float* re
     });
   };
   auto qx = [&](int64_t b) { return qx8->q.data() + b * qx8->pad; };
+  if constexpr (I6) {
+    over_tiles([&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
+      tile_dot_q6<decltype(rb)::value>(tl, qx(b), qx8->s.data() + b * qx8->ng, xlo.data() + b * qx8->ng,
+                                       xhi.data() + b * qx8->ng, in, y + b * out + o0, out);
+    });
+    return;
+  }
   if constexpr (I8T) {
     over_tiles([&](auto rb, const uint8_t* tl, int64_t b, int64_t o0) {
       tile_dot_q8<decltype(rb)::value>(tl, qx(b), qx8->s.data() + b * qx8->ng, qx8->isum.data() + b * qx8->ng, in,
@@ -476,14 +626,17 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
   check_cpu_contig(W, "W");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   const bool i8 = W.scalar_type() == at::kChar, i4 = W.scalar_type() == at::kByte,
-             i5 = W.scalar_type() == at::kFloat8_e5m2, i8t = W.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4 || i5 || i8t,
-              "W must be float32, bfloat16, int8 rows or tiles, int5 tiles or int4 rows");
+             i5 = W.scalar_type() == at::kFloat8_e5m2, i8t = W.scalar_type() == at::kFloat8_e4m3fn,
+             i6 = W.scalar_type() == at::kFloat8_e5m2fnuz;
+  TORCH_CHECK(W.scalar_type() == at::kFloat || W.scalar_type() == at::kBFloat16 || i8 || i4 || i5 || i8t || i6,
+              "W must be float32, bfloat16, int8 rows or tiles, int6 or int5 tiles or int4 rows");
   const int64_t R = x.size(0), in = x.size(1), out = W.size(0);
   TORCH_CHECK(!(i4 || i5 || i8t) || in % Q4_GROUP == 0, "int4, int5 and int8 tiles need whole groups of 32");
-  TORCH_CHECK(!i5 || out % Q4_TILE == 0, "int5 rows are held in whole tiles of 16 rows");
+  TORCH_CHECK(!(i5 || i6) || out % Q4_TILE == 0, "int5 and int6 rows are held in whole tiles of 16 rows");
+  TORCH_CHECK(!i6 || in % 256 == 0, "int6 rows need whole super-blocks of 256");
   TORCH_CHECK(x.dim() == 2 && W.dim() == 2 &&
-              W.size(1) == (i8 || i8t ? kv_width(in) : i4 ? q4_width(in) : i5 ? q5_width(in) : in), "bad shapes");
+              W.size(1) == (i8 || i8t ? kv_width(in) : i4 ? q4_width(in) : i5 ? q5_width(in) : i6 ? q6_width(in) : in),
+              "bad shapes");
   const float* bp = nullptr;
   if (bias.has_value()) {
     check_cpu_contig(*bias, "bias");
@@ -501,6 +654,9 @@ at::Tensor linear(at::Tensor x, at::Tensor W, c10::optional<at::Tensor> bias, c1
     linear_impl(x.data_ptr<float>(), W.data_ptr<float>(), bp, rp, R, in, out, y.data_ptr<float>());
   else if (i8)
     linear_impl(x.data_ptr<float>(), W.data_ptr<int8_t>(), bp, rp, R, in, out, y.data_ptr<float>());
+  else if (i6)
+    linear_impl(x.data_ptr<float>(), reinterpret_cast<const int6t_t*>(W.data_ptr()), bp, rp, R, in, out,
+                y.data_ptr<float>());
   else if (i8t)
     linear_impl(x.data_ptr<float>(), reinterpret_cast<const int8t_t*>(W.data_ptr()), bp, rp, R, in, out,
                 y.data_ptr<float>());

@@ -38,4 +38,12 @@ inline int64_t q5_width(int64_t in) { return in * 3 / 4; }
 // step of 16 rows' dot products, one row a lane, as int4 tiles'.
 constexpr int64_t Q8_TILE_GROUP = 8 * 64 + 32;
 
+// int6 tiles (model/int6_tiles.py): a GGUF's Q6_K rows (210 bytes per 256 values: value d sc (q - 32), q in [0, 63],
+// an int8 scale sc per 16 values, a float16 d per 256) in tiles of 16 rows. Per super-block of 256: the 16 rows'
+// float16 d (32 bytes), then its 8 groups of 32, Q6_GROUP bytes each: int4 tiles' four chunks of low nibbles, two
+// 64-byte vectors of high bits (row o's dword: byte j, bits 2c, 2c + 1: the high bits of q[4c + j], then in the second
+// of q[16 + 4c + j]), then the rows' int8 scales of values 0-15 (16 bytes) and of 16-31 (16 bytes).
+constexpr int64_t Q6_GROUP = 256 + 128 + 32, Q6_BLOCK = 32 + 8 * Q6_GROUP;  // a tile's group, its super-block
+inline int64_t q6_width(int64_t in) { return in / 256 * 210; }
+
 }  // namespace
