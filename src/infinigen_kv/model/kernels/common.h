@@ -129,17 +129,23 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
-// max of x[0, n): eight independent lanes (a single running max is a chain of dependent compares that the
-// compiler does not vectorize without -ffinite-math-only)
+// max of x[0, n): four chains of eight lanes (a single running max is a chain of dependent compares, one per
+// compare's latency, that the compiler does not vectorize without -ffinite-math-only)
 inline float max_of(const float* x, int64_t n) {
   int64_t t = 0;
   float m = NEG_INF;
 #ifdef IG_AVX2
   if (n >= 8) {
-    __m256 m8 = _mm256_loadu_ps(x);
-    for (t = 8; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + t));
+    __m256 a = _mm256_loadu_ps(x), b = a, c = a, d = a;
+    for (t = 8; t + 32 <= n; t += 32) {
+      a = _mm256_max_ps(a, _mm256_loadu_ps(x + t));
+      b = _mm256_max_ps(b, _mm256_loadu_ps(x + t + 8));
+      c = _mm256_max_ps(c, _mm256_loadu_ps(x + t + 16));
+      d = _mm256_max_ps(d, _mm256_loadu_ps(x + t + 24));
+    }
+    for (; t + 8 <= n; t += 8) a = _mm256_max_ps(a, _mm256_loadu_ps(x + t));
     alignas(32) float l[8];
-    _mm256_store_ps(l, m8);
+    _mm256_store_ps(l, _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d)));
     for (int j = 0; j < 8; ++j) m = std::max(m, l[j]);
   }
 #else

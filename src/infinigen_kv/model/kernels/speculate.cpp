@@ -118,22 +118,42 @@ int64_t select_row(float* s, int64_t r, int64_t n, const bool* kb, float alpha, 
       for (int64_t t = 0; t < n; ++t) sh[t] = kb[t] ? sh[t] : NEG_INF;
     mx[h] = max_of(sh, n);
   }
-  // each head's logits relative to its max, the group's heads combined
-  const float m0 = mx[0];
-  if (mean) {
-    for (int64_t t = 0; t < n; ++t) rel[t] = (s[t] - m0) / float(r);
-    for (int64_t h = 1; h < r; ++h)
-      for (int64_t t = 0; t < n; ++t) rel[t] += (s[h * n + t] - mx[h]) / float(r);
-  } else {
-    for (int64_t t = 0; t < n; ++t) rel[t] = s[t] - m0;
-    for (int64_t h = 1; h < r; ++h) {
-      const float* sh = s + h * n;
-      const float m = mx[h];
-      for (int64_t t = 0; t < n; ++t) rel[t] = std::max(rel[t], sh[t] - m);
-    }
-  }
+  // each head's logits relative to its max, the group's heads combined: one pass over the tokens, the heads'
+  // terms in head order (the same bits on every path), the tokens within alpha counted on the way
   int32_t within32 = 0;  // int32 lanes: the counting pass vectorizes 8 wide
-  for (int64_t t = 0; t < n; ++t) within32 += rel[t] > -alpha;
+  int64_t t = 0;
+  const float fr = float(r);
+#ifdef IG_AVX2
+  const __m256 lo = _mm256_set1_ps(-alpha), vr = _mm256_set1_ps(fr);
+  __m256i cnt = _mm256_setzero_si256();
+  for (; t + 8 <= n; t += 8) {
+    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx[0]));
+    if (mean) {
+      v = _mm256_div_ps(v, vr);
+      for (int64_t h = 1; h < r; ++h)
+        v = _mm256_add_ps(v, _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(s + h * n + t), _mm256_set1_ps(mx[h])), vr));
+    } else {  // max(x, v): v where equal, as std::max(v, x)
+      for (int64_t h = 1; h < r; ++h)
+        v = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + h * n + t), _mm256_set1_ps(mx[h])), v);
+    }
+    _mm256_storeu_ps(rel + t, v);
+    cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(v, lo, _CMP_GT_OQ)));
+  }
+  alignas(32) int32_t c8[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c8), cnt);
+  for (int j = 0; j < 8; ++j) within32 += c8[j];
+#endif
+  for (; t < n; ++t) {
+    float v = s[t] - mx[0];
+    if (mean) {
+      v /= fr;
+      for (int64_t h = 1; h < r; ++h) v += (s[h * n + t] - mx[h]) / fr;
+    } else {
+      for (int64_t h = 1; h < r; ++h) v = std::max(v, s[h * n + t] - mx[h]);
+    }
+    rel[t] = v;
+    within32 += v > -alpha;
+  }
   const int64_t within = within32;
   int64_t c = std::min(within, k);
   if (cap_row >= 0) c = std::min(c, cap_row);
@@ -359,15 +379,23 @@ void score_rows_i8(const float* qs, const int8_t* kr, int64_t r, int64_t p, int6
   }
 }
 
+template <typename V>
+void grow(std::vector<V>& v, int64_t size) {
+  if (int64_t(v.size()) < size) v.resize(size);
+}
+
 // One pass per (sequence, KV head): its scores (score(qs, row's keys, s)), then select_row. w: elements per stored row.
 template <typename T, typename Score>
 void speculate_rows(const float* q, const T* kp, int64_t w, const bool* keep, int64_t keep_heads, const int64_t* caps,
                     int64_t B, int64_t G, int64_t r, int64_t p, int64_t cap, int64_t n, float scale,
                     float alpha, int64_t k, bool mean, int64_t* idx_out, int64_t* count_out, Score score) {
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(r * n), rel(n), cand(n + 8), qs(r * p), mx(r);
-    std::vector<uint32_t> bins(n + 8);  // room for the vector stores past the last kept position
-    std::vector<int32_t> hist(2 * (SELECT_BINS + 1));
+    // scratch kept by the thread between calls: a fresh (r, n) score buffer a layer is a page-faulting mmap
+    thread_local std::vector<float> s, rel, cand, qs, mx;
+    thread_local std::vector<uint32_t> bins;  // room for the vector stores past the last kept position
+    thread_local std::vector<int32_t> hist;
+    grow(s, r * n), grow(rel, n), grow(cand, n + 8), grow(qs, r * p), grow(mx, r), grow(bins, n + 8);
+    grow(hist, 2 * (SELECT_BINS + 1));
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / G, g = row % G;
       for (int64_t i = 0; i < r * p; ++i) qs[i] = q[row * r * p + i] * scale;
