@@ -53,6 +53,11 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
       while (first[row] < n && !kb[first[row]]) ++first[row];
     }
   std::vector<float> part_m(items * r), part_l(items * r), part_acc(items * r * d);
+#ifdef IG_ATTEND512
+  constexpr bool WIDE = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;  // attend512.h's rows
+#else
+  constexpr bool WIDE = false;
+#endif
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(r * BLOCK);
@@ -60,8 +65,8 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<char> mask(BLOCK);
     std::vector<float> ks(BLOCK * ng, 1.f), vs(BLOCK * ng, 1.f);  // int8 rows' group scales, token by token
 #ifdef IG_ATTEND512
-    constexpr bool WIDE = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;  // attend512.h's rows
     std::vector<float> qp(WIDE ? r * D : 0), kf(WIDE ? 16 * D : 0);  // the query in widen's order; 16 rows transposed
+    int64_t next[16];  // the positions of the rows whose lines are asked for during a group's scores
 #endif
 #ifdef IG_BF16_DOTS
     std::vector<uint16_t> qb(WIDE && pairs ? r * D : 0), pb(WIDE && pairs ? r * (BLOCK + 16) : 0);
@@ -98,19 +103,19 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
         const int64_t u = has_new ? t - 1 : t;
         return idx ? idx[row * m + u] : f0 + u;
       };
-      // scattered rows: all of a block's K and V lines asked for at once (memory-level parallelism), the next
-      // block's while this one is computed
-      auto prefetch_block = [&](int64_t from) {
-        for (int64_t t = from; t < std::min(t1, from + BLOCK); ++t) {
+      // chosen rows: the K and V lines of rows [from, to) asked for at once. attend512.h's rows ask for the first 32
+      // here, then those two groups of 16 ahead during each group's scores; the others a block ahead.
+      auto prefetch_rows = [&](int64_t from, int64_t to) {
+        for (int64_t t = from; t < std::min(t1, to); ++t) {
           const int64_t pos = position(t);
           prefetch_row(Kr + pos * rw, rw);
           prefetch_row(Vr + pos * rw, rw);
         }
       };
-      if (idx) prefetch_block(t0);
+      if (idx) prefetch_rows(t0, t0 + (WIDE ? 32 : BLOCK));
       for (int64_t tb = t0; tb < t1; tb += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, t1 - tb);
-        if (idx) prefetch_block(tb + BLOCK);
+        if (idx && !WIDE) prefetch_rows(tb + BLOCK, tb + 2 * BLOCK);
         if (!idx && !has_new)  // the whole past, rows in order
           for (int64_t j = 0; j < nb; ++j) {
             blk[j] = f0 + tb + j;
@@ -131,26 +136,28 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
 #ifdef IG_ATTEND512
         if constexpr (WIDE)
           for (; j0 + 16 <= nb; j0 += 16) {
-            // the whole past: the 16 rows after the next 16 asked for while these are scored (chosen rows: their
-            // blocks are asked for a block ahead)
-            const int64_t ahead = blk[j0 + 15] + 17;
-            const bool pre = !idx && ahead + 16 <= n;
-            const auto* ka = pre ? reinterpret_cast<const char*>(Kr + ahead * rw) : nullptr;
-            const auto* va = pre ? reinterpret_cast<const char*>(Vr + ahead * rw) : nullptr;
+            // the 16 rows after the next 16 asked for while these are scored: the whole past's while they lie in it,
+            // the item's chosen rows while it has them (its last repeated)
             const auto* Kb = reinterpret_cast<const uint16_t*>(Kr);
+            attend512::Ahead ahead{Kb, reinterpret_cast<const uint16_t*>(Vr), rw, nullptr};
+            if (!idx && blk[j0 + 15] + 33 <= n) {
+              for (int j = 0; j < 16; ++j) next[j] = blk[j0 + 15] + 17 + j;
+              ahead.rows = next;
+            } else if (idx && tb + j0 + 32 < t1) {
+              for (int j = 0; j < 16; ++j) next[j] = position(std::min(tb + j0 + 32 + j, t1 - 1));
+              ahead.rows = next;
+            }
 #ifdef IG_BF16_DOTS
             if (dots) {
-              bf16dots::scores16<D>(qb.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, ka, va,
-                                    16 * rw * 2);
+              bf16dots::scores16<D>(qb.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, ahead);
               continue;
             }
 #endif
             if (r > 2)
               attend512::scores16_transposed<D>(qr, r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, kf.data(),
-                                                ka, va);
+                                                ahead);
             else
-              attend512::scores16<D>(qp.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, ka, va,
-                                     16 * rw * 2);
+              attend512::scores16<D>(qp.data(), r, Kb, rw, blk.data() + j0, scale, s.data() + j0, BLOCK, ahead);
           }
 #endif
 #ifdef IG_AVX2

@@ -13,8 +13,9 @@
 // or up to 8 over 32, each head weighing it by its probability (a broadcast operand); the (even, odd) sums put back
 // in channel order once a block. Softmax: 16 lanes of exp_neg's polynomial.
 //
-// Over the whole past the rows stream from memory: the rows two blocks of 16 ahead are prefetched, spread over the
-// scores' products (the core keeps more lines in flight than its out-of-order window alone would).
+// The rows stream from memory: the rows two groups of 16 ahead (the whole past's, or the chosen rows' positions) are
+// prefetched, spread over the scores' products (the core keeps more lines in flight than its out-of-order window
+// alone would).
 
 #pragma once
 
@@ -47,6 +48,25 @@ inline void widen(const uint16_t* x, __m512& even, __m512& odd) {
   const __m512i v = _mm512_loadu_si512(x);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+// The K and V lines of 16 rows to ask for ahead of their use: rows[0, 16) their positions (null: none), rw elements a
+// row. The whole past passes the 16 rows two groups ahead, chosen rows the positions of theirs: either way the lines
+// are asked for a few between the products, not all at once (a burst stalls on the core's outstanding misses).
+struct Ahead {
+  const uint16_t* K = nullptr;
+  const uint16_t* V = nullptr;
+  int64_t rw = 0;
+  const int64_t* rows = nullptr;
+};
+
+// line i < D / 2 of the 16 rows' K and of their V (D bfloat16 channels: D / 32 lines a row), asked for
+template <int D>
+inline void fetch_line(const Ahead& a, int64_t i) {
+  constexpr int64_t LINES = D / 32;
+  const int64_t o = a.rows[i / LINES] * a.rw + (i % LINES) * 32;
+  _mm_prefetch(reinterpret_cast<const char*>(a.K + o), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.V + o), _MM_HINT_T0);
 }
 
 // x[i], i < 16 (16 rows of 16 dwords) -> x[i] = every row's dword i, lane j row j's
@@ -90,18 +110,14 @@ inline void widen_transposed(const uint16_t* K, int64_t rw, const int64_t* blk, 
 }
 
 // s[h ld + j] = scale q_h . K_j for the HN heads of q (HN, D) and the 16 rows of kt (widen_transposed's); two
-// accumulators a head (even and odd channels: 2 HN FMA chains in flight). ka, va (or null): a block of K and of V
-// to prefetch, a line of each every two channels (D / 2 lines: 16 bfloat16 rows of D)
+// accumulators a head (even and odd channels: 2 HN FMA chains in flight). ahead: its lines asked for, one of K and
+// of V every two channels (D / 2 lines: 16 bfloat16 rows of D)
 template <int D, int HN>
-inline void scores_heads(const float* q, const float* kt, float scale, float* s, int64_t ld, const char* ka,
-                         const char* va) {
+inline void scores_heads(const float* q, const float* kt, float scale, float* s, int64_t ld, const Ahead& ahead) {
   __m512 acc[2][HN];
   for (int h = 0; h < HN; ++h) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
   for (int c = 0; c < D; c += 2) {
-    if (ka) {
-      _mm_prefetch(ka + c * 32, _MM_HINT_T0);
-      _mm_prefetch(va + c * 32, _MM_HINT_T0);
-    }
+    if (ahead.rows) fetch_line<D>(ahead, c / 2);
     const __m512 k0 = _mm512_loadu_ps(kt + c * 16), k1 = _mm512_loadu_ps(kt + (c + 1) * 16);
     for (int h = 0; h < HN; ++h) {
       acc[0][h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + c]), k0, acc[0][h]);
@@ -113,23 +129,23 @@ inline void scores_heads(const float* q, const float* kt, float scale, float* s,
 }
 
 // s[h ld + j] = scale q_h . K[blk[j]] for 16 tokens j and every head h of q (r, D) in its own order, r > 2; kt:
-// scratch of 16 D floats. ka, va (or null): the K and V of 16 rows ahead to prefetch (16 D bfloat16 each).
+// scratch of 16 D floats. ahead: the lines to ask for (during the first 8 heads' products).
 template <int D>
 inline void scores16_transposed(const float* q, int64_t r, const uint16_t* K, int64_t rw, const int64_t* blk,
-                                float scale, float* s, int64_t ld, float* kt, const char* ka, const char* va) {
+                                float scale, float* s, int64_t ld, float* kt, Ahead ahead) {
   widen_transposed<D>(K, rw, blk, kt);
-  for (int64_t h0 = 0; h0 < r; h0 += 8, ka = va = nullptr) {
+  for (int64_t h0 = 0; h0 < r; h0 += 8, ahead.rows = nullptr) {
     const float* qh = q + h0 * D;
     float* sh = s + h0 * ld;
     switch (r - h0 < 8 ? r - h0 : 8) {
-      case 1: scores_heads<D, 1>(qh, kt, scale, sh, ld, ka, va); break;
-      case 2: scores_heads<D, 2>(qh, kt, scale, sh, ld, ka, va); break;
-      case 3: scores_heads<D, 3>(qh, kt, scale, sh, ld, ka, va); break;
-      case 4: scores_heads<D, 4>(qh, kt, scale, sh, ld, ka, va); break;
-      case 5: scores_heads<D, 5>(qh, kt, scale, sh, ld, ka, va); break;
-      case 6: scores_heads<D, 6>(qh, kt, scale, sh, ld, ka, va); break;
-      case 7: scores_heads<D, 7>(qh, kt, scale, sh, ld, ka, va); break;
-      default: scores_heads<D, 8>(qh, kt, scale, sh, ld, ka, va); break;
+      case 1: scores_heads<D, 1>(qh, kt, scale, sh, ld, ahead); break;
+      case 2: scores_heads<D, 2>(qh, kt, scale, sh, ld, ahead); break;
+      case 3: scores_heads<D, 3>(qh, kt, scale, sh, ld, ahead); break;
+      case 4: scores_heads<D, 4>(qh, kt, scale, sh, ld, ahead); break;
+      case 5: scores_heads<D, 5>(qh, kt, scale, sh, ld, ahead); break;
+      case 6: scores_heads<D, 6>(qh, kt, scale, sh, ld, ahead); break;
+      case 7: scores_heads<D, 7>(qh, kt, scale, sh, ld, ahead); break;
+      default: scores_heads<D, 8>(qh, kt, scale, sh, ld, ahead); break;
     }
   }
 }
@@ -145,26 +161,23 @@ inline void deinterleave(const float* q, int64_t n, float* out) {
   }
 }
 
-// head h of r's share of `bytes` from ka and from va (none when ka is null): lines asked for ahead of their use, a few
-// between each head's products rather than all at once (a burst stalls on the core's outstanding misses)
-inline void prefetch_share(const char* ka, const char* va, int64_t bytes, int64_t h, int64_t r) {
-  if (!ka) return;
-  const int64_t share = (bytes / 64 + r - 1) / r * 64;
-  for (int64_t o = h * share; o < std::min(bytes, (h + 1) * share); o += 64) {
-    _mm_prefetch(ka + o, _MM_HINT_T0);
-    _mm_prefetch(va + o, _MM_HINT_T0);
-  }
+// head h of r's share of ahead's D / 2 lines, asked for before the head's products
+template <int D>
+inline void prefetch_share(const Ahead& ahead, int64_t h, int64_t r) {
+  if (!ahead.rows) return;
+  const int64_t share = (D / 2 + r - 1) / r;
+  for (int64_t i = h * share; i < std::min<int64_t>(D / 2, (h + 1) * share); ++i) fetch_line<D>(ahead, i);
 }
 
 // s[h ld + j] = scale q_h . K[blk[j]] for 16 tokens j and the one or two heads h of qp (r, D) in widen's order, each
-// row widened as it is read. ahead (or null): `bytes` of K and of V from ka, va to prefetch, a share after each head.
+// row widened as it is read. ahead: the lines to ask for, a share before each head's products.
 template <int D>
 inline void scores16(const float* qp, int64_t r, const uint16_t* K, int64_t rw, const int64_t* blk, float scale,
-                     float* s, int64_t ld, const char* ka, const char* va, int64_t bytes) {
+                     float* s, int64_t ld, const Ahead& ahead) {
   for (int64_t h = 0; h < r; ++h) {
     __m512 qv[D / 16];
     for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(qp + h * D + 16 * c);
-    prefetch_share(ka, va, bytes, h, r);
+    prefetch_share<D>(ahead, h, r);
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
       const uint16_t* k = K + blk[j] * rw;

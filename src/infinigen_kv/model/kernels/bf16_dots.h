@@ -39,14 +39,14 @@ inline void round_rows(const float* x, int64_t n, uint16_t* out) {
 }
 
 // s[h ld + j] = scale q_h . K[blk[j]] for 16 tokens j and every head h of qb (r, D) bfloat16; K rows of stride rw;
-// ka, va, bytes: as attend512::scores16's
+// ahead: as attend512::scores16's
 template <int D>
 inline void scores16(const uint16_t* qb, int64_t r, const uint16_t* K, int64_t rw, const int64_t* blk, float scale,
-                     float* s, int64_t ld, const char* ka, const char* va, int64_t bytes) {
+                     float* s, int64_t ld, const attend512::Ahead& ahead) {
   for (int64_t h = 0; h < r; ++h) {
     __m512i qv[D / 32];
     for (int c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(qb + h * D + 32 * c);
-    attend512::prefetch_share(ka, va, bytes, h, r);
+    attend512::prefetch_share<D>(ahead, h, r);
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
       const uint16_t* k = K + blk[j] * rw;
