@@ -38,20 +38,28 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
   const int64_t rw = I8 ? kv_width(d) : d, ng = I8 ? kv_groups(d) : 1;
   const int64_t rows = B * G;
   const bool has_new = new_rows != nullptr || new_row >= 0;
-  const int64_t max_tokens = (idx ? m : n) + (has_new ? 1 : 0);
   // Each row's tokens are cut into chunks (flash-decoding: every thread has work) and merged in order: a whole
   // past into chunks of SPLIT counted from the row's first attendable token; chosen rows evenly into chunks of at
   // most SPLIT_ROWS (1,024 chosen + the new token: 5 x 208, not 512 + 512 + 1, so that 3 rows of a batch-1 step
   // share 2 threads 8:7, not 2:1). Either depends on the row's own tokens only: its result is the same bits
-  // whatever else shares its batch (how many rows, how much left padding, how many chosen).
-  const int64_t splits = std::max<int64_t>(1, (max_tokens + (idx ? SPLIT_ROWS : SPLIT) - 1) / (idx ? SPLIT_ROWS : SPLIT));
-  const int64_t items = rows * splits;
+  // whatever else shares its batch (how many rows, how much left padding, how many chosen). The rows' chunks are
+  // listed one after another and shared out as one list: heads that chose 5% and 30% of their rows keep both
+  // threads busy, where a thread a head would wait on the longer.
   std::vector<int64_t> first(rows, 0);  // dense rows: the first position keep allows (left padding skipped)
   if (!idx && keep)
     for (int64_t row = 0; row < rows; ++row) {
       const bool* kb = keep + ((row / G) * keep_heads + (keep_heads > 1 ? row % G : 0)) * n;
       while (first[row] < n && !kb[first[row]]) ++first[row];
     }
+  std::vector<int64_t> ntoks(rows), chunks(rows), start(rows + 1, 0);  // a row's tokens, chunk size, first item
+  for (int64_t row = 0; row < rows; ++row) {
+    ntoks[row] = (idx ? std::min(m, count ? count[row] : m) : n - first[row]) + (has_new ? 1 : 0);
+    chunks[row] = idx ? even_chunk(ntoks[row], SPLIT_ROWS) : SPLIT;
+    start[row + 1] = start[row] + (ntoks[row] > 0 ? (ntoks[row] + chunks[row] - 1) / chunks[row] : 1);
+  }
+  const int64_t items = start[rows];
+  std::vector<int64_t> item_row(items);
+  for (int64_t row = 0; row < rows; ++row) std::fill(item_row.begin() + start[row], item_row.begin() + start[row + 1], row);
   std::vector<float> part_m(items * r), part_l(items * r), part_acc(items * r * d);
 #ifdef IG_ATTEND512
   constexpr bool WIDE = std::is_same_v<T, at::BFloat16> && D > 0 && D % 64 == 0;  // attend512.h's rows
@@ -72,12 +80,11 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
     std::vector<uint16_t> qb(WIDE && pairs ? r * D : 0), pb(WIDE && pairs ? r * (BLOCK + 16) : 0);
 #endif
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / splits, sp = item % splits;
+      const int64_t row = item_row[item], sp = item - start[row];
       const int64_t b = row / G, g = row % G;
       const int64_t f0 = first[row];
-      const int64_t ntok = (idx ? std::min(m, count ? count[row] : m) : n - f0) + (has_new ? 1 : 0);
-      const int64_t chunk = idx ? even_chunk(ntok, SPLIT_ROWS) : SPLIT;
-      const int64_t t0 = sp * chunk, t1 = std::min(ntok, t0 + chunk);
+      const int64_t ntok = ntoks[row];
+      const int64_t t0 = sp * chunks[row], t1 = std::min(ntok, t0 + chunks[row]);
       const float* qr = q + row * r * d;
       const T* Kr = K + row * cap * rw;
       const T* Vr = V + row * cap * rw;
@@ -274,11 +281,10 @@ void attend_impl(const float* q, const T* K, const T* V, const int64_t* idx, int
   for (int64_t row = 0; row < rows; ++row) {
     for (int64_t h = 0; h < r; ++h) {
       float mx = NEG_INF;
-      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_m[(row * splits + sp) * r + h]);
+      for (int64_t it = start[row]; it < start[row + 1]; ++it) mx = std::max(mx, part_m[it * r + h]);
       float l = 0.f;
       std::vector<float> acc(d, 0.f);
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t it = row * splits + sp;
+      for (int64_t it = start[row]; it < start[row + 1]; ++it) {
         const float mi = part_m[it * r + h];
         if (mi == NEG_INF) continue;
         const float w = exp_neg(mi - mx);
